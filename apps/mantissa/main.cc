@@ -1,0 +1,54 @@
+// mantissa: the command-line program of the Mantissa engine.
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "mantissa/cli.h"
+#include "mantissa/mantissa.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: mantissa <command> [options]\n"
+    "commands:\n"
+    "  formats   the number formats: bits, range, precision, SIMD path in use\n"
+    "  cast      convert values to f16, bf16, e4m3 or e5m2 (nearest-even or stochastic)\n"
+    "Run 'mantissa <command> --help' for a command's options.\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace mantissa::cli;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
+    std::cout << kUsage;
+    return args.empty() ? kExitBadInput : kExitOk;
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  try {
+    if (command == "formats") return run_formats(args, std::cout);
+    if (command == "cast") return run_cast(args, std::cin, std::cout);
+    if (command == "--version" || command == "version") {
+      std::cout << "mantissa 0.1.0\n";
+      return kExitOk;
+    }
+    throw UsageError("unknown command '" + command + "'; run 'mantissa --help' for the list");
+  } catch (const UsageError& e) {
+    std::cout.flush();
+    std::cerr << "mantissa: error: " << e.what() << '\n';
+    return kExitBadInput;
+  } catch (const mantissa::OutOfMemoryError& e) {
+    std::cout.flush();
+    std::cerr << "mantissa: " << e.what() << '\n';
+    return kExitOutOfMemory;
+  } catch (const mantissa::Error& e) {
+    std::cout.flush();
+    std::cerr << "mantissa: error: " << e.what() << '\n';
+    return kExitBadInput;
+  } catch (const std::exception& e) {
+    std::cout.flush();
+    std::cerr << "mantissa: internal error: " << e.what() << '\n';
+    return kExitFailure;
+  }
+}

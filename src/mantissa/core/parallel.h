@@ -1,0 +1,21 @@
+// Splitting work across threads. Work is cut into contiguous ranges whose boundaries depend only on
+// the size and grain, so a kernel whose per-element result depends only on the element's index
+// gives identical results for any thread count.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+
+namespace mantissa {
+
+// Threads the engine uses when not told otherwise: MANTISSA_NUM_THREADS if set, else the number of
+// hardware threads.
+int default_num_threads();
+
+// Calls fn(begin, end) over [0, n) in ranges of at least `grain` elements (range starts are
+// multiples of grain), on up to `threads` threads; the calling thread takes part. An exception in
+// any range is rethrown on the calling thread after all ranges finish.
+void parallel_for(size_t n, size_t grain, int threads,
+                  const std::function<void(size_t, size_t)>& fn);
+
+}  // namespace mantissa

@@ -1,0 +1,474 @@
+#include "mantissa/core/tensor.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <sstream>
+
+#include "mantissa/core/error.h"
+
+namespace mantissa {
+
+std::string Device::str() const {
+  return type == DeviceType::kCpu ? "cpu" : "cuda:" + std::to_string(index);
+}
+
+std::string shape_str(const Shape& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(s[i]);
+  }
+  if (s.size() == 1) out += ",";
+  return out + ")";
+}
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t s = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= std::max<int64_t>(shape[i], 1);
+  }
+  return strides;
+}
+
+// ---- Storage -----------------------------------------------------------------------------------
+
+std::shared_ptr<Storage> Storage::allocate(size_t bytes, MemoryCategory category, std::string owner,
+                                           Device device, MemoryTracker* tracker) {
+  if (device.type != DeviceType::kCpu)
+    throw Error("cannot allocate on " + device.str() + ": this build of Mantissa has no CUDA support",
+                "use the CPU device, or rebuild with CUDA on a machine that has it");
+  if (!tracker) tracker = &default_memory_tracker();
+  tracker->on_allocate(bytes, category, owner);  // throws over budget, before anything is held
+  std::shared_ptr<Storage> s(new Storage());
+  s->bytes_ = bytes;
+  s->category_ = category;
+  s->owner_ = std::move(owner);
+  s->device_ = device;
+  s->tracker_ = tracker;
+  if (bytes > 0) {
+    constexpr size_t kAlign = 64;  // a cache line; also what AVX-512 loads like
+    s->data_ = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+    if (!s->data_) {
+      tracker->on_free(bytes, category, s->owner_);
+      s->tracker_ = nullptr;
+      throw OutOfMemoryError("the system could not provide " + format_bytes(bytes) + " for " +
+                                 std::string(memory_category_name(category)),
+                             "reduce the batch size or the model, or free memory on the machine");
+    }
+  }
+  return s;
+}
+
+Storage::~Storage() {
+  std::free(data_);
+  if (tracker_) tracker_->on_free(bytes_, category_, owner_);
+}
+
+void Storage::recharge(MemoryCategory category, std::string owner) {
+  if (tracker_) {
+    tracker_->on_free(bytes_, category_, owner_);
+    try {
+      tracker_->on_allocate(bytes_, category, owner);
+    } catch (...) {
+      tracker_->on_allocate(bytes_, category_, owner_);  // cannot fail: the bytes were just freed
+      throw;
+    }
+  }
+  category_ = category;
+  owner_ = std::move(owner);
+}
+
+// ---- Construction ------------------------------------------------------------------------------
+
+namespace {
+int64_t checked_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw Error("negative dimension in shape " + shape_str(shape), "sizes must be >= 0");
+    if (d != 0 && n > std::numeric_limits<int64_t>::max() / d)
+      throw Error("shape " + shape_str(shape) + " has too many elements", "use a smaller shape");
+    n *= d;
+  }
+  return n;
+}
+}  // namespace
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, const TensorOptions& opt) {
+  const int64_t n = checked_numel(shape);
+  const size_t esize = dtype_size(dtype);
+  if (static_cast<uint64_t>(n) > std::numeric_limits<size_t>::max() / esize)
+    throw Error("shape " + shape_str(shape) + " is too large for memory", "use a smaller shape");
+  Tensor t;
+  t.storage_ = Storage::allocate(static_cast<size_t>(n) * esize, opt.category, opt.owner,
+                                 opt.device, opt.tracker);
+  t.dtype_ = dtype;
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, const TensorOptions& opt) {
+  Tensor t = empty(shape, dtype, opt);
+  // Every dtype here encodes +0 as all-zero bits.
+  if (t.nbytes()) std::memset(t.data_ptr(), 0, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::full(const Shape& shape, double value, DType dtype, const TensorOptions& opt) {
+  Tensor t = empty(shape, dtype, opt);
+  t.fill(value);
+  return t;
+}
+
+Tensor Tensor::from_floats(const std::vector<float>& values, const Shape& shape, DType dtype,
+                           const TensorOptions& opt) {
+  const int64_t n = checked_numel(shape);
+  if (static_cast<size_t>(n) != values.size())
+    throw Error("from_floats: " + std::to_string(values.size()) + " values for shape " +
+                    shape_str(shape) + " (" + std::to_string(n) + " elements)",
+                "pass as many values as the shape has elements");
+  Tensor t = empty(shape, dtype, opt);
+  convert(values.data(), DType::f32, t.data_ptr(), dtype, values.size());
+  return t;
+}
+
+// ---- Properties --------------------------------------------------------------------------------
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape_) n *= d;
+  return n;
+}
+
+bool Tensor::is_contiguous() const {
+  int64_t expected = 1;
+  for (size_t i = shape_.size(); i-- > 0;) {
+    if (shape_[i] == 1) continue;
+    if (strides_[i] != expected) return false;
+    expected *= shape_[i];
+  }
+  return true;
+}
+
+void* Tensor::data_ptr() {
+  if (!storage_) throw Error("use of an undefined tensor", "create it with Tensor::empty or zeros");
+  return static_cast<char*>(storage_->data()) + offset_ * static_cast<int64_t>(dtype_size(dtype_));
+}
+const void* Tensor::data_ptr() const { return const_cast<Tensor*>(this)->data_ptr(); }
+
+int64_t Tensor::normalize_dim(int64_t d) const {
+  const int64_t n = dim();
+  if (d < -n || d >= n)
+    throw Error("dimension " + std::to_string(d) + " is out of range for a tensor of shape " +
+                    shape_str(shape_),
+                "use a dimension in [" + std::to_string(-n) + ", " + std::to_string(n - 1) + "]");
+  return d < 0 ? d + n : d;
+}
+
+void Tensor::check_type(DType t) const {
+  if (t != dtype_)
+    throw Error("tensor holds " + std::string(dtype_name(dtype_)) + " but was read as " +
+                    std::string(dtype_name(t)),
+                "convert it first with .to(" + std::string(dtype_name(t)) + ")");
+}
+
+// ---- Views -------------------------------------------------------------------------------------
+
+Tensor Tensor::view(Shape shape) const {
+  int64_t known = 1, infer = -1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      if (infer >= 0) throw Error("view: more than one -1 in " + shape_str(shape), "use at most one -1");
+      infer = static_cast<int64_t>(i);
+    } else {
+      if (shape[i] < 0) throw Error("view: negative size in " + shape_str(shape), "sizes must be >= 0");
+      known *= shape[i];
+    }
+  }
+  if (infer >= 0) {
+    if (known == 0 || numel() % known != 0)
+      throw Error("view: cannot infer -1 in " + shape_str(shape) + " for " + std::to_string(numel()) +
+                      " elements",
+                  "make the other sizes divide the element count");
+    shape[infer] = numel() / known;
+    known *= shape[infer];
+  }
+  if (known != numel())
+    throw Error("view: shape " + shape_str(shape) + " has " + std::to_string(known) +
+                    " elements but the tensor " + shape_str(shape_) + " has " + std::to_string(numel()),
+                "keep the number of elements the same");
+  if (!is_contiguous())
+    throw Error("view: tensor of shape " + shape_str(shape_) + " is not contiguous",
+                "call .contiguous() first, or use reshape()");
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  t.strides_ = contiguous_strides(t.shape_);
+  return t;
+}
+
+Tensor Tensor::reshape(Shape shape) const {
+  return is_contiguous() ? view(std::move(shape)) : contiguous().view(std::move(shape));
+}
+
+Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
+  Tensor t = *this;
+  d0 = normalize_dim(d0);
+  d1 = normalize_dim(d1);
+  std::swap(t.shape_[d0], t.shape_[d1]);
+  std::swap(t.strides_[d0], t.strides_[d1]);
+  return t;
+}
+
+Tensor Tensor::permute(const std::vector<int64_t>& order) const {
+  if (static_cast<int64_t>(order.size()) != dim())
+    throw Error("permute: " + std::to_string(order.size()) + " dimensions given for a tensor of shape " +
+                    shape_str(shape_),
+                "give each dimension exactly once");
+  std::vector<bool> seen(order.size(), false);
+  Tensor t = *this;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int64_t d = normalize_dim(order[i]);
+    if (seen[d]) throw Error("permute: dimension " + std::to_string(d) + " repeated", "give each dimension exactly once");
+    seen[d] = true;
+    t.shape_[i] = shape_[d];
+    t.strides_[i] = strides_[d];
+  }
+  return t;
+}
+
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  d = normalize_dim(d);
+  if (start < 0 || length < 0 || start + length > shape_[d])
+    throw Error("narrow: [" + std::to_string(start) + ", " + std::to_string(start + length) +
+                    ") is outside dimension " + std::to_string(d) + " of size " + std::to_string(shape_[d]),
+                "keep start >= 0 and start + length <= size");
+  Tensor t = *this;
+  t.offset_ += start * strides_[d];
+  t.shape_[d] = length;
+  return t;
+}
+
+Tensor Tensor::select(int64_t d, int64_t index) const {
+  d = normalize_dim(d);
+  if (index < -shape_[d] || index >= shape_[d])
+    throw Error("select: index " + std::to_string(index) + " is out of range for dimension " +
+                    std::to_string(d) + " of size " + std::to_string(shape_[d]),
+                "use an index in [-size, size)");
+  if (index < 0) index += shape_[d];
+  Tensor t = narrow(d, index, 1);
+  t.shape_.erase(t.shape_.begin() + d);
+  t.strides_.erase(t.strides_.begin() + d);
+  return t;
+}
+
+Tensor Tensor::unsqueeze(int64_t d) const {
+  const int64_t n = dim() + 1;
+  if (d < -n || d >= n)
+    throw Error("unsqueeze: dimension " + std::to_string(d) + " is out of range for " + shape_str(shape_),
+                "use a dimension in [" + std::to_string(-n) + ", " + std::to_string(n - 1) + "]");
+  if (d < 0) d += n;
+  Tensor t = *this;
+  const int64_t stride = d < dim() ? shape_[d] * strides_[d] : 1;
+  t.shape_.insert(t.shape_.begin() + d, 1);
+  t.strides_.insert(t.strides_.begin() + d, stride);
+  return t;
+}
+
+Tensor Tensor::expand(const Shape& shape) const {
+  if (shape.size() < shape_.size())
+    throw Error("expand: cannot expand " + shape_str(shape_) + " to fewer dimensions " + shape_str(shape),
+                "give at least as many dimensions as the tensor has");
+  Tensor t = *this;
+  const size_t lead = shape.size() - shape_.size();
+  t.shape_ = shape;
+  t.strides_.assign(shape.size(), 0);
+  for (size_t i = 0; i < shape_.size(); ++i) {
+    const size_t j = lead + i;
+    if (shape_[i] == shape[j]) {
+      t.strides_[j] = strides_[i];
+    } else if (shape_[i] != 1) {
+      throw Error("expand: dimension " + std::to_string(i) + " of size " + std::to_string(shape_[i]) +
+                      " cannot become " + std::to_string(shape[j]) + " (" + shape_str(shape_) + " to " +
+                      shape_str(shape) + ")",
+                  "only size-1 dimensions can be expanded");
+    }
+  }
+  return t;
+}
+
+Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
+  if (dim() == 0) return reshape({1});
+  start_dim = normalize_dim(start_dim);
+  end_dim = normalize_dim(end_dim);
+  if (start_dim > end_dim)
+    throw Error("flatten: start_dim " + std::to_string(start_dim) + " is after end_dim " + std::to_string(end_dim),
+                "pass start_dim <= end_dim");
+  Shape s(shape_.begin(), shape_.begin() + start_dim);
+  int64_t m = 1;
+  for (int64_t i = start_dim; i <= end_dim; ++i) m *= shape_[i];
+  s.push_back(m);
+  s.insert(s.end(), shape_.begin() + end_dim + 1, shape_.end());
+  return reshape(s);
+}
+
+// ---- Copies ------------------------------------------------------------------------------------
+
+namespace {
+// Calls fn(src_offset, dst_offset, logical_index) for each row of the last dimension (both offsets
+// in elements from each tensor's first element), walking all other dimensions in row-major order.
+template <typename Fn>
+void for_each_row(const Shape& shape, const Shape& src_strides, const Shape& dst_strides, Fn&& fn) {
+  const size_t nd = shape.size();
+  const int64_t row = nd ? shape[nd - 1] : 1;
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < nd; ++i) rows *= shape[i];
+  if (row == 0 || rows == 0) return;
+  std::vector<int64_t> idx(nd > 0 ? nd - 1 : 0, 0);
+  int64_t so = 0, dof = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    fn(so, dof, r * row);
+    for (size_t k = idx.size(); k-- > 0;) {  // odometer increment
+      ++idx[k];
+      so += src_strides[k];
+      dof += dst_strides[k];
+      if (idx[k] < shape[k]) break;
+      so -= src_strides[k] * shape[k];
+      dof -= dst_strides[k] * shape[k];
+      idx[k] = 0;
+    }
+  }
+}
+}  // namespace
+
+void Tensor::copy_from(const Tensor& src, const CastOptions& cast) {
+  if (src.shape_ != shape_)
+    throw Error("copy_from: source shape " + shape_str(src.shape_) + " differs from " + shape_str(shape_),
+                "copy between tensors of the same shape (expand the source to broadcast)");
+  if (numel() == 0) return;
+  const size_t ss = dtype_size(src.dtype_), ds = dtype_size(dtype_);
+  const char* sbase = static_cast<const char*>(src.data_ptr());
+  char* dbase = static_cast<char*>(data_ptr());
+  if (src.is_contiguous() && is_contiguous()) {
+    convert(sbase, src.dtype_, dbase, dtype_, static_cast<size_t>(numel()), cast);
+    return;
+  }
+  const int64_t nd = dim();
+  const int64_t row = nd ? shape_[nd - 1] : 1;
+  const int64_t s_inner = nd ? src.strides_[nd - 1] : 1, d_inner = nd ? strides_[nd - 1] : 1;
+  for_each_row(shape_, src.strides_, strides_, [&](int64_t so, int64_t dof, int64_t logical) {
+    CastOptions o = cast;
+    if (s_inner == 1 && d_inner == 1) {
+      o.index = cast.index + static_cast<uint64_t>(logical);
+      convert(sbase + so * static_cast<int64_t>(ss), src.dtype_, dbase + dof * static_cast<int64_t>(ds),
+              dtype_, static_cast<size_t>(row), o);
+      return;
+    }
+    for (int64_t j = 0; j < row; ++j) {
+      o.index = cast.index + static_cast<uint64_t>(logical + j);
+      convert(sbase + (so + j * s_inner) * static_cast<int64_t>(ss), src.dtype_,
+              dbase + (dof + j * d_inner) * static_cast<int64_t>(ds), dtype_, 1, o);
+    }
+  });
+}
+
+Tensor Tensor::clone(const TensorOptions& opt) const {
+  Tensor t = empty(shape_, dtype_, opt);
+  t.copy_from(*this);
+  return t;
+}
+
+Tensor Tensor::clone() const {
+  TensorOptions opt;
+  if (storage_) {
+    opt.category = storage_->category();
+    opt.owner = storage_->owner();
+    opt.device = storage_->device();
+  }
+  return clone(opt);
+}
+
+Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
+
+Tensor Tensor::to(DType dtype, const CastOptions& cast) const {
+  if (dtype == dtype_ && is_contiguous()) return *this;
+  TensorOptions opt;
+  opt.category = storage_->category();
+  opt.owner = storage_->owner();
+  opt.device = storage_->device();
+  Tensor t = empty(shape_, dtype, opt);
+  t.copy_from(*this, cast);
+  return t;
+}
+
+void Tensor::fill(double value) {
+  if (numel() == 0) return;
+  // Convert once, then replicate the bytes.
+  alignas(8) unsigned char one[8];
+  convert(&value, DType::f64, one, dtype_, 1);
+  const size_t es = dtype_size(dtype_);
+  char* base = static_cast<char*>(data_ptr());
+  const Shape zero_strides(shape_.size(), 0);
+  const int64_t nd = dim();
+  const int64_t row = nd ? shape_[nd - 1] : 1;
+  const int64_t inner = nd ? strides_[nd - 1] : 1;
+  for_each_row(shape_, zero_strides, strides_, [&](int64_t, int64_t dof, int64_t) {
+    for (int64_t j = 0; j < row; ++j) std::memcpy(base + (dof + j * inner) * static_cast<int64_t>(es), one, es);
+  });
+}
+
+// ---- Element access ----------------------------------------------------------------------------
+
+double Tensor::item() const {
+  if (numel() != 1)
+    throw Error("item: tensor of shape " + shape_str(shape_) + " has " + std::to_string(numel()) + " elements",
+                "item() reads one-element tensors; use at({...}) for others");
+  double v;
+  Tensor self = contiguous();
+  convert(self.data_ptr(), dtype_, &v, DType::f64, 1);
+  return v;
+}
+
+double Tensor::at(std::initializer_list<int64_t> index) const {
+  if (static_cast<int64_t>(index.size()) != dim())
+    throw Error("at: " + std::to_string(index.size()) + " indices for a tensor of shape " + shape_str(shape_),
+                "give one index per dimension");
+  int64_t off = 0, d = 0;
+  for (int64_t i : index) {
+    if (i < 0 || i >= shape_[d])
+      throw Error("at: index " + std::to_string(i) + " is out of range for dimension " + std::to_string(d) +
+                      " of size " + std::to_string(shape_[d]),
+                  "use indices in [0, size)");
+    off += i * strides_[d++];
+  }
+  double v;
+  convert(static_cast<const char*>(data_ptr()) + off * static_cast<int64_t>(dtype_size(dtype_)), dtype_, &v,
+          DType::f64, 1);
+  return v;
+}
+
+std::vector<float> Tensor::to_float_vector() const {
+  std::vector<float> out(static_cast<size_t>(numel()));
+  if (out.empty()) return out;
+  Tensor c = contiguous();
+  convert(c.data_ptr(), dtype_, out.data(), DType::f32, out.size());
+  return out;
+}
+
+std::string Tensor::str(int64_t max_elements) const {
+  if (!defined()) return "undefined tensor";
+  std::ostringstream out;
+  out << dtype_name(dtype_) << ' ' << shape_str(shape_) << " [";
+  const std::vector<float> v = to_float_vector();
+  const int64_t n = std::min<int64_t>(static_cast<int64_t>(v.size()), max_elements);
+  for (int64_t i = 0; i < n; ++i) out << (i ? ", " : "") << v[i];
+  if (static_cast<int64_t>(v.size()) > n) out << ", ...";
+  out << ']';
+  return out.str();
+}
+
+}  // namespace mantissa

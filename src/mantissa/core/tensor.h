@@ -1,0 +1,151 @@
+// Tensors: a dtype, a shape and strides (in elements) over shared, accounted storage. Views
+// (view, transpose, permute, narrow, select, expand) share storage; contiguous() and to() copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mantissa/core/convert.h"
+#include "mantissa/core/dtype.h"
+#include "mantissa/core/memory.h"
+
+namespace mantissa {
+
+enum class DeviceType : uint8_t { kCpu, kCuda };
+
+struct Device {
+  DeviceType type = DeviceType::kCpu;
+  int index = 0;
+  bool operator==(const Device&) const = default;
+  std::string str() const;
+};
+
+using Shape = std::vector<int64_t>;
+std::string shape_str(const Shape& s);  // "(2, 3, 4)"
+
+// A block of device memory, charged to a tracker under a category and owner until freed.
+class Storage {
+ public:
+  // Throws OutOfMemoryError if over the tracker's budget, mantissa::Error for an unavailable device.
+  static std::shared_ptr<Storage> allocate(size_t bytes, MemoryCategory category,
+                                           std::string owner = {}, Device device = {},
+                                           MemoryTracker* tracker = nullptr);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  void* data() { return data_; }
+  const void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  MemoryCategory category() const { return category_; }
+  const std::string& owner() const { return owner_; }
+  Device device() const { return device_; }
+  // Moves the accounting of these bytes to another category/owner (a buffer that changes role).
+  void recharge(MemoryCategory category, std::string owner);
+
+ private:
+  Storage() = default;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  MemoryCategory category_ = MemoryCategory::workspace;
+  std::string owner_;
+  Device device_;
+  MemoryTracker* tracker_ = nullptr;
+};
+
+struct TensorOptions {
+  MemoryCategory category = MemoryCategory::workspace;
+  std::string owner;  // for memory reports: module path or buffer name
+  Device device;
+  MemoryTracker* tracker = nullptr;  // nullptr: the device's default tracker
+};
+
+class Tensor {
+ public:
+  Tensor() = default;  // undefined: defined() is false
+
+  static Tensor empty(const Shape& shape, DType dtype, const TensorOptions& opt = {});
+  static Tensor zeros(const Shape& shape, DType dtype, const TensorOptions& opt = {});
+  static Tensor full(const Shape& shape, double value, DType dtype, const TensorOptions& opt = {});
+  // A tensor of `dtype` holding `values` (converted with round to nearest even).
+  static Tensor from_floats(const std::vector<float>& values, const Shape& shape,
+                            DType dtype = DType::f32, const TensorOptions& opt = {});
+
+  bool defined() const { return storage_ != nullptr; }
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  const Shape& strides() const { return strides_; }
+  int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
+  int64_t size(int64_t d) const { return shape_[normalize_dim(d)]; }
+  int64_t stride(int64_t d) const { return strides_[normalize_dim(d)]; }
+  int64_t numel() const;
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  int64_t storage_offset() const { return offset_; }
+  bool is_contiguous() const;
+  const std::shared_ptr<Storage>& storage() const { return storage_; }
+  Device device() const { return storage_ ? storage_->device() : Device{}; }
+
+  // Pointer to the first element. data<T>() checks that T is this tensor's storage type.
+  void* data_ptr();
+  const void* data_ptr() const;
+  template <typename T>
+  T* data() {
+    check_type(dtype_of<T>);
+    return static_cast<T*>(data_ptr());
+  }
+  template <typename T>
+  const T* data() const {
+    check_type(dtype_of<T>);
+    return static_cast<const T*>(data_ptr());
+  }
+
+  // ---- Views (share storage) ----
+  // Same elements, new shape; one dimension may be -1. Needs a contiguous tensor.
+  Tensor view(Shape shape) const;
+  // view() when possible, else a contiguous copy.
+  Tensor reshape(Shape shape) const;
+  Tensor transpose(int64_t d0, int64_t d1) const;
+  Tensor permute(const std::vector<int64_t>& order) const;
+  Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
+  Tensor select(int64_t dim, int64_t index) const;  // removes the dimension
+  Tensor unsqueeze(int64_t dim) const;
+  // Broadcast size-1 dimensions (stride 0) to `shape`; new leading dimensions allowed.
+  Tensor expand(const Shape& shape) const;
+  Tensor flatten(int64_t start_dim = 0, int64_t end_dim = -1) const;
+
+  // ---- Copies ----
+  Tensor contiguous() const;  // itself if already contiguous
+  Tensor clone(const TensorOptions& opt) const;
+  Tensor clone() const;
+  // A contiguous copy in `dtype` (itself if the dtype matches and it is contiguous), rounded as
+  // `cast` says; keeps this tensor's memory category and owner.
+  Tensor to(DType dtype, const CastOptions& cast = {}) const;
+  // Copies src's elements into this tensor (same shape), converting the dtype.
+  void copy_from(const Tensor& src, const CastOptions& cast = {});
+  void fill(double value);
+
+  // ---- Element access (tests, debugging, small tensors) ----
+  double item() const;  // one-element tensors
+  double at(std::initializer_list<int64_t> index) const;
+  std::vector<float> to_float_vector() const;
+  std::string str(int64_t max_elements = 16) const;  // "f16 (2, 3) [1, 2, ...]"
+
+ private:
+  int64_t normalize_dim(int64_t d) const;
+  void check_type(DType t) const;
+
+  std::shared_ptr<Storage> storage_;
+  DType dtype_ = DType::f32;
+  Shape shape_;
+  Shape strides_;
+  int64_t offset_ = 0;  // in elements
+};
+
+// Contiguous (row-major) strides for a shape.
+Shape contiguous_strides(const Shape& shape);
+
+}  // namespace mantissa
