@@ -1,6 +1,5 @@
 #include "mantissa/cli.h"
 
-
 #include <cerrno>
 #include <cmath>
 #include <cstdio>

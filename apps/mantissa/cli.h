@@ -16,8 +16,8 @@ class UsageError : public std::runtime_error {
 
 // Exit statuses shared by every subcommand.
 inline constexpr int kExitOk = 0;
-inline constexpr int kExitFailure = 1;    // an unexpected internal failure
-inline constexpr int kExitBadInput = 2;   // bad flags, values or files
+inline constexpr int kExitFailure = 1;   // an unexpected internal failure
+inline constexpr int kExitBadInput = 2;  // bad flags, values or files
 inline constexpr int kExitOutOfMemory = 3;
 
 int run_formats(const std::vector<std::string>& args, std::ostream& out);

@@ -11,7 +11,8 @@ namespace mantissa::cli {
 namespace {
 
 constexpr const char* kCastUsage =
-    "usage: mantissa cast --to f16|bf16|e4m3|e5m2 [--stochastic [--seed N]] [--saturate] [VALUE ...]\n"
+    "usage: mantissa cast --to f16|bf16|e4m3|e5m2 [--stochastic [--seed N]] [--saturate] [VALUE "
+    "...]\n"
     "Converts each VALUE (or each line of standard input when none is given) and prints:\n"
     "  the input as given, the stored value (9 significant digits), the stored bits in hex.\n"
     "  --to FORMAT     target format (required)\n"
@@ -43,16 +44,19 @@ int run_cast(const std::vector<std::string>& args, std::istream& in, std::ostrea
         out << kCastUsage;
         return kExitOk;
       } else if (a == "--to" || a.rfind("--to=", 0) == 0) {
-        if (a == "--to" && i + 1 >= args.size()) throw UsageError("--to needs a format: f16, bf16, e4m3 or e5m2");
+        if (a == "--to" && i + 1 >= args.size())
+          throw UsageError("--to needs a format: f16, bf16, e4m3 or e5m2");
         to = a == "--to" ? args[++i] : a.substr(5);
       } else if (a == "--stochastic") {
         stochastic = true;
       } else if (a == "--saturate") {
         saturate = true;
       } else if (a == "--seed" || a.rfind("--seed=", 0) == 0) {
-        if (a == "--seed" && i + 1 >= args.size()) throw UsageError("--seed needs a non-negative integer");
+        if (a == "--seed" && i + 1 >= args.size())
+          throw UsageError("--seed needs a non-negative integer");
         const std::string v = a == "--seed" ? args[++i] : a.substr(7);
-        if (!parse_u64(v, seed)) throw UsageError("--seed '" + v + "' is not a non-negative integer");
+        if (!parse_u64(v, seed))
+          throw UsageError("--seed '" + v + "' is not a non-negative integer");
         seed_given = true;
       } else {
         throw UsageError("unknown option '" + a + "' for cast; run 'mantissa cast --help'");
@@ -79,7 +83,8 @@ int run_cast(const std::vector<std::string>& args, std::istream& in, std::ostrea
   auto emit = [&](const std::string& text, uint64_t index, const std::string& where) {
     float v;
     if (!parse_float(text, v))
-      throw UsageError("'" + text + "'" + where + " is not a number; give decimal or hex floats, inf or nan");
+      throw UsageError("'" + text + "'" + where +
+                       " is not a number; give decimal or hex floats, inf or nan");
     opt.index = index;
     uint16_t bits = 0;  // little-endian: an 8-bit result lands in the low byte
     convert(&v, DType::f32, &bits, *target, 1, opt);

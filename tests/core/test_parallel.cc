@@ -1,1 +1,36 @@
 #include <gtest/gtest.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <vector>
+
+#include "mantissa/mantissa.h"
+
+namespace mantissa {
+namespace {
+
+TEST(Parallel, VisitsEveryIndexOnceInGrainAlignedRanges) {
+  for (int threads : {1, 2, 5}) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{100}, size_t{12345}}) {
+      std::vector<std::atomic<int>> hits(n);
+      parallel_for(n, 64, threads, [&](size_t b, size_t e) {
+        EXPECT_EQ(b % 64, 0u);
+        for (size_t i = b; i < e; ++i) hits[i]++;
+      });
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << i;
+    }
+  }
+}
+
+TEST(Parallel, RethrowsAWorkerException) {
+  EXPECT_THROW(parallel_for(1000, 10, 4,
+                            [](size_t b, size_t) {
+                              if (b >= 500) throw std::runtime_error("boom");
+                            }),
+               std::runtime_error);
+}
+
+TEST(Parallel, DefaultThreadsIsPositive) { EXPECT_GE(default_num_threads(), 1); }
+
+}  // namespace
+}  // namespace mantissa

@@ -16,26 +16,34 @@ namespace mantissa {
 namespace detail {
 int narrow_index(DType t) {
   switch (t) {
-    case DType::f16: return kIdxF16;
-    case DType::bf16: return kIdxBF16;
-    case DType::e4m3: return kIdxE4M3;
-    case DType::e5m2: return kIdxE5M2;
-    default: return -1;
+    case DType::f16:
+      return kIdxF16;
+    case DType::bf16:
+      return kIdxBF16;
+    case DType::e4m3:
+      return kIdxE4M3;
+    case DType::e5m2:
+      return kIdxE5M2;
+    default:
+      return -1;
   }
 }
 }  // namespace detail
 
 std::string_view simd_path_name(SimdPath p) {
   switch (p) {
-    case SimdPath::kScalar: return "scalar";
-    case SimdPath::kAvx2: return "avx2+f16c";
+    case SimdPath::kScalar:
+      return "scalar";
+    case SimdPath::kAvx2:
+      return "avx2+f16c";
   }
   return "?";
 }
 
 bool simd_path_supported(SimdPath p) {
   switch (p) {
-    case SimdPath::kScalar: return true;
+    case SimdPath::kScalar:
+      return true;
     case SimdPath::kAvx2:
 #if defined(MANTISSA_HAVE_X86_SIMD)
       return cpu_features().avx2 && cpu_features().f16c && cpu_features().fma;
@@ -65,8 +73,7 @@ float f64_to_f32_round_to_odd(double x) {
   // Not exact: take the neighbour toward zero (an infinity from overflow becomes FLT_MAX, already
   // odd) and set its lowest bit.
   float toward_zero = f;
-  if (std::fabs(static_cast<double>(f)) > std::fabs(x))
-    toward_zero = std::nextafter(f, 0.0f);
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) toward_zero = std::nextafter(f, 0.0f);
   return std::bit_cast<float>(std::bit_cast<uint32_t>(toward_zero) | 1u);
 }
 
@@ -76,7 +83,8 @@ using detail::ConvertKernels;
 
 const ConvertKernels& kernels_for(SimdPath path) {
 #if defined(MANTISSA_HAVE_X86_SIMD)
-  if (path == SimdPath::kAvx2 && simd_path_supported(SimdPath::kAvx2)) return detail::avx2_kernels();
+  if (path == SimdPath::kAvx2 && simd_path_supported(SimdPath::kAvx2))
+    return detail::avx2_kernels();
 #endif
   (void)path;
   return detail::scalar_kernels();
@@ -86,16 +94,26 @@ constexpr size_t kChunk = 1024;  // elements per staging buffer in two-step conv
 
 double load_as_double(const void* src, DType t, size_t i) {
   switch (t) {
-    case DType::f32: return static_cast<const float*>(src)[i];
-    case DType::f64: return static_cast<const double*>(src)[i];
-    case DType::f16: return static_cast<float>(static_cast<const f16*>(src)[i]);
-    case DType::bf16: return static_cast<float>(static_cast<const bf16*>(src)[i]);
-    case DType::e4m3: return static_cast<float>(static_cast<const e4m3*>(src)[i]);
-    case DType::e5m2: return static_cast<float>(static_cast<const e5m2*>(src)[i]);
-    case DType::i32: return static_cast<const int32_t*>(src)[i];
-    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(src)[i]);
-    case DType::u8: return static_cast<const uint8_t*>(src)[i];
-    case DType::boolean: return static_cast<const bool*>(src)[i] ? 1.0 : 0.0;
+    case DType::f32:
+      return static_cast<const float*>(src)[i];
+    case DType::f64:
+      return static_cast<const double*>(src)[i];
+    case DType::f16:
+      return static_cast<float>(static_cast<const f16*>(src)[i]);
+    case DType::bf16:
+      return static_cast<float>(static_cast<const bf16*>(src)[i]);
+    case DType::e4m3:
+      return static_cast<float>(static_cast<const e4m3*>(src)[i]);
+    case DType::e5m2:
+      return static_cast<float>(static_cast<const e5m2*>(src)[i]);
+    case DType::i32:
+      return static_cast<const int32_t*>(src)[i];
+    case DType::i64:
+      return static_cast<double>(static_cast<const int64_t*>(src)[i]);
+    case DType::u8:
+      return static_cast<const uint8_t*>(src)[i];
+    case DType::boolean:
+      return static_cast<const bool*>(src)[i] ? 1.0 : 0.0;
   }
   return 0.0;
 }
@@ -114,13 +132,26 @@ Int double_to_int(double v) {
 
 void store_from_double(void* dst, DType t, size_t i, double v) {
   switch (t) {
-    case DType::f32: static_cast<float*>(dst)[i] = static_cast<float>(v); return;
-    case DType::f64: static_cast<double*>(dst)[i] = v; return;
-    case DType::i32: static_cast<int32_t*>(dst)[i] = double_to_int<int32_t>(v); return;
-    case DType::i64: static_cast<int64_t*>(dst)[i] = double_to_int<int64_t>(v); return;
-    case DType::u8: static_cast<uint8_t*>(dst)[i] = double_to_int<uint8_t>(v); return;
-    case DType::boolean: static_cast<bool*>(dst)[i] = v != 0.0; return;
-    default: return;  // narrow floats are stored through the kernels
+    case DType::f32:
+      static_cast<float*>(dst)[i] = static_cast<float>(v);
+      return;
+    case DType::f64:
+      static_cast<double*>(dst)[i] = v;
+      return;
+    case DType::i32:
+      static_cast<int32_t*>(dst)[i] = double_to_int<int32_t>(v);
+      return;
+    case DType::i64:
+      static_cast<int64_t*>(dst)[i] = double_to_int<int64_t>(v);
+      return;
+    case DType::u8:
+      static_cast<uint8_t*>(dst)[i] = double_to_int<uint8_t>(v);
+      return;
+    case DType::boolean:
+      static_cast<bool*>(dst)[i] = v != 0.0;
+      return;
+    default:
+      return;  // narrow floats are stored through the kernels
   }
 }
 
@@ -136,7 +167,8 @@ void convert(const void* src, DType from, void* dst, DType to, size_t n, const C
   const ConvertKernels& k = kernels_for(path);
   const int si = detail::narrow_index(from);
   const int di = detail::narrow_index(to);
-  if (from == DType::f32 && di >= 0) return k.from_f32[di](static_cast<const float*>(src), dst, n, opt);
+  if (from == DType::f32 && di >= 0)
+    return k.from_f32[di](static_cast<const float*>(src), dst, n, opt);
   if (si >= 0 && to == DType::f32) return k.to_f32[si](src, static_cast<float*>(dst), n);
 
   // Two steps through a staging buffer: FP32 (exact for every narrow source) when both ends are

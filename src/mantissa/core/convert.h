@@ -41,7 +41,8 @@ SimdPath active_simd_path();
 // integer truncates toward zero, saturating at the integer's range, with NaN giving 0. Conversions
 // from f64 to narrow floats are correctly rounded (through round-to-odd FP32). src and dst must not
 // overlap unless they are the same pointer with the same dtype.
-void convert(const void* src, DType from, void* dst, DType to, size_t n, const CastOptions& opt = {});
+void convert(const void* src, DType from, void* dst, DType to, size_t n,
+             const CastOptions& opt = {});
 // The same on an explicit path (tests and benchmarks compare the paths).
 void convert(const void* src, DType from, void* dst, DType to, size_t n, const CastOptions& opt,
              SimdPath path);

@@ -40,20 +40,23 @@ MANTISSA_AVX2 inline UnpackedV unpack_v(__m256i b) {
   u.sign = _mm256_slli_epi32(_mm256_srli_epi32(b, 31), F.total_bits() - 1);
   const __m256i expf = _mm256_srli_epi32(u.a, 23);
   const __m256i normal = _mm256_cmpgt_epi32(expf, _mm256_setzero_si256());
-  u.m = _mm256_or_si256(_mm256_and_si256(u.a, set1(0x7fffffu)), _mm256_and_si256(normal, set1(0x800000u)));
+  u.m = _mm256_or_si256(_mm256_and_si256(u.a, set1(0x7fffffu)),
+                        _mm256_and_si256(normal, set1(0x800000u)));
   u.e = _mm256_sub_epi32(_mm256_max_epi32(expf, set1(1)), set1(127));
   return u;
 }
 
 template <FloatFormat F>
 MANTISSA_AVX2 inline __m256i dropped_bits_v(__m256i e) {
-  return _mm256_add_epi32(set1(23 - F.man_bits),
-                          _mm256_max_epi32(_mm256_sub_epi32(set1(F.emin()), e), _mm256_setzero_si256()));
+  return _mm256_add_epi32(
+      set1(23 - F.man_bits),
+      _mm256_max_epi32(_mm256_sub_epi32(set1(F.emin()), e), _mm256_setzero_si256()));
 }
 
 template <FloatFormat F>
 MANTISSA_AVX2 inline __m256i assemble_v(__m256i e, __m256i q) {
-  const __m256i eoff = _mm256_max_epi32(_mm256_sub_epi32(e, set1(F.emin())), _mm256_setzero_si256());
+  const __m256i eoff =
+      _mm256_max_epi32(_mm256_sub_epi32(e, set1(F.emin())), _mm256_setzero_si256());
   return _mm256_add_epi32(_mm256_slli_epi32(eoff, F.man_bits), q);
 }
 
@@ -63,16 +66,19 @@ MANTISSA_AVX2 inline __m256i encode_rne_v(__m256i b, bool saturate) {
   const UnpackedV u = unpack_v<F>(b);
   const __m256i one = set1(1);
   const __m256i d = _mm256_min_epi32(dropped_bits_v<F>(u.e), set1(31));
-  const __m256i half_minus_1 = _mm256_sub_epi32(_mm256_sllv_epi32(one, _mm256_sub_epi32(d, one)), one);
+  const __m256i half_minus_1 =
+      _mm256_sub_epi32(_mm256_sllv_epi32(one, _mm256_sub_epi32(d, one)), one);
   const __m256i lsb = _mm256_and_si256(_mm256_srlv_epi32(u.m, d), one);
-  const __m256i q = _mm256_srlv_epi32(_mm256_add_epi32(_mm256_add_epi32(u.m, half_minus_1), lsb), d);
+  const __m256i q =
+      _mm256_srlv_epi32(_mm256_add_epi32(_mm256_add_epi32(u.m, half_minus_1), lsb), d);
   __m256i enc = assemble_v<F>(u.e, q);
   const __m256i over = _mm256_cmpgt_epi32(enc, set1(F.max_finite_bits()));
   enc = _mm256_blendv_epi8(enc, set1(saturate ? F.max_finite_bits() : F.overflow_bits()), over);
   __m256i nan_enc;
   if constexpr (F.ieee_nan) {
-    nan_enc = _mm256_or_si256(set1(F.exp_mask() | (1u << (F.man_bits - 1))),
-                              _mm256_srli_epi32(_mm256_and_si256(u.a, set1(0x7fffffu)), 23 - F.man_bits));
+    nan_enc =
+        _mm256_or_si256(set1(F.exp_mask() | (1u << (F.man_bits - 1))),
+                        _mm256_srli_epi32(_mm256_and_si256(u.a, set1(0x7fffffu)), 23 - F.man_bits));
   } else {
     nan_enc = set1(F.magnitude_mask());
   }
@@ -92,12 +98,14 @@ MANTISSA_AVX2 inline __m256i encode_sr_v(__m256i b, __m256i r, bool saturate) {
   const __m256i up = _mm256_and_si256(
       _mm256_blendv_epi8(up_small, up_tiny, _mm256_cmpgt_epi32(d, set1(32))), set1(1));
   const __m256i sr = _mm256_or_si256(u.sign, assemble_v<F>(u.e, _mm256_add_epi32(q, up)));
+  // Inputs past the largest finite value (NaN and inf included) round to nearest; rare, so the
+  // nearest-even encoding is only computed when some lane needs it.
   const __m256i beyond = _mm256_cmpgt_epi32(u.a, set1(max_finite_f32_bits<F>()));
+  if (_mm256_testz_si256(beyond, beyond)) return sr;
   return _mm256_blendv_epi8(sr, encode_rne_v<F>(b, saturate), beyond);
 }
 
-// Philox-4x32-10 over 8 consecutive blocks at once (one per lane), outputs transposed into element
-// order: out[j] holds the random words of elements 8j..8j+7 of the 32 the blocks cover.
+// Philox-4x32-10 over 8 consecutive blocks at once, one per lane.
 MANTISSA_AVX2 inline void mulhilo_v(__m256i a, uint32_t mult, __m256i& hi, __m256i& lo) {
   const __m256i m = set1(mult);
   const __m256i even = _mm256_mul_epu32(a, m);
@@ -106,34 +114,59 @@ MANTISSA_AVX2 inline void mulhilo_v(__m256i a, uint32_t mult, __m256i& hi, __m25
   hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
 
-MANTISSA_AVX2 inline void philox8(uint64_t first_block, uint64_t stream, uint64_t seed, __m256i out[4]) {
-  __m256i c0 = _mm256_add_epi32(set1(static_cast<uint32_t>(first_block)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  __m256i c1 = set1(static_cast<uint32_t>(first_block >> 32));
-  __m256i c2 = set1(static_cast<uint32_t>(stream));
-  __m256i c3 = set1(static_cast<uint32_t>(stream >> 32));
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      k0 += kPhiloxW0;
-      k1 += kPhiloxW1;
-    }
-    __m256i hi0, lo0, hi1, lo1;
-    mulhilo_v(c0, kPhiloxM0, hi0, lo0);
-    mulhilo_v(c2, kPhiloxM1, hi1, lo1);
-    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), set1(k0));
-    c1 = lo1;
-    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), set1(k1));
-    c3 = lo0;
-  }
-  // c_w holds word w of blocks 0..7; element 4*block + w wants them interleaved.
-  const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpacklo_epi32(c2, c3);
-  const __m256i t2 = _mm256_unpackhi_epi32(c0, c1), t3 = _mm256_unpackhi_epi32(c2, c3);
+// Philox state of 8 blocks, one per lane: c[w] holds counter word w.
+struct Philox8State {
+  __m256i c[4];
+};
+
+MANTISSA_AVX2 inline Philox8State philox8_init(uint64_t first_block, uint64_t stream) {
+  return {{_mm256_add_epi32(set1(static_cast<uint32_t>(first_block)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+           set1(static_cast<uint32_t>(first_block >> 32)), set1(static_cast<uint32_t>(stream)),
+           set1(static_cast<uint32_t>(stream >> 32))}};
+}
+
+MANTISSA_AVX2 inline void philox8_round(Philox8State& s, __m256i k0, __m256i k1) {
+  __m256i hi0, lo0, hi1, lo1;
+  mulhilo_v(s.c[0], kPhiloxM0, hi0, lo0);
+  mulhilo_v(s.c[2], kPhiloxM1, hi1, lo1);
+  s.c[0] = _mm256_xor_si256(_mm256_xor_si256(hi1, s.c[1]), k0);
+  s.c[1] = lo1;
+  s.c[2] = _mm256_xor_si256(_mm256_xor_si256(hi0, s.c[3]), k1);
+  s.c[3] = lo0;
+}
+
+// Words w of blocks 0..7 into element order: out[j] = random words of elements 8j..8j+7.
+MANTISSA_AVX2 inline void philox8_transpose(const Philox8State& s, __m256i out[4]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(s.c[0], s.c[1]),
+                t1 = _mm256_unpacklo_epi32(s.c[2], s.c[3]);
+  const __m256i t2 = _mm256_unpackhi_epi32(s.c[0], s.c[1]),
+                t3 = _mm256_unpackhi_epi32(s.c[2], s.c[3]);
   const __m256i u0 = _mm256_unpacklo_epi64(t0, t1), u1 = _mm256_unpackhi_epi64(t0, t1);
   const __m256i u2 = _mm256_unpacklo_epi64(t2, t3), u3 = _mm256_unpackhi_epi64(t2, t3);
   out[0] = _mm256_permute2x128_si256(u0, u1, 0x20);
   out[1] = _mm256_permute2x128_si256(u2, u3, 0x20);
   out[2] = _mm256_permute2x128_si256(u0, u1, 0x31);
   out[3] = _mm256_permute2x128_si256(u2, u3, 0x31);
+}
+
+// Philox-4x32-10 for 16 consecutive blocks (64 elements) as two interleaved 8-block states: the
+// ten rounds are a dependency chain of multiplies, and two chains keep the multipliers busy.
+MANTISSA_AVX2 inline void philox16(uint64_t first_block, uint64_t stream, uint64_t seed,
+                                   __m256i out[8]) {
+  Philox8State a = philox8_init(first_block, stream), b = philox8_init(first_block + 8, stream);
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
+    }
+    const __m256i vk0 = set1(k0), vk1 = set1(k1);
+    philox8_round(a, vk0, vk1);
+    philox8_round(b, vk0, vk1);
+  }
+  philox8_transpose(a, out);
+  philox8_transpose(b, out + 4);
 }
 
 // Stores 4x8 encoded lanes (each < 2^16, or < 2^8) as 32 consecutive 16- or 8-bit values.
@@ -182,7 +215,8 @@ MANTISSA_AVX2 void from_f32_rne(const float* src, Storage* dst, size_t n, const 
         __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, low), lsb), 16);
         const __m256i a = _mm256_and_si256(b, set1(0x7fffffffu));
         if (opt.saturate) {
-          const __m256i over = _mm256_cmpeq_epi32(_mm256_and_si256(r, set1(0x7fffu)), set1(0x7f80u));
+          const __m256i over =
+              _mm256_cmpeq_epi32(_mm256_and_si256(r, set1(0x7fffu)), set1(0x7f80u));
           r = _mm256_blendv_epi8(r, _mm256_sub_epi32(r, one), over);
         }
         const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(b, 16), quiet);
@@ -204,21 +238,23 @@ MANTISSA_AVX2 void from_f32_rne(const float* src, Storage* dst, size_t n, const 
 
 template <FloatFormat F, typename Storage>
 MANTISSA_AVX2 void from_f32_sr(const float* src, Storage* dst, size_t n, const CastOptions& opt) {
-  // Scalar until the element index is a multiple of 4, so that 32 elements are 8 whole blocks.
+  // Scalar until the element index is a multiple of 4, so that 64 elements are 16 whole blocks.
   size_t i = std::min<size_t>(n, (4 - (opt.index & 3)) & 3);
   scalar_from_f32<F>(src, dst, i, opt);
   CastOptions o = opt;
-  for (; i + 32 <= n; i += 32) {
+  for (; i + 64 <= n; i += 64) {
     const uint64_t block = (opt.index + i) >> 2;
-    if (static_cast<uint32_t>(block) > 0xFFFFFFF8u) {  // the low counter word would carry
+    if (static_cast<uint32_t>(block) > 0xFFFFFFFFu - 15u) {  // the low counter word would carry
       o.index = opt.index + i;
-      scalar_from_f32<F>(src + i, dst + i, 32, o);
+      scalar_from_f32<F>(src + i, dst + i, 64, o);
       continue;
     }
-    __m256i r[4], v[4];
-    philox8(block, opt.stream, opt.seed, r);
-    for (int j = 0; j < 4; ++j) v[j] = encode_sr_v<F>(load_bits(src + i + 8 * j), r[j], opt.saturate);
+    __m256i r[8], v[8];
+    philox16(block, opt.stream, opt.seed, r);
+    for (int j = 0; j < 8; ++j)
+      v[j] = encode_sr_v<F>(load_bits(src + i + 8 * j), r[j], opt.saturate);
     store32(dst + i, v);
+    store32(dst + i + 32, v + 4);
   }
   o.index = opt.index + i;
   scalar_from_f32<F>(src + i, dst + i, n - i, o);
@@ -238,7 +274,8 @@ MANTISSA_AVX2 void f16_to_f32(const void* src_v, float* dst, size_t n) {
   const uint16_t* src = static_cast<const uint16_t*>(src_v);
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   scalar_to_f32<kF16Format>(src + i, dst + i, n - i);
 }
 
@@ -246,7 +283,8 @@ MANTISSA_AVX2 void bf16_to_f32(const void* src_v, float* dst, size_t n) {
   const uint16_t* src = static_cast<const uint16_t*>(src_v);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    const __m256i w =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
   }
   scalar_to_f32<kBF16Format>(src + i, dst + i, n - i);
@@ -257,7 +295,8 @@ MANTISSA_AVX2 void e5m2_to_f32(const void* src_v, float* dst, size_t n) {
   const uint8_t* src = static_cast<const uint8_t*>(src_v);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i))), 8);
+    const __m128i h = _mm_slli_epi16(
+        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i))), 8);
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
   }
   scalar_to_f32<kE5M2Format>(src + i, dst + i, n - i);
@@ -279,7 +318,8 @@ MANTISSA_AVX2 void e4m3_to_f32(const void* src_v, float* dst, size_t n) {
     const __m256i nan = _mm256_or_si256(_mm256_cvtepi16_epi32(sign), set1(0x7fc00000u));
     // cvtepi16 sign-extends 0x8000 to 0xffff8000: keep only bit 31 of it.
     const __m256i nan_bits = _mm256_and_si256(nan, set1(0xffc00000u));
-    _mm256_storeu_ps(dst + i, _mm256_blendv_ps(v, _mm256_castsi256_ps(nan_bits), _mm256_castsi256_ps(is_nan)));
+    _mm256_storeu_ps(
+        dst + i, _mm256_blendv_ps(v, _mm256_castsi256_ps(nan_bits), _mm256_castsi256_ps(is_nan)));
   }
   scalar_to_f32<kE4M3Format>(src + i, dst + i, n - i);
 }

@@ -33,12 +33,12 @@ std::optional<DType> parse_dtype(std::string_view name) {
     DType type;
   };
   static constexpr Alias kAliases[] = {
-      {"float32", DType::f32},     {"fp32", DType::f32},        {"float", DType::f32},
-      {"float64", DType::f64},     {"fp64", DType::f64},        {"double", DType::f64},
-      {"float16", DType::f16},     {"fp16", DType::f16},        {"half", DType::f16},
-      {"bfloat16", DType::bf16},   {"float8_e4m3fn", DType::e4m3}, {"fp8_e4m3", DType::e4m3},
-      {"float8_e5m2", DType::e5m2}, {"fp8_e5m2", DType::e5m2},  {"int32", DType::i32},
-      {"int64", DType::i64},       {"uint8", DType::u8},        {"b8", DType::boolean},
+      {"float32", DType::f32},      {"fp32", DType::f32},           {"float", DType::f32},
+      {"float64", DType::f64},      {"fp64", DType::f64},           {"double", DType::f64},
+      {"float16", DType::f16},      {"fp16", DType::f16},           {"half", DType::f16},
+      {"bfloat16", DType::bf16},    {"float8_e4m3fn", DType::e4m3}, {"fp8_e4m3", DType::e4m3},
+      {"float8_e5m2", DType::e5m2}, {"fp8_e5m2", DType::e5m2},      {"int32", DType::i32},
+      {"int64", DType::i64},        {"uint8", DType::u8},           {"b8", DType::boolean},
   };
   for (const Alias& a : kAliases)
     if (s == a.name) return a.type;
@@ -56,8 +56,9 @@ std::string dtype_names() {
 
 DType dtype_from_name(std::string_view name) {
   if (auto t = parse_dtype(name)) return *t;
-  throw Error("unknown dtype '" + std::string(name) + "'",
-              "use one of: " + dtype_names() + " (aliases such as fp16, bfloat16, float32 work too)");
+  throw Error(
+      "unknown dtype '" + std::string(name) + "'",
+      "use one of: " + dtype_names() + " (aliases such as fp16, bfloat16, float32 work too)");
 }
 
 DType promote_types(DType a, DType b) {
@@ -65,16 +66,24 @@ DType promote_types(DType a, DType b) {
   // Rank by the set of values each type holds; integers and bool rank below every float.
   auto rank = [](DType t) {
     switch (t) {
-      case DType::f64: return 7;
-      case DType::f32: return 6;
+      case DType::f64:
+        return 7;
+      case DType::f32:
+        return 6;
       case DType::f16:
-      case DType::bf16: return 5;
+      case DType::bf16:
+        return 5;
       case DType::e4m3:
-      case DType::e5m2: return 4;
-      case DType::i64: return 3;
-      case DType::i32: return 2;
-      case DType::u8: return 1;
-      case DType::boolean: return 0;
+      case DType::e5m2:
+        return 4;
+      case DType::i64:
+        return 3;
+      case DType::i32:
+        return 2;
+      case DType::u8:
+        return 1;
+      case DType::boolean:
+        return 0;
     }
     return 0;
   };

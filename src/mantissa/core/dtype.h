@@ -15,16 +15,16 @@ namespace mantissa {
 enum class DTypeKind : uint8_t { kFloat, kInt, kBool };
 
 // X(enumerator, stable id, bytes, C++ storage type, kind, canonical name)
-#define MANTISSA_DTYPES(X)                                   \
-  X(f32, 0, 4, float, kFloat, "f32")                         \
-  X(f64, 1, 8, double, kFloat, "f64")                        \
-  X(f16, 2, 2, ::mantissa::f16, kFloat, "f16")               \
-  X(bf16, 3, 2, ::mantissa::bf16, kFloat, "bf16")            \
-  X(e4m3, 4, 1, ::mantissa::e4m3, kFloat, "e4m3")            \
-  X(e5m2, 5, 1, ::mantissa::e5m2, kFloat, "e5m2")            \
-  X(i32, 6, 4, int32_t, kInt, "i32")                         \
-  X(i64, 7, 8, int64_t, kInt, "i64")                         \
-  X(u8, 8, 1, uint8_t, kInt, "u8")                           \
+#define MANTISSA_DTYPES(X)                        \
+  X(f32, 0, 4, float, kFloat, "f32")              \
+  X(f64, 1, 8, double, kFloat, "f64")             \
+  X(f16, 2, 2, ::mantissa::f16, kFloat, "f16")    \
+  X(bf16, 3, 2, ::mantissa::bf16, kFloat, "bf16") \
+  X(e4m3, 4, 1, ::mantissa::e4m3, kFloat, "e4m3") \
+  X(e5m2, 5, 1, ::mantissa::e5m2, kFloat, "e5m2") \
+  X(i32, 6, 4, int32_t, kInt, "i32")              \
+  X(i64, 7, 8, int64_t, kInt, "i64")              \
+  X(u8, 8, 1, uint8_t, kInt, "u8")                \
   X(boolean, 9, 1, bool, kBool, "bool")
 
 enum class DType : uint8_t {

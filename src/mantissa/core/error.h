@@ -31,7 +31,7 @@ class OutOfMemoryError : public Error {
 }  // namespace mantissa
 
 // Checks a condition that depends on user input; throws mantissa::Error with a message and hint.
-#define MANTISSA_CHECK(cond, msg, hint)                      \
-  do {                                                       \
-    if (!(cond)) throw ::mantissa::Error((msg), (hint));     \
+#define MANTISSA_CHECK(cond, msg, hint)                  \
+  do {                                                   \
+    if (!(cond)) throw ::mantissa::Error((msg), (hint)); \
   } while (0)

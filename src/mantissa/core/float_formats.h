@@ -1,15 +1,16 @@
 // The narrow floating-point storage formats (FP16, BF16, FP8 E4M3 and E5M2): their parameters, the
 // 1- and 2-byte value types, and exact scalar conversions to and from FP32.
 //
-// Storage precision only: arithmetic always happens in FP32 registers. The scalar functions here are
-// the portable reference path; src/mantissa/core/convert.h has the bulk (SIMD) conversions, which
-// produce bit-identical results and are tested against these and against hardware oracles.
+// Storage precision only: arithmetic always happens in FP32 registers. The scalar functions here
+// are the portable reference path; src/mantissa/core/convert.h has the bulk (SIMD) conversions,
+// which produce bit-identical results and are tested against these and against hardware oracles.
 //
 // Conversion from FP32 (docs/numerics.md has the details):
 //   - round to nearest, ties to even; subnormals exact; the sign of zero kept;
 //   - a value that rounds above the largest finite value overflows: to infinity, or to NaN for
 //     E4M3 (no infinity), or to the largest finite value when `saturate` is set (infinities too);
 //   - NaN stays NaN: quiet, with the top payload bits kept (what x86 F16C does for FP16);
+//   - decoding is exact; BF16 decodes by a 16-bit shift (see decode());
 //   - stochastic rounding picks the neighbour above |x| with probability (|x| - lo) / (hi - lo),
 //     from 32 random bits, so E[result] = x; finite inputs up to the largest finite value never
 //     become infinity; inputs beyond it (and NaN, inf) are rounded to nearest.
@@ -82,7 +83,8 @@ constexpr uint32_t assemble(int e, uint32_t q) {
 // FP32 bits -> format bits, round to nearest even. The reference algorithm of the engine.
 template <FloatFormat F>
 constexpr uint32_t encode_rne(uint32_t b, bool saturate = false) {
-  static_assert(F.man_bits >= 2 && F.man_bits <= 10, "the rounding shifts assume 2..10 mantissa bits");
+  static_assert(F.man_bits >= 2 && F.man_bits <= 10,
+                "the rounding shifts assume 2..10 mantissa bits");
   const uint32_t sign = (b >> 31) << (F.total_bits() - 1);
   const uint32_t a = b & 0x7fffffffu;
   if (a > 0x7f800000u) return sign | F.nan_bits(a);
@@ -96,9 +98,12 @@ constexpr uint32_t encode_rne(uint32_t b, bool saturate = false) {
   return sign | enc;
 }
 
-// Format bits -> FP32 value. Exact.
+// Format bits -> FP32 value. Exact. BF16 is the top half of FP32, so it decodes by a shift that
+// keeps every bit, NaN payloads and the signalling bit included; the other formats' NaNs decode as
+// quiet NaNs with the payload kept (what F16C does for FP16).
 template <FloatFormat F>
 constexpr float decode(uint32_t v) {
+  if constexpr (F.exp_bits == 8 && F.man_bits == 7) return std::bit_cast<float>(v << 16);
   const uint32_t sign = ((v >> (F.total_bits() - 1)) & 1u) << 31;
   const uint32_t mag = v & F.magnitude_mask();
   const uint32_t exp = mag >> F.man_bits;
@@ -145,22 +150,23 @@ constexpr uint32_t encode_stochastic(uint32_t b, uint32_t r, bool saturate = fal
 }
 
 // ---- Value types -------------------------------------------------------------------------------
-// Plain structs holding the bits; conversions go through FP32. Arithmetic on them converts to float.
-#define MANTISSA_DEFINE_NARROW_FLOAT(NAME, STORAGE, FORMAT)                                  \
-  struct alignas(sizeof(STORAGE)) NAME {                                                    \
-    STORAGE bits;                                                                           \
-    static constexpr FloatFormat format = FORMAT;                                           \
-    NAME() = default;                                                                       \
-    /* Round to nearest even. */                                                            \
-    constexpr explicit NAME(float f)                                                        \
-        : bits(static_cast<STORAGE>(encode_rne<FORMAT>(std::bit_cast<uint32_t>(f)))) {}    \
-    static constexpr NAME from_bits(STORAGE b) {                                            \
-      NAME v{};                                                                             \
-      v.bits = b;                                                                           \
-      return v;                                                                             \
-    }                                                                                       \
-    constexpr operator float() const { return decode<FORMAT>(bits); }                       \
-  };                                                                                        \
+// Plain structs holding the bits; conversions go through FP32. Arithmetic on them converts to
+// float.
+#define MANTISSA_DEFINE_NARROW_FLOAT(NAME, STORAGE, FORMAT)                             \
+  struct alignas(sizeof(STORAGE)) NAME {                                                \
+    STORAGE bits;                                                                       \
+    static constexpr FloatFormat format = FORMAT;                                       \
+    NAME() = default;                                                                   \
+    /* Round to nearest even. */                                                        \
+    constexpr explicit NAME(float f)                                                    \
+        : bits(static_cast<STORAGE>(encode_rne<FORMAT>(std::bit_cast<uint32_t>(f)))) {} \
+    static constexpr NAME from_bits(STORAGE b) {                                        \
+      NAME v{};                                                                         \
+      v.bits = b;                                                                       \
+      return v;                                                                         \
+    }                                                                                   \
+    constexpr operator float() const { return decode<FORMAT>(bits); }                   \
+  };                                                                                    \
   static_assert(sizeof(NAME) == sizeof(STORAGE) && std::is_trivially_copyable_v<NAME>)
 
 MANTISSA_DEFINE_NARROW_FLOAT(f16, uint16_t, kF16Format);

@@ -37,7 +37,7 @@ void MemoryTracker::on_allocate(size_t bytes, MemoryCategory category, std::stri
   std::lock_guard<std::mutex> lock(mu_);
   if (budget_ && (bytes > *budget_ || stats_.current_total > *budget_ - bytes))
     throw OutOfMemoryError(oom_report(bytes, category, owner),
-                           "raise the budget (--memory-budget), lower the batch size, or store "
+                           "raise the memory budget, lower the batch size, or store "
                            "more in 16-bit precision");
   const size_t c = static_cast<size_t>(category);
   stats_.current[c] += bytes;
@@ -101,12 +101,13 @@ std::string MemoryTracker::report() const {
   std::snprintf(line, sizeof line, "%-16s %14s %14s\n", "category", "current", "peak");
   out << line;
   for (MemoryCategory c : kAllMemoryCategories) {
-    std::snprintf(line, sizeof line, "%-16s %14s %14s\n", std::string(memory_category_name(c)).c_str(),
+    std::snprintf(line, sizeof line, "%-16s %14s %14s\n",
+                  std::string(memory_category_name(c)).c_str(),
                   format_bytes(s.current_of(c)).c_str(), format_bytes(s.peak_of(c)).c_str());
     out << line;
   }
-  std::snprintf(line, sizeof line, "%-16s %14s %14s\n", "total", format_bytes(s.current_total).c_str(),
-                format_bytes(s.peak_total).c_str());
+  std::snprintf(line, sizeof line, "%-16s %14s %14s\n", "total",
+                format_bytes(s.current_total).c_str(), format_bytes(s.peak_total).c_str());
   out << line;
   return out.str();
 }
@@ -124,9 +125,11 @@ std::string MemoryTracker::oom_report(size_t bytes, MemoryCategory category,
   std::vector<std::pair<MemoryCategory, size_t>> cats;
   for (MemoryCategory c : kAllMemoryCategories)
     if (stats_.current_of(c) > 0) cats.emplace_back(c, stats_.current_of(c));
-  std::sort(cats.begin(), cats.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::sort(cats.begin(), cats.end(),
+            [](const auto& a, const auto& b) { return a.second > b.second; });
   if (cats.empty()) out << " nothing";
-  for (const auto& [c, b] : cats) out << "\n    " << memory_category_name(c) << ": " << format_bytes(b);
+  for (const auto& [c, b] : cats)
+    out << "\n    " << memory_category_name(c) << ": " << format_bytes(b);
   const auto owners = top_owners(by_owner_, 5);
   if (!owners.empty()) {
     out << "\n  largest holders:";
@@ -177,16 +180,26 @@ std::optional<size_t> parse_bytes(std::string_view text) {
   std::transform(unit.begin(), unit.end(), unit.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   double mult;
-  if (unit.empty() || unit == "b") mult = 1;
-  else if (unit == "kib" || unit == "k") mult = 1024.0;
-  else if (unit == "mib" || unit == "m") mult = 1024.0 * 1024;
-  else if (unit == "gib" || unit == "g") mult = 1024.0 * 1024 * 1024;
-  else if (unit == "tib" || unit == "t") mult = 1024.0 * 1024 * 1024 * 1024;
-  else if (unit == "kb") mult = 1e3;
-  else if (unit == "mb") mult = 1e6;
-  else if (unit == "gb") mult = 1e9;
-  else if (unit == "tb") mult = 1e12;
-  else return std::nullopt;
+  if (unit.empty() || unit == "b")
+    mult = 1;
+  else if (unit == "kib" || unit == "k")
+    mult = 1024.0;
+  else if (unit == "mib" || unit == "m")
+    mult = 1024.0 * 1024;
+  else if (unit == "gib" || unit == "g")
+    mult = 1024.0 * 1024 * 1024;
+  else if (unit == "tib" || unit == "t")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "kb")
+    mult = 1e3;
+  else if (unit == "mb")
+    mult = 1e6;
+  else if (unit == "gb")
+    mult = 1e9;
+  else if (unit == "tb")
+    mult = 1e12;
+  else
+    return std::nullopt;
   const double bytes = std::round(value * mult);
   if (!(bytes >= 0) || bytes >= 1.8e19) return std::nullopt;
   return static_cast<size_t>(bytes);

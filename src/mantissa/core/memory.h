@@ -21,13 +21,13 @@
 namespace mantissa {
 
 // X(enumerator, name); the order is the order of every report.
-#define MANTISSA_MEMORY_CATEGORIES(X) \
-  X(parameters, "parameters")         \
-  X(gradients, "gradients")           \
+#define MANTISSA_MEMORY_CATEGORIES(X)   \
+  X(parameters, "parameters")           \
+  X(gradients, "gradients")             \
   X(optimizer_state, "optimizer_state") \
-  X(master_weights, "master_weights") \
-  X(activations, "activations")       \
-  X(workspace, "workspace")           \
+  X(master_weights, "master_weights")   \
+  X(activations, "activations")         \
+  X(workspace, "workspace")             \
   X(input_data, "input_data")
 
 enum class MemoryCategory : uint8_t {

@@ -34,10 +34,9 @@ constexpr PhiloxCounter philox4x32_10(PhiloxCounter c, PhiloxKey k) {
 // The engine's mapping of (seed, stream, element index) onto Philox: block index/4 of the stream,
 // word index%4. Four consecutive elements share one block.
 constexpr PhiloxCounter philox_block(uint64_t seed, uint64_t stream, uint64_t block) {
-  return philox4x32_10(
-      {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-       static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32)},
-      {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
+  return philox4x32_10({static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                        static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32)},
+                       {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
 }
 
 // 32 uniform random bits for one element.

@@ -40,8 +40,9 @@ Shape contiguous_strides(const Shape& shape) {
 std::shared_ptr<Storage> Storage::allocate(size_t bytes, MemoryCategory category, std::string owner,
                                            Device device, MemoryTracker* tracker) {
   if (device.type != DeviceType::kCpu)
-    throw Error("cannot allocate on " + device.str() + ": this build of Mantissa has no CUDA support",
-                "use the CPU device, or rebuild with CUDA on a machine that has it");
+    throw Error(
+        "cannot allocate on " + device.str() + ": this build of Mantissa has no CUDA support",
+        "use the CPU device, or rebuild with CUDA on a machine that has it");
   if (!tracker) tracker = &default_memory_tracker();
   tracker->on_allocate(bytes, category, owner);  // throws over budget, before anything is held
   std::shared_ptr<Storage> s(new Storage());
@@ -183,24 +184,27 @@ Tensor Tensor::view(Shape shape) const {
   int64_t known = 1, infer = -1;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == -1) {
-      if (infer >= 0) throw Error("view: more than one -1 in " + shape_str(shape), "use at most one -1");
+      if (infer >= 0)
+        throw Error("view: more than one -1 in " + shape_str(shape), "use at most one -1");
       infer = static_cast<int64_t>(i);
     } else {
-      if (shape[i] < 0) throw Error("view: negative size in " + shape_str(shape), "sizes must be >= 0");
+      if (shape[i] < 0)
+        throw Error("view: negative size in " + shape_str(shape), "sizes must be >= 0");
       known *= shape[i];
     }
   }
   if (infer >= 0) {
     if (known == 0 || numel() % known != 0)
-      throw Error("view: cannot infer -1 in " + shape_str(shape) + " for " + std::to_string(numel()) +
-                      " elements",
+      throw Error("view: cannot infer -1 in " + shape_str(shape) + " for " +
+                      std::to_string(numel()) + " elements",
                   "make the other sizes divide the element count");
     shape[infer] = numel() / known;
     known *= shape[infer];
   }
   if (known != numel())
     throw Error("view: shape " + shape_str(shape) + " has " + std::to_string(known) +
-                    " elements but the tensor " + shape_str(shape_) + " has " + std::to_string(numel()),
+                    " elements but the tensor " + shape_str(shape_) + " has " +
+                    std::to_string(numel()),
                 "keep the number of elements the same");
   if (!is_contiguous())
     throw Error("view: tensor of shape " + shape_str(shape_) + " is not contiguous",
@@ -226,14 +230,16 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
 
 Tensor Tensor::permute(const std::vector<int64_t>& order) const {
   if (static_cast<int64_t>(order.size()) != dim())
-    throw Error("permute: " + std::to_string(order.size()) + " dimensions given for a tensor of shape " +
-                    shape_str(shape_),
+    throw Error("permute: " + std::to_string(order.size()) +
+                    " dimensions given for a tensor of shape " + shape_str(shape_),
                 "give each dimension exactly once");
   std::vector<bool> seen(order.size(), false);
   Tensor t = *this;
   for (size_t i = 0; i < order.size(); ++i) {
     const int64_t d = normalize_dim(order[i]);
-    if (seen[d]) throw Error("permute: dimension " + std::to_string(d) + " repeated", "give each dimension exactly once");
+    if (seen[d])
+      throw Error("permute: dimension " + std::to_string(d) + " repeated",
+                  "give each dimension exactly once");
     seen[d] = true;
     t.shape_[i] = shape_[d];
     t.strides_[i] = strides_[d];
@@ -245,7 +251,8 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
   d = normalize_dim(d);
   if (start < 0 || length < 0 || start + length > shape_[d])
     throw Error("narrow: [" + std::to_string(start) + ", " + std::to_string(start + length) +
-                    ") is outside dimension " + std::to_string(d) + " of size " + std::to_string(shape_[d]),
+                    ") is outside dimension " + std::to_string(d) + " of size " +
+                    std::to_string(shape_[d]),
                 "keep start >= 0 and start + length <= size");
   Tensor t = *this;
   t.offset_ += start * strides_[d];
@@ -269,8 +276,9 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
 Tensor Tensor::unsqueeze(int64_t d) const {
   const int64_t n = dim() + 1;
   if (d < -n || d >= n)
-    throw Error("unsqueeze: dimension " + std::to_string(d) + " is out of range for " + shape_str(shape_),
-                "use a dimension in [" + std::to_string(-n) + ", " + std::to_string(n - 1) + "]");
+    throw Error(
+        "unsqueeze: dimension " + std::to_string(d) + " is out of range for " + shape_str(shape_),
+        "use a dimension in [" + std::to_string(-n) + ", " + std::to_string(n - 1) + "]");
   if (d < 0) d += n;
   Tensor t = *this;
   const int64_t stride = d < dim() ? shape_[d] * strides_[d] : 1;
@@ -281,8 +289,9 @@ Tensor Tensor::unsqueeze(int64_t d) const {
 
 Tensor Tensor::expand(const Shape& shape) const {
   if (shape.size() < shape_.size())
-    throw Error("expand: cannot expand " + shape_str(shape_) + " to fewer dimensions " + shape_str(shape),
-                "give at least as many dimensions as the tensor has");
+    throw Error(
+        "expand: cannot expand " + shape_str(shape_) + " to fewer dimensions " + shape_str(shape),
+        "give at least as many dimensions as the tensor has");
   Tensor t = *this;
   const size_t lead = shape.size() - shape_.size();
   t.shape_ = shape;
@@ -292,9 +301,9 @@ Tensor Tensor::expand(const Shape& shape) const {
     if (shape_[i] == shape[j]) {
       t.strides_[j] = strides_[i];
     } else if (shape_[i] != 1) {
-      throw Error("expand: dimension " + std::to_string(i) + " of size " + std::to_string(shape_[i]) +
-                      " cannot become " + std::to_string(shape[j]) + " (" + shape_str(shape_) + " to " +
-                      shape_str(shape) + ")",
+      throw Error("expand: dimension " + std::to_string(i) + " of size " +
+                      std::to_string(shape_[i]) + " cannot become " + std::to_string(shape[j]) +
+                      " (" + shape_str(shape_) + " to " + shape_str(shape) + ")",
                   "only size-1 dimensions can be expanded");
     }
   }
@@ -306,7 +315,8 @@ Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
   start_dim = normalize_dim(start_dim);
   end_dim = normalize_dim(end_dim);
   if (start_dim > end_dim)
-    throw Error("flatten: start_dim " + std::to_string(start_dim) + " is after end_dim " + std::to_string(end_dim),
+    throw Error("flatten: start_dim " + std::to_string(start_dim) + " is after end_dim " +
+                    std::to_string(end_dim),
                 "pass start_dim <= end_dim");
   Shape s(shape_.begin(), shape_.begin() + start_dim);
   int64_t m = 1;
@@ -347,8 +357,9 @@ void for_each_row(const Shape& shape, const Shape& src_strides, const Shape& dst
 
 void Tensor::copy_from(const Tensor& src, const CastOptions& cast) {
   if (src.shape_ != shape_)
-    throw Error("copy_from: source shape " + shape_str(src.shape_) + " differs from " + shape_str(shape_),
-                "copy between tensors of the same shape (expand the source to broadcast)");
+    throw Error(
+        "copy_from: source shape " + shape_str(src.shape_) + " differs from " + shape_str(shape_),
+        "copy between tensors of the same shape (expand the source to broadcast)");
   if (numel() == 0) return;
   const size_t ss = dtype_size(src.dtype_), ds = dtype_size(dtype_);
   const char* sbase = static_cast<const char*>(src.data_ptr());
@@ -364,8 +375,8 @@ void Tensor::copy_from(const Tensor& src, const CastOptions& cast) {
     CastOptions o = cast;
     if (s_inner == 1 && d_inner == 1) {
       o.index = cast.index + static_cast<uint64_t>(logical);
-      convert(sbase + so * static_cast<int64_t>(ss), src.dtype_, dbase + dof * static_cast<int64_t>(ds),
-              dtype_, static_cast<size_t>(row), o);
+      convert(sbase + so * static_cast<int64_t>(ss), src.dtype_,
+              dbase + dof * static_cast<int64_t>(ds), dtype_, static_cast<size_t>(row), o);
       return;
     }
     for (int64_t j = 0; j < row; ++j) {
@@ -382,25 +393,24 @@ Tensor Tensor::clone(const TensorOptions& opt) const {
   return t;
 }
 
-Tensor Tensor::clone() const {
+TensorOptions Tensor::options() const {
   TensorOptions opt;
   if (storage_) {
     opt.category = storage_->category();
     opt.owner = storage_->owner();
     opt.device = storage_->device();
+    opt.tracker = storage_->tracker();
   }
-  return clone(opt);
+  return opt;
 }
+
+Tensor Tensor::clone() const { return clone(options()); }
 
 Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
 
 Tensor Tensor::to(DType dtype, const CastOptions& cast) const {
   if (dtype == dtype_ && is_contiguous()) return *this;
-  TensorOptions opt;
-  opt.category = storage_->category();
-  opt.owner = storage_->owner();
-  opt.device = storage_->device();
-  Tensor t = empty(shape_, dtype, opt);
+  Tensor t = empty(shape_, dtype, options());
   t.copy_from(*this, cast);
   return t;
 }
@@ -417,7 +427,8 @@ void Tensor::fill(double value) {
   const int64_t row = nd ? shape_[nd - 1] : 1;
   const int64_t inner = nd ? strides_[nd - 1] : 1;
   for_each_row(shape_, zero_strides, strides_, [&](int64_t, int64_t dof, int64_t) {
-    for (int64_t j = 0; j < row; ++j) std::memcpy(base + (dof + j * inner) * static_cast<int64_t>(es), one, es);
+    for (int64_t j = 0; j < row; ++j)
+      std::memcpy(base + (dof + j * inner) * static_cast<int64_t>(es), one, es);
   });
 }
 
@@ -425,7 +436,8 @@ void Tensor::fill(double value) {
 
 double Tensor::item() const {
   if (numel() != 1)
-    throw Error("item: tensor of shape " + shape_str(shape_) + " has " + std::to_string(numel()) + " elements",
+    throw Error("item: tensor of shape " + shape_str(shape_) + " has " + std::to_string(numel()) +
+                    " elements",
                 "item() reads one-element tensors; use at({...}) for others");
   double v;
   Tensor self = contiguous();
@@ -435,19 +447,20 @@ double Tensor::item() const {
 
 double Tensor::at(std::initializer_list<int64_t> index) const {
   if (static_cast<int64_t>(index.size()) != dim())
-    throw Error("at: " + std::to_string(index.size()) + " indices for a tensor of shape " + shape_str(shape_),
+    throw Error("at: " + std::to_string(index.size()) + " indices for a tensor of shape " +
+                    shape_str(shape_),
                 "give one index per dimension");
   int64_t off = 0, d = 0;
   for (int64_t i : index) {
     if (i < 0 || i >= shape_[d])
-      throw Error("at: index " + std::to_string(i) + " is out of range for dimension " + std::to_string(d) +
-                      " of size " + std::to_string(shape_[d]),
+      throw Error("at: index " + std::to_string(i) + " is out of range for dimension " +
+                      std::to_string(d) + " of size " + std::to_string(shape_[d]),
                   "use indices in [0, size)");
     off += i * strides_[d++];
   }
   double v;
-  convert(static_cast<const char*>(data_ptr()) + off * static_cast<int64_t>(dtype_size(dtype_)), dtype_, &v,
-          DType::f64, 1);
+  convert(static_cast<const char*>(data_ptr()) + off * static_cast<int64_t>(dtype_size(dtype_)),
+          dtype_, &v, DType::f64, 1);
   return v;
 }
 

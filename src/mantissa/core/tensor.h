@@ -30,7 +30,8 @@ std::string shape_str(const Shape& s);  // "(2, 3, 4)"
 // A block of device memory, charged to a tracker under a category and owner until freed.
 class Storage {
  public:
-  // Throws OutOfMemoryError if over the tracker's budget, mantissa::Error for an unavailable device.
+  // Throws OutOfMemoryError if over the tracker's budget, mantissa::Error for an unavailable
+  // device.
   static std::shared_ptr<Storage> allocate(size_t bytes, MemoryCategory category,
                                            std::string owner = {}, Device device = {},
                                            MemoryTracker* tracker = nullptr);
@@ -44,6 +45,7 @@ class Storage {
   MemoryCategory category() const { return category_; }
   const std::string& owner() const { return owner_; }
   Device device() const { return device_; }
+  MemoryTracker* tracker() const { return tracker_; }
   // Moves the accounting of these bytes to another category/owner (a buffer that changes role).
   void recharge(MemoryCategory category, std::string owner);
 
@@ -120,9 +122,11 @@ class Tensor {
   // ---- Copies ----
   Tensor contiguous() const;  // itself if already contiguous
   Tensor clone(const TensorOptions& opt) const;
-  Tensor clone() const;
+  Tensor clone() const;  // charged like this tensor
+  // The options that charge a new tensor like this one.
+  TensorOptions options() const;
   // A contiguous copy in `dtype` (itself if the dtype matches and it is contiguous), rounded as
-  // `cast` says; keeps this tensor's memory category and owner.
+  // `cast` says; charged like this tensor (tracker, category, owner).
   Tensor to(DType dtype, const CastOptions& cast = {}) const;
   // Copies src's elements into this tensor (same shape), converting the dtype.
   void copy_from(const Tensor& src, const CastOptions& cast = {});
