@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the Debian packages Mantissa needs to build and test, only those that are missing.
+# Safe to run repeatedly; needs root (or sudo) only when something is missing.
+#
+#   bash scripts/setup.sh            # build + test dependencies
+set -euo pipefail
+
+packages=(cmake g++ make libgtest-dev libbenchmark-dev)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all build dependencies present (${packages[*]})"
+  exit 0
+fi
+
+echo "setup: installing ${missing[*]}"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "setup: need root or sudo to install ${missing[*]}" >&2; exit 1; }
+  sudo=sudo
+fi
+$sudo apt-get update -qq
+$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
