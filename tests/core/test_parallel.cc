@@ -30,6 +30,23 @@ TEST(Parallel, RethrowsAWorkerException) {
                std::runtime_error);
 }
 
+TEST(Parallel, NestedCallsRunInline) {
+  std::atomic<int> total{0};
+  parallel_for(8, 1, 4, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i)
+      parallel_for(100, 10, 4, [&](size_t b2, size_t e2) { total += static_cast<int>(e2 - b2); });
+  });
+  EXPECT_EQ(total.load(), 800);
+}
+
+TEST(Parallel, ManyShortJobs) {
+  // The pool is reused: thousands of tiny jobs complete (and quickly, though no test times it).
+  std::atomic<long> sum{0};
+  for (int job = 0; job < 5000; ++job)
+    parallel_for(64, 1, 2, [&](size_t b, size_t e) { sum += static_cast<long>(e - b); });
+  EXPECT_EQ(sum.load(), 5000L * 64);
+}
+
 TEST(Parallel, DefaultThreadsIsPositive) { EXPECT_GE(default_num_threads(), 1); }
 
 }  // namespace

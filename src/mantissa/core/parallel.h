@@ -13,8 +13,10 @@ namespace mantissa {
 int default_num_threads();
 
 // Calls fn(begin, end) over [0, n) in ranges of at least `grain` elements (range starts are
-// multiples of grain), on up to `threads` threads; the calling thread takes part. An exception in
-// any range is rethrown on the calling thread after all ranges finish.
+// multiples of grain), on up to `threads` threads of a persistent pool; the calling thread takes
+// part. An exception in any range is rethrown on the calling thread after all ranges finish. A
+// parallel_for inside another (or from a second thread while one runs) runs its ranges on the
+// calling thread, in order.
 void parallel_for(size_t n, size_t grain, int threads,
                   const std::function<void(size_t, size_t)>& fn);
 

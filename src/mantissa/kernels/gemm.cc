@@ -1,0 +1,313 @@
+// The blocked GEMM driver (the BLIS design: loops over NC columns, KC depth, MC rows, then 16 x 6
+// micro-tiles). A and B are converted to FP32 while they are packed into cache-sized panels, so a
+// 16-bit operand is never copied whole into FP32.
+#include "mantissa/kernels/gemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "mantissa/core/convert.h"
+#include "mantissa/core/cpu_features.h"
+#include "mantissa/core/error.h"
+#include "mantissa/core/float_formats.h"
+#include "mantissa/core/tensor.h"
+#include "mantissa/kernels/gemm_kernels.h"
+
+namespace mantissa::kernels {
+namespace detail {
+namespace {
+
+float round_f16(float v) { return static_cast<float>(f16(v)); }
+
+template <bool kF16Partials>
+void portable_6x16(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool load_c,
+                   float beta) {
+  float acc[kMR][kNR];
+  for (int i = 0; i < kMR; ++i)
+    for (int j = 0; j < kNR; ++j)
+      acc[i][j] = load_c ? (beta == 1.0f ? c[i * ldc + j] : beta * c[i * ldc + j]) : 0.0f;
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int i = 0; i < kMR; ++i)
+      for (int j = 0; j < kNR; ++j) acc[i][j] = std::fma(a[k * kMR + i], b[k * kNR + j], acc[i][j]);
+    if (kF16Partials && (k + 1) % 16 == 0)
+      for (auto& row : acc)
+        for (float& v : row) v = round_f16(v);
+  }
+  for (int i = 0; i < kMR; ++i)
+    for (int j = 0; j < kNR; ++j) c[i * ldc + j] = kF16Partials ? round_f16(acc[i][j]) : acc[i][j];
+}
+
+void portable_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool load_c,
+                     float beta, bool f16_partials) {
+  if (f16_partials)
+    portable_6x16<true>(kc, a, b, c, ldc, load_c, beta);
+  else
+    portable_6x16<false>(kc, a, b, c, ldc, load_c, beta);
+}
+
+}  // namespace
+
+void portable_interleave_fn(const float* src, int64_t ld, int rows, int64_t kc, float* dst,
+                            int64_t dst_stride) {
+  for (int64_t k = 0; k < kc; ++k)
+    for (int i = 0; i < rows; ++i) dst[k * dst_stride + i] = src[i * ld + k];
+}
+
+MicroKernel portable_micro_kernel() { return portable_kernel; }
+InterleaveFn portable_interleave() { return portable_interleave_fn; }
+
+}  // namespace detail
+
+namespace {
+
+using detail::kMR;
+using detail::kNR;
+
+constexpr int64_t kKC = 384;   // depth of a packed panel (a multiple of 16 for FP16 partials)
+constexpr int64_t kMC = 96;    // rows of A per packed block: 96 x 384 x 4 B = 144 KiB, in L2
+constexpr int64_t kNC = 2048;  // columns of B per packed block: 384 x 2048 x 4 B = 3 MiB, in L3
+constexpr int64_t kMaxC32 = int64_t{1} << 20;  // FP32 staging of a 16-bit C: at most 4 MiB a thread
+// Depth panels shallower than this walk C along its rows (see gemm_block).
+constexpr int64_t kShallowK = 64;
+// Below this many multiply-adds a GEMM runs on one thread: splitting costs more than it saves.
+constexpr double kMinParallelWork = 1 << 18;
+
+struct Kernels {
+  detail::MicroKernel micro;
+  detail::InterleaveFn interleave;
+};
+
+const Kernels& kernels() {
+  static const Kernels k = [] {
+#if defined(MANTISSA_HAVE_X86_SIMD)
+    if (cpu_features().avx2 && cpu_features().fma && cpu_features().f16c)
+      return Kernels{detail::avx2_micro_kernel(), detail::avx2_interleave()};
+#endif
+    return Kernels{detail::portable_micro_kernel(), detail::portable_interleave()};
+  }();
+  return k;
+}
+
+// Per-thread buffers, reused across calls, charged to the memory tracker as workspace.
+enum Slot { kStageC, kPackA, kPackB, kRun, kNumSlots };
+float* scratch(Slot slot, size_t floats) {
+  thread_local Tensor buffers[kNumSlots];
+  Tensor& t = buffers[slot];
+  if (!t.defined() || static_cast<size_t>(t.numel()) < floats) {
+    TensorOptions opt;
+    opt.category = MemoryCategory::workspace;
+    opt.owner = "gemm packing";
+    t = Tensor();  // release before allocating the larger one
+    t = Tensor::empty({static_cast<int64_t>(floats + 64)}, DType::f32, opt);
+  }
+  return t.data<float>();
+}
+
+const char* at(const void* base, DType t, int64_t offset) {
+  return static_cast<const char*>(base) + offset * static_cast<int64_t>(dtype_size(t));
+}
+
+// n elements from `src` with element stride `stride`, into contiguous FP32. The conversion runs at
+// memory speed when the run is contiguous.
+void load_run(const void* src, DType t, int64_t stride, int64_t n, float* dst) {
+  if (stride == 1) {
+    convert(src, t, dst, DType::f32, static_cast<size_t>(n));
+  } else if (t == DType::f32) {
+    const float* s = static_cast<const float*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = s[i * stride];
+  } else {
+    const int64_t es = static_cast<int64_t>(dtype_size(t));
+    for (int64_t i = 0; i < n; ++i)
+      convert(static_cast<const char*>(src) + i * stride * es, t, dst + i, DType::f32, 1);
+  }
+}
+
+// Packs `count` groups of `width` (16 for B, 6 for A) lines of a matrix into slivers: sliver s
+// holds, for each of the kc positions along the packed direction, `width` values (zero past
+// `lines`). Line l, position p of the source is at element offset l * line_stride + p * pos_stride.
+void pack(const void* base, DType t, int64_t line_stride, int64_t pos_stride, int64_t lines,
+          int64_t kc, int width, float* dst) {
+  const int64_t slivers = (lines + width - 1) / width;
+  if (std::llabs(pos_stride) <= std::llabs(line_stride)) {
+    // Positions are the contiguous (nearer) direction: convert `width` lines, then interleave.
+    // FP32 lines that are contiguous are transposed straight from the source; others are first
+    // converted into a run buffer (24 KiB at most: it stays in L1).
+    const bool direct = t == DType::f32 && pos_stride == 1;
+    float* run = direct ? nullptr : scratch(kRun, static_cast<size_t>(width * kc));
+    for (int64_t s = 0; s < slivers; ++s) {
+      const int rows = static_cast<int>(std::min<int64_t>(width, lines - s * width));
+      const float* src = direct ? static_cast<const float*>(base) + s * width * line_stride : run;
+      const int64_t ld = direct ? line_stride : kc;
+      if (!direct)
+        for (int r = 0; r < rows; ++r)
+          load_run(at(base, t, (s * width + r) * line_stride), t, pos_stride, kc, run + r * kc);
+      float* d = dst + s * kc * width;
+      for (int r0 = 0; r0 < rows; r0 += 8)
+        kernels().interleave(src + r0 * ld, ld, std::min(8, rows - r0), kc, d + r0, width);
+      if (rows < width)
+        for (int64_t k = 0; k < kc; ++k) std::fill(d + k * width + rows, d + (k + 1) * width, 0.0f);
+    }
+  } else {
+    // Lines are the contiguous direction: convert a run across all lines for each position.
+    float* run = scratch(kRun, static_cast<size_t>(slivers * width));
+    std::fill(run + lines, run + slivers * width, 0.0f);
+    for (int64_t k = 0; k < kc; ++k) {
+      load_run(at(base, t, k * pos_stride), t, line_stride, lines, run);
+      for (int64_t s = 0; s < slivers; ++s)
+        std::memcpy(dst + s * kc * width + k * width, run + s * width,
+                    static_cast<size_t>(width) * sizeof(float));
+    }
+  }
+}
+
+void check_dtypes(ConstMatrix A, ConstMatrix B, Matrix C) {
+  MANTISSA_CHECK(is_floating(A.dtype) && A.dtype != DType::f64 && is_floating(B.dtype) &&
+                     B.dtype != DType::f64,
+                 "gemm: operands must be f32, f16, bf16, e4m3 or e5m2 (got " +
+                     std::string(dtype_name(A.dtype)) + " and " + std::string(dtype_name(B.dtype)) +
+                     ")",
+                 "convert the operands to a supported float dtype");
+  MANTISSA_CHECK(
+      C.dtype == DType::f32 || C.dtype == DType::f16 || C.dtype == DType::bf16,
+      "gemm: the output must be f32, f16 or bf16 (got " + std::string(dtype_name(C.dtype)) + ")",
+      "write into an f32, f16 or bf16 tensor");
+}
+
+// One thread's whole GEMM on the block C[m0:m1, n0:n1]: the BLIS loop nest (NC columns, KC depth,
+// MC rows, then 16 x 6 micro-tiles), with its own packing buffers and no synchronisation.
+void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float alpha,
+                const ConstMatrix& A, const ConstMatrix& B, float beta, const Matrix& C,
+                bool f16p) {
+  const int64_t M = m1 - m0;
+  if (M <= 0 || n1 <= n0) return;
+  const detail::MicroKernel micro = kernels().micro;
+  // C in FP32 accumulates in place; a 16-bit C is staged in FP32 a block of columns at a time
+  // (rounding it to 16 bits between depth panels would not be FP32 accumulation).
+  const bool direct = C.dtype == DType::f32;
+  const int64_t nc_max = direct ? kNC : std::clamp<int64_t>(kMaxC32 / M / kNR * kNR, kNR, kNC);
+  // Row blocks of equal size (a multiple of 6), so no block is a sliver of leftovers.
+  const int64_t m_blocks = (M + kMC - 1) / kMC;
+  const int64_t mc_step = ((M + m_blocks - 1) / m_blocks + kMR - 1) / kMR * kMR;
+  const size_t es_c = dtype_size(C.dtype);
+
+  for (int64_t jc = n0; jc < n1; jc += nc_max) {
+    const int64_t nc = std::min(nc_max, n1 - jc);
+    float* c_base;
+    int64_t c_rs, c_cs;
+    float* c32 = nullptr;
+    if (direct) {
+      c_base = static_cast<float*>(C.data) + m0 * C.rs + jc * C.cs;
+      c_rs = C.rs;
+      c_cs = C.cs;
+    } else {
+      c32 = scratch(kStageC, static_cast<size_t>(M * nc));
+      c_base = c32;
+      c_rs = nc;
+      c_cs = 1;
+      if (beta != 0.0f)
+        for (int64_t m = 0; m < M; ++m)
+          load_run(at(C.data, C.dtype, (m0 + m) * C.rs + jc * C.cs), C.dtype, C.cs, nc,
+                   c32 + m * nc);
+    }
+    const int64_t n_slivers = (nc + kNR - 1) / kNR;
+    const int64_t k_blocks = K == 0 ? 1 : (K + kKC - 1) / kKC;
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      const int64_t pc = kb * kKC, kc = std::min(kKC, K - pc);
+      float* bp = scratch(kPackB, static_cast<size_t>(n_slivers * std::max<int64_t>(kc, 1) * kNR));
+      // B's lines are its columns (16 per sliver), positions run along k.
+      pack(at(B.data, B.dtype, pc * B.rs + jc * B.cs), B.dtype, B.cs, B.rs, nc, kc, kNR, bp);
+      // beta applies on the first depth panel only; later panels add to what is there.
+      const bool load_c = kb > 0 || beta != 0.0f;
+      const float bscale = kb == 0 ? beta : 1.0f;
+      for (int64_t ic = 0; ic < M; ic += mc_step) {
+        const int64_t mc = std::min(mc_step, M - ic);
+        float* ap = scratch(
+            kPackA, static_cast<size_t>(((mc + kMR - 1) / kMR) * kMR * std::max<int64_t>(kc, 1)));
+        // A's lines are its rows (6 per sliver), positions run along k.
+        pack(at(A.data, A.dtype, (m0 + ic) * A.rs + pc * A.cs), A.dtype, A.rs, A.cs, mc, kc, kMR,
+             ap);
+        if (alpha != 1.0f)
+          for (int64_t i = 0; i < ((mc + kMR - 1) / kMR) * kMR * kc; ++i) ap[i] *= alpha;
+        // Deep panels: a B sliver stays in L1 while the A slivers stream from L2 (BLIS's order).
+        // Shallow panels (the cost is writing C): walk along C's rows, so its stores stream.
+        const bool rows_outer = kc < kShallowK;
+        const int64_t outer = rows_outer ? (mc + kMR - 1) / kMR : n_slivers;
+        const int64_t inner = rows_outer ? n_slivers : (mc + kMR - 1) / kMR;
+        float edge[kMR * kNR];
+        for (int64_t o = 0; o < outer; ++o) {
+          for (int64_t q = 0; q < inner; ++q) {
+            const int64_t s = rows_outer ? q : o, i = (rows_outer ? o : q) * kMR;
+            const int64_t j = s * kNR, nr = std::min<int64_t>(kNR, nc - j);
+            const int64_t mr = std::min<int64_t>(kMR, mc - i);
+            const float* bs = bp + s * kc * kNR;
+            const float* as = ap + (i / kMR) * kc * kMR;
+            float* c = c_base + (ic + i) * c_rs + j * c_cs;
+            if (mr == kMR && nr == kNR && c_cs == 1) {
+              micro(kc, as, bs, c, c_rs, load_c, bscale, f16p);
+              continue;
+            }
+            // An edge or strided tile goes through a local 6 x 16 tile.
+            for (int64_t r = 0; r < kMR; ++r)
+              for (int64_t col = 0; col < kNR; ++col)
+                edge[r * kNR + col] =
+                    (r < mr && col < nr && load_c) ? c[r * c_rs + col * c_cs] : 0.0f;
+            micro(kc, as, bs, edge, kNR, load_c, bscale, f16p);
+            for (int64_t r = 0; r < mr; ++r)
+              for (int64_t col = 0; col < nr; ++col) c[r * c_rs + col * c_cs] = edge[r * kNR + col];
+          }
+        }
+      }
+    }
+    if (!direct) {
+      for (int64_t m = 0; m < M; ++m) {
+        char* dst =
+            static_cast<char*>(C.data) + ((m0 + m) * C.rs + jc * C.cs) * static_cast<int64_t>(es_c);
+        if (C.cs == 1) {
+          convert(c32 + m * nc, DType::f32, dst, C.dtype, static_cast<size_t>(nc));
+        } else {
+          for (int64_t n = 0; n < nc; ++n)
+            convert(c32 + m * nc + n, DType::f32, dst + n * C.cs * static_cast<int64_t>(es_c),
+                    C.dtype, 1);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B, float beta,
+          Matrix C, const GemmOptions& opt) {
+  check_dtypes(A, B, C);
+  if (M <= 0 || N <= 0) return;
+  int threads = opt.threads > 0 ? opt.threads : default_num_threads();
+  if (static_cast<double>(M) * static_cast<double>(N) *
+          static_cast<double>(std::max<int64_t>(K, 1)) <
+      kMinParallelWork)
+    threads = 1;
+  const bool f16p = opt.partials == Partials::kF16;
+  // Each thread computes a block of C. Splitting the columns makes every thread pack all of A,
+  // splitting the rows makes every thread pack all of B: split the dimension whose duplicate
+  // packing is smaller, in whole slivers.
+  const int64_t n_slivers = (N + kNR - 1) / kNR, m_slivers = (M + kMR - 1) / kMR;
+  const bool split_n = N >= M ? n_slivers >= threads : m_slivers < threads;
+  const int64_t units = split_n ? n_slivers : m_slivers;
+  const int64_t parts = std::min<int64_t>(threads, units);
+  parallel_for(static_cast<size_t>(parts), 1, static_cast<int>(parts), [&](size_t p0, size_t p1) {
+    for (size_t p = p0; p < p1; ++p) {
+      const int64_t u0 = units * static_cast<int64_t>(p) / parts,
+                    u1 = units * static_cast<int64_t>(p + 1) / parts;
+      if (split_n)
+        gemm_block(0, M, std::min(N, u0 * kNR), std::min(N, u1 * kNR), K, alpha, A, B, beta, C,
+                   f16p);
+      else
+        gemm_block(std::min(M, u0 * kMR), std::min(M, u1 * kMR), 0, N, K, alpha, A, B, beta, C,
+                   f16p);
+    }
+  });
+}
+
+}  // namespace mantissa::kernels

@@ -1,0 +1,52 @@
+// Matrix multiplication C = alpha * A B + beta * C over strided matrices stored in FP32, FP16 or
+// BF16 (any float dtype for A and B), computing in FP32 registers.
+//
+// Arithmetic, identical on every path (the fast kernel matches the reference bit for bit):
+//   acc = (beta == 0) ? 0 : beta * C[m][n]            (beta == 1: C itself)
+//   for k = 0 .. K-1:  acc = fma(alpha * A[m][k], B[k][n], acc)   (alpha == 1: A itself)
+//   with Partials::kF16, acc is rounded to FP16 (nearest even) after every
+//   kF16PartialsGranularity products and at the end: the FP16 accumulation of an accelerator's
+//   matrix instruction (16 products per rounding, as in an m16n8k16 MMA), emulated on the CPU.
+//   C[m][n] = acc, rounded to nearest even into C's dtype.
+// beta == 0 never reads C (NaN there does not propagate).
+#pragma once
+
+#include <cstdint>
+
+#include "mantissa/core/dtype.h"
+#include "mantissa/core/parallel.h"
+
+namespace mantissa::kernels {
+
+// The accumulation ("partials") type of matmul and convolution.
+enum class Partials : uint8_t { kF32, kF16 };
+inline constexpr int kF16PartialsGranularity = 16;
+
+// A matrix view: element (i, j) at data + (i * rs + j * cs) elements.
+struct ConstMatrix {
+  const void* data;
+  DType dtype;
+  int64_t rs, cs;
+};
+struct Matrix {
+  void* data;
+  DType dtype;
+  int64_t rs, cs;
+};
+
+struct GemmOptions {
+  Partials partials = Partials::kF32;
+  int threads = 0;  // 0: default_num_threads()
+};
+
+// C (M x N) = alpha * A (M x K) * B (K x N) + beta * C. A and B: any float dtype; C: f32, f16 or
+// bf16. Throws mantissa::Error on other dtypes.
+void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B, float beta,
+          Matrix C, const GemmOptions& opt = {});
+
+// The scalar reference: the same arithmetic, one element at a time. Always built; the oracle of
+// the fast path's tests.
+void gemm_reference(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B,
+                    float beta, Matrix C, Partials partials = Partials::kF32);
+
+}  // namespace mantissa::kernels

@@ -1,0 +1,30 @@
+// Internal: the GEMM micro-kernels (6 x 16 tiles of C over packed panels). Not a public API.
+#pragma once
+
+#include <cstdint>
+
+namespace mantissa::kernels::detail {
+
+inline constexpr int kMR = 6;   // rows of C per micro-tile
+inline constexpr int kNR = 16;  // columns of C per micro-tile
+
+// C[0:6][0:16] (row stride ldc) = init + sum over kc of a[k][0:6] * b[k][0:16], in sequential FMA
+// order, where init is 0 (load_c false) or beta * C. a: kc x 6 packed, b: kc x 16 packed.
+// f16_partials rounds the accumulators to FP16 every 16 products and at the end.
+using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
+                             bool load_c, float beta, bool f16_partials);
+
+// dst[k * dst_stride + r] = src[r * ld + k] for r < rows (rows <= 8), k < kc: the transposition
+// that packing needs when the packed direction is the strided one. May write up to 8 floats past
+// dst + kc * dst_stride (packing buffers have that slack).
+using InterleaveFn = void (*)(const float* src, int64_t ld, int rows, int64_t kc, float* dst,
+                              int64_t dst_stride);
+
+MicroKernel portable_micro_kernel();
+InterleaveFn portable_interleave();
+#if defined(MANTISSA_HAVE_X86_SIMD)
+MicroKernel avx2_micro_kernel();
+InterleaveFn avx2_interleave();
+#endif
+
+}  // namespace mantissa::kernels::detail
