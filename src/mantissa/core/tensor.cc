@@ -209,7 +209,7 @@ Tensor Tensor::view(Shape shape) const {
   if (!is_contiguous())
     throw Error("view: tensor of shape " + shape_str(shape_) + " is not contiguous",
                 "call .contiguous() first, or use reshape()");
-  Tensor t = *this;
+  Tensor t = detach();
   t.shape_ = std::move(shape);
   t.strides_ = contiguous_strides(t.shape_);
   return t;
@@ -220,7 +220,7 @@ Tensor Tensor::reshape(Shape shape) const {
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
-  Tensor t = *this;
+  Tensor t = detach();
   d0 = normalize_dim(d0);
   d1 = normalize_dim(d1);
   std::swap(t.shape_[d0], t.shape_[d1]);
@@ -234,7 +234,7 @@ Tensor Tensor::permute(const std::vector<int64_t>& order) const {
                     " dimensions given for a tensor of shape " + shape_str(shape_),
                 "give each dimension exactly once");
   std::vector<bool> seen(order.size(), false);
-  Tensor t = *this;
+  Tensor t = detach();
   for (size_t i = 0; i < order.size(); ++i) {
     const int64_t d = normalize_dim(order[i]);
     if (seen[d])
@@ -254,7 +254,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
                     ") is outside dimension " + std::to_string(d) + " of size " +
                     std::to_string(shape_[d]),
                 "keep start >= 0 and start + length <= size");
-  Tensor t = *this;
+  Tensor t = detach();
   t.offset_ += start * strides_[d];
   t.shape_[d] = length;
   return t;
@@ -280,7 +280,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
         "unsqueeze: dimension " + std::to_string(d) + " is out of range for " + shape_str(shape_),
         "use a dimension in [" + std::to_string(-n) + ", " + std::to_string(n - 1) + "]");
   if (d < 0) d += n;
-  Tensor t = *this;
+  Tensor t = detach();
   const int64_t stride = d < dim() ? shape_[d] * strides_[d] : 1;
   t.shape_.insert(t.shape_.begin() + d, 1);
   t.strides_.insert(t.strides_.begin() + d, stride);
@@ -292,7 +292,7 @@ Tensor Tensor::expand(const Shape& shape) const {
     throw Error(
         "expand: cannot expand " + shape_str(shape_) + " to fewer dimensions " + shape_str(shape),
         "give at least as many dimensions as the tensor has");
-  Tensor t = *this;
+  Tensor t = detach();
   const size_t lead = shape.size() - shape_.size();
   t.shape_ = shape;
   t.strides_.assign(shape.size(), 0);
@@ -430,6 +430,54 @@ void Tensor::fill(double value) {
     for (int64_t j = 0; j < row; ++j)
       std::memcpy(base + (dof + j * inner) * static_cast<int64_t>(es), one, es);
   });
+}
+
+// ---- Autograd state ----------------------------------------------------------------------------
+
+Tensor& Tensor::set_requires_grad(bool on) {
+  if (on && !is_floating(dtype_))
+    throw Error("only floating-point tensors can require gradients (this one is " +
+                    std::string(dtype_name(dtype_)) + ")",
+                "convert it to f32, f16 or bf16 first");
+  if (!autograd_) autograd_ = std::make_shared<AutogradMeta>();
+  autograd_->requires_grad = on;
+  return *this;
+}
+
+Tensor Tensor::grad() const { return autograd_ && autograd_->grad ? *autograd_->grad : Tensor(); }
+
+void Tensor::set_grad(const Tensor& g) {
+  if (!autograd_) autograd_ = std::make_shared<AutogradMeta>();
+  if (!g.defined()) {
+    autograd_->grad.reset();
+    return;
+  }
+  if (g.shape() != shape_)
+    throw Error(
+        "gradient of shape " + shape_str(g.shape()) + " for a tensor of shape " + shape_str(shape_),
+        "a gradient has its tensor's shape");
+  autograd_->grad = std::make_unique<Tensor>(g.detach());
+}
+
+void Tensor::zero_grad() {
+  if (autograd_) autograd_->grad.reset();
+}
+
+const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const {
+  static const std::shared_ptr<autograd::Node> none;
+  return autograd_ ? autograd_->grad_fn : none;
+}
+
+Tensor Tensor::detach() const {
+  Tensor t = *this;
+  t.autograd_.reset();
+  return t;
+}
+
+void Tensor::set_grad_fn(std::shared_ptr<autograd::Node> fn) {
+  autograd_ = std::make_shared<AutogradMeta>();
+  autograd_->requires_grad = fn != nullptr;
+  autograd_->grad_fn = std::move(fn);
 }
 
 // ---- Element access ----------------------------------------------------------------------------

@@ -15,6 +15,11 @@
 
 namespace mantissa {
 
+namespace autograd {
+class Node;  // defined by the autograd layer; core only holds pointers to it
+}
+class Tensor;
+
 enum class DeviceType : uint8_t { kCpu, kCuda };
 
 struct Device {
@@ -64,6 +69,21 @@ struct TensorOptions {
   std::string owner;  // for memory reports: module path or buffer name
   Device device;
   MemoryTracker* tracker = nullptr;  // nullptr: the device's default tracker
+};
+// Options charging a new tensor to `category` (default device and tracker, no owner).
+inline TensorOptions charged_to(MemoryCategory category) {
+  TensorOptions o;
+  o.category = category;
+  return o;
+}
+
+// Autograd state of a tensor, shared by every copy of the Tensor handle (not by views, which are
+// new tensors). A leaf that requires grad accumulates into `grad`; a computed tensor points to the
+// node that made it.
+struct AutogradMeta {
+  bool requires_grad = false;
+  std::unique_ptr<Tensor> grad;             // same shape and dtype as the tensor
+  std::shared_ptr<autograd::Node> grad_fn;  // null for leaves
 };
 
 class Tensor {
@@ -138,6 +158,21 @@ class Tensor {
   std::vector<float> to_float_vector() const;
   std::string str(int64_t max_elements = 16) const;  // "f16 (2, 3) [1, 2, ...]"
 
+  // ---- Autograd state (the autograd layer records and differentiates; see autograd/) ----
+  bool requires_grad() const { return autograd_ && autograd_->requires_grad; }
+  // Marks a leaf as needing its gradient. Returns *this for chaining.
+  Tensor& set_requires_grad(bool on = true);
+  // The accumulated gradient (undefined until a backward pass reaches this leaf).
+  Tensor grad() const;
+  void set_grad(const Tensor& g);
+  void zero_grad();  // drops the gradient
+  const std::shared_ptr<autograd::Node>& grad_fn() const;
+  const std::shared_ptr<AutogradMeta>& autograd_meta() const { return autograd_; }
+  // The same data without autograd state (what ops see inside a backward pass).
+  Tensor detach() const;
+  // Used by the autograd layer to attach a result to the node that computed it.
+  void set_grad_fn(std::shared_ptr<autograd::Node> fn);
+
  private:
   int64_t normalize_dim(int64_t d) const;
   void check_type(DType t) const;
@@ -147,6 +182,7 @@ class Tensor {
   Shape shape_;
   Shape strides_;
   int64_t offset_ = 0;  // in elements
+  std::shared_ptr<AutogradMeta> autograd_;
 };
 
 // Contiguous (row-major) strides for a shape.

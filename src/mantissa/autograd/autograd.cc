@@ -1,0 +1,150 @@
+#include "mantissa/autograd/autograd.h"
+
+#include <unordered_map>
+#include <unordered_set>
+
+#include "mantissa/core/error.h"
+#include "mantissa/kernels/elementwise.h"
+
+namespace mantissa::autograd {
+
+namespace {
+thread_local bool t_grad_enabled = true;
+}
+
+bool grad_enabled() { return t_grad_enabled; }
+
+NoGradGuard::NoGradGuard() : previous_(t_grad_enabled) { t_grad_enabled = false; }
+NoGradGuard::~NoGradGuard() { t_grad_enabled = previous_; }
+
+bool needs_grad(std::initializer_list<const Tensor*> inputs) {
+  if (!t_grad_enabled) return false;
+  for (const Tensor* t : inputs)
+    if (t && t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+void record(Tensor& out, std::shared_ptr<Node> node, std::initializer_list<const Tensor*> inputs) {
+  record_many(out, std::move(node), std::vector<const Tensor*>(inputs));
+}
+
+void record_many(Tensor& out, std::shared_ptr<Node> node,
+                 const std::vector<const Tensor*>& inputs) {
+  node->inputs_.clear();
+  for (const Tensor* t : inputs) {
+    Node::Input in;
+    if (t && t->defined()) {
+      in.shape = t->shape();
+      in.dtype = t->dtype();
+      if (t->requires_grad()) {
+        if (t->grad_fn())
+          in.fn = t->grad_fn();
+        else
+          in.leaf = t->autograd_meta();
+      }
+    }
+    node->inputs_.push_back(std::move(in));
+  }
+  out.set_grad_fn(std::move(node));
+}
+
+namespace {
+
+// a += b (same shape), computed in FP32, stored in a's dtype.
+void accumulate(Tensor& into, const Tensor& g) {
+  if (!into.defined()) {
+    into = g;
+    return;
+  }
+  into = kernels::add(into, g, into.dtype(), MemoryCategory::gradients);
+}
+
+void accumulate_leaf(AutogradMeta& meta, const Tensor& g, DType dtype) {
+  Tensor converted = g.dtype() == dtype ? g : g.to(dtype);
+  if (!meta.grad) {
+    // Own the gradient's memory: a gradient that is a view of something else would alias.
+    Tensor own = converted.storage().use_count() > 1 || !converted.is_contiguous()
+                     ? converted.clone()
+                     : converted;
+    if (own.storage()->category() != MemoryCategory::gradients)
+      own.storage()->recharge(MemoryCategory::gradients, own.storage()->owner());
+    meta.grad = std::make_unique<Tensor>(own.detach());
+    return;
+  }
+  *meta.grad = kernels::add(*meta.grad, converted, dtype, MemoryCategory::gradients).detach();
+}
+
+}  // namespace
+
+void backward(const Tensor& root, const Tensor& grad_root) {
+  MANTISSA_CHECK(root.defined(), "backward: the root tensor is undefined",
+                 "call backward on a computed tensor");
+  MANTISSA_CHECK(
+      root.requires_grad(),
+      "backward: the root does not require grad (no input of it requires grad, or it was computed "
+      "under NoGradGuard)",
+      "mark the leaves with set_requires_grad() before computing the root");
+  Tensor seed = grad_root;
+  if (!seed.defined()) {
+    MANTISSA_CHECK(root.numel() == 1,
+                   "backward: the root has " + std::to_string(root.numel()) +
+                       " elements; without an explicit "
+                       "gradient it must be a scalar",
+                   "reduce it (sum, mean) or pass its gradient");
+    seed = Tensor::full(root.shape(), 1.0, root.dtype(), charged_to(MemoryCategory::gradients));
+  }
+  MANTISSA_CHECK(seed.shape() == root.shape(),
+                 "backward: gradient of shape " + shape_str(seed.shape()) +
+                     " for a root of shape " + shape_str(root.shape()),
+                 "pass a gradient of the root's shape");
+  NoGradGuard no_record;
+  if (!root.grad_fn()) {  // the root is itself a leaf
+    accumulate_leaf(*root.autograd_meta(), seed, root.dtype());
+    return;
+  }
+  // Reverse topological order by depth-first search (iterative: graphs can be deep).
+  std::vector<Node*> order;
+  std::unordered_set<Node*> seen;
+  std::vector<std::pair<Node*, size_t>> stack{{root.grad_fn().get(), 0}};
+  seen.insert(root.grad_fn().get());
+  while (!stack.empty()) {
+    auto& [node, next] = stack.back();
+    if (next < node->inputs().size()) {
+      Node* child = node->inputs()[next++].fn.get();
+      if (child && seen.insert(child).second) stack.emplace_back(child, 0);
+      continue;
+    }
+    order.push_back(node);
+    stack.pop_back();
+  }
+  std::unordered_map<Node*, Tensor> pending;
+  pending[root.grad_fn().get()] = seed;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    Node* node = *it;
+    auto found = pending.find(node);
+    if (found == pending.end()) continue;  // no gradient flowed here
+    const Tensor g = found->second;
+    pending.erase(found);
+    std::vector<Tensor> grads = node->backward(g);
+    MANTISSA_CHECK(grads.size() == node->inputs().size(),
+                   std::string("internal: ") + node->name() + " returned " +
+                       std::to_string(grads.size()) + " gradients for " +
+                       std::to_string(node->inputs().size()) + " inputs",
+                   "report this as a bug");
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const Node::Input& in = node->inputs()[i];
+      if (!in.needs_grad() || !grads[i].defined()) continue;
+      MANTISSA_CHECK(grads[i].shape() == in.shape,
+                     std::string("internal: ") + node->name() + " gave input " + std::to_string(i) +
+                         " a gradient of shape " + shape_str(grads[i].shape()) + " for shape " +
+                         shape_str(in.shape),
+                     "report this as a bug");
+      if (in.fn)
+        accumulate(pending[in.fn.get()], grads[i]);
+      else
+        accumulate_leaf(*in.leaf, grads[i], in.dtype);
+    }
+  }
+}
+
+}  // namespace mantissa::autograd

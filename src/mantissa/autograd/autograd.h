@@ -1,0 +1,72 @@
+// Reverse-mode automatic differentiation: the engine. Ops (src/mantissa/ops) record a Node for
+// each result that needs a gradient; backward() walks the recorded graph from a root in reverse
+// topological order, calling each node once with the sum of the gradients of its output.
+//
+// Gradients are stored in the dtype of their tensor (an f16 parameter gets an f16 gradient),
+// computed in FP32; a gradient reaching a leaf twice is accumulated into the existing one.
+#pragma once
+
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mantissa/core/tensor.h"
+
+namespace mantissa::autograd {
+
+// Whether ops record (true by default, per thread).
+bool grad_enabled();
+
+// Ops called while one of these is alive record nothing (the optimizer step, evaluation).
+class NoGradGuard {
+ public:
+  NoGradGuard();
+  ~NoGradGuard();
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// A recorded op. It keeps only what its backward needs (subclasses hold those tensors).
+class Node {
+ public:
+  virtual ~Node() = default;
+  virtual const char* name() const = 0;
+  // Gradients of the inputs, given the gradient of the output (same shape and dtype as the
+  // output). One entry per input; an undefined tensor where an input needs none.
+  virtual std::vector<Tensor> backward(const Tensor& grad_output) = 0;
+
+  // Where each input's gradient goes: the node that computed it, or the leaf's state.
+  struct Input {
+    std::shared_ptr<Node> fn;
+    std::shared_ptr<AutogradMeta> leaf;
+    Shape shape;
+    DType dtype = DType::f32;
+    bool needs_grad() const { return fn != nullptr || leaf != nullptr; }
+  };
+  const std::vector<Input>& inputs() const { return inputs_; }
+  bool needs_input_grad(size_t i) const { return i < inputs_.size() && inputs_[i].needs_grad(); }
+
+ private:
+  friend void record_many(Tensor&, std::shared_ptr<Node>, const std::vector<const Tensor*>&);
+  std::vector<Input> inputs_;
+};
+
+// Whether an op on these inputs must record: grad mode is on and an input requires grad.
+bool needs_grad(std::initializer_list<const Tensor*> inputs);
+
+// Attaches `node` to `out` as the op that computed it from `inputs` (undefined inputs allowed,
+// e.g. an absent bias).
+void record(Tensor& out, std::shared_ptr<Node> node, std::initializer_list<const Tensor*> inputs);
+// The same for a variable number of inputs (cat).
+void record_many(Tensor& out, std::shared_ptr<Node> node, const std::vector<const Tensor*>& inputs);
+
+// Computes the gradient of `root` with respect to every leaf that requires grad and accumulates
+// it into the leaf's grad(). `root` must be a one-element tensor unless `grad_root` (its
+// gradient) is given.
+void backward(const Tensor& root, const Tensor& grad_root = Tensor());
+
+}  // namespace mantissa::autograd

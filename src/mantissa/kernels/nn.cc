@@ -1,0 +1,1018 @@
+#include "mantissa/kernels/nn.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "mantissa/core/error.h"
+#include "mantissa/core/parallel.h"
+#include "mantissa/core/philox.h"
+#include "mantissa/kernels/elementwise.h"
+
+namespace mantissa::kernels {
+namespace {
+
+const char* bytes(const Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
+char* bytes(Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+int64_t esize(DType t) { return static_cast<int64_t>(dtype_size(t)); }
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+void require_float(const Tensor& t, const char* op, const char* what) {
+  MANTISSA_CHECK(t.defined(), std::string(op) + ": " + what + " is undefined", "pass a tensor");
+  MANTISSA_CHECK(is_floating(t.dtype()) && t.dtype() != DType::f64,
+                 std::string(op) + ": " + what + " must be f32, f16 or bf16 (got " +
+                     std::string(dtype_name(t.dtype())) + ")",
+                 "convert it with cast() first");
+}
+
+void require_rank(const Tensor& t, int64_t rank, const char* op, const char* what) {
+  MANTISSA_CHECK(t.dim() == rank,
+                 std::string(op) + ": " + what + " must have " + str(rank) +
+                     " dimensions, got shape " + shape_str(t.shape()),
+                 rank == 4 ? "use the (N, C, H, W) layout" : "reshape the input");
+}
+
+Tensor f32_workspace(const Shape& shape) {
+  TensorOptions o;
+  o.category = MemoryCategory::workspace;
+  o.owner = "kernel workspace";
+  return Tensor::empty(shape, DType::f32, o);
+}
+
+// Integer class targets as int64, validated against C.
+std::vector<int64_t> read_targets(const Tensor& target, int64_t n, int64_t classes,
+                                  int64_t ignore_index, const char* op) {
+  MANTISSA_CHECK(target.dim() == 1 && target.size(0) == n,
+                 std::string(op) + ": target shape " + shape_str(target.shape()) +
+                     " does not match " + str(n) + " rows",
+                 "pass one class index per row");
+  MANTISSA_CHECK(!is_floating(target.dtype()),
+                 std::string(op) + ": targets must be integers (got " +
+                     std::string(dtype_name(target.dtype())) + ")",
+                 "convert the labels to i64");
+  std::vector<int64_t> t(static_cast<size_t>(n));
+  Tensor c = target.contiguous();
+  convert(c.data_ptr(), c.dtype(), t.data(), DType::i64, t.size());
+  for (int64_t i = 0; i < n; ++i)
+    MANTISSA_CHECK(t[i] == ignore_index || (t[i] >= 0 && t[i] < classes),
+                   std::string(op) + ": target " + str(t[i]) + " at row " + str(i) +
+                       " is outside [0, " + str(classes) + ")",
+                   "class indices must be in [0, classes)");
+  return t;
+}
+
+}  // namespace
+
+// ---- Linear algebra
+// ---------------------------------------------------------------------------------
+
+Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out, Partials p) {
+  require_float(x_in, "linear", "input");
+  require_float(w_in, "linear", "weight");
+  MANTISSA_CHECK(w_in.dim() == 2,
+                 "linear: weight must be (out, in), got " + shape_str(w_in.shape()),
+                 "pass a 2-D weight");
+  MANTISSA_CHECK(x_in.dim() >= 1 && x_in.size(-1) == w_in.size(1),
+                 "linear: input " + shape_str(x_in.shape()) + " does not match weight " +
+                     shape_str(w_in.shape()) + " (last dimension " +
+                     str(x_in.dim() ? x_in.size(-1) : 0) + " vs " + str(w_in.size(1)) + ")",
+                 "the input's last dimension must equal the weight's in_features");
+  const int64_t in = w_in.size(1), outf = w_in.size(0);
+  if (b.defined())
+    MANTISSA_CHECK(b.dim() == 1 && b.size(0) == outf,
+                   "linear: bias " + shape_str(b.shape()) + " for " + str(outf) + " outputs",
+                   "the bias has one value per output");
+  const Tensor x = x_in.contiguous();
+  const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
+  Shape yshape = x.shape();
+  yshape.back() = outf;
+  Tensor y = Tensor::empty(yshape, out, charged_to(MemoryCategory::activations));
+  GemmOptions go;
+  go.partials = p;
+  const ConstMatrix A{x.data_ptr(), x.dtype(), in, 1};
+  const ConstMatrix B{w_in.data_ptr(), w_in.dtype(), w_in.stride(1), w_in.stride(0)};
+  // With a bias, C starts from it and beta = 1, so the sum is rounded once, in FP32.
+  Tensor acc = (b.defined() && out != DType::f32) ? f32_workspace({rows, outf}) : y;
+  if (b.defined()) {
+    Tensor bias_rows = b.unsqueeze(0).expand({rows, outf});
+    acc.view({rows, outf}).copy_from(bias_rows);
+  }
+  gemm(rows, outf, in, 1.0f, A, B, b.defined() ? 1.0f : 0.0f,
+       {acc.data_ptr(), acc.dtype(), outf, 1}, go);
+  if (acc.storage() != y.storage()) y.view({rows, outf}).copy_from(acc);
+  return y;
+}
+
+Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, MemoryCategory cat) {
+  require_float(a_in, "matmul", "left operand");
+  require_float(b_in, "matmul", "right operand");
+  MANTISSA_CHECK(a_in.dim() >= 2 && b_in.dim() >= 2,
+                 "matmul: operands must have at least 2 dimensions, got " +
+                     shape_str(a_in.shape()) + " and " + shape_str(b_in.shape()),
+                 "unsqueeze vectors to matrices");
+  const int64_t M = a_in.size(-2), K = a_in.size(-1), N = b_in.size(-1);
+  MANTISSA_CHECK(b_in.size(-2) == K,
+                 "matmul: " + shape_str(a_in.shape()) + " @ " + shape_str(b_in.shape()) +
+                     ": inner dimensions " + str(K) + " and " + str(b_in.size(-2)) + " differ",
+                 "the left operand's last dimension must equal the right's second-to-last");
+  Shape batch(a_in.shape().begin(), a_in.shape().end() - 2);
+  const bool b_batched = b_in.dim() > 2;
+  if (b_batched)
+    MANTISSA_CHECK(Shape(b_in.shape().begin(), b_in.shape().end() - 2) == batch,
+                   "matmul: batch dimensions of " + shape_str(a_in.shape()) + " and " +
+                       shape_str(b_in.shape()) + " differ",
+                   "use equal batch dimensions, or a 2-D right operand");
+  int64_t batches = 1;
+  for (int64_t d : batch) batches *= d;
+  Shape yshape = batch;
+  yshape.push_back(M);
+  yshape.push_back(N);
+  Tensor y = Tensor::empty(yshape, out, charged_to(cat));
+  const Tensor a = a_in.reshape({batches, M, K});
+  const Tensor b = b_batched ? b_in.reshape({batches, K, N}) : b_in;
+  GemmOptions go;
+  go.partials = p;
+  for (int64_t i = 0; i < batches; ++i) {
+    const Tensor ai = a.select(0, i);
+    const Tensor bi = b_batched ? b.select(0, i) : b;
+    gemm(M, N, K, 1.0f, {ai.data_ptr(), ai.dtype(), ai.stride(0), ai.stride(1)},
+         {bi.data_ptr(), bi.dtype(), bi.stride(0), bi.stride(1)}, 0.0f,
+         {bytes(y) + i * M * N * esize(out), out, N, 1}, go);
+  }
+  return y;
+}
+
+// ---- Convolution
+// ------------------------------------------------------------------------------------
+
+Shape conv2d_output_shape(const Shape& x, const Shape& w, const Conv2dParams& p) {
+  MANTISSA_CHECK(x.size() == 4, "conv2d: input must be (N, C, H, W), got " + shape_str(x),
+                 "use the NCHW layout");
+  MANTISSA_CHECK(w.size() == 4, "conv2d: weight must be (O, C/groups, KH, KW), got " + shape_str(w),
+                 "use the OIHW layout");
+  MANTISSA_CHECK(p.groups >= 1 && x[1] % p.groups == 0 && w[0] % p.groups == 0,
+                 "conv2d: " + str(x[1]) + " input and " + str(w[0]) +
+                     " output channels do not divide into " + str(p.groups) + " groups",
+                 "choose groups dividing both channel counts");
+  MANTISSA_CHECK(w[1] * p.groups == x[1],
+                 "conv2d: weight " + shape_str(w) + " expects " + str(w[1] * p.groups) +
+                     " input channels, the input " + shape_str(x) + " has " + str(x[1]),
+                 "the weight's second dimension is in_channels / groups");
+  MANTISSA_CHECK(p.stride_h >= 1 && p.stride_w >= 1 && p.dilation_h >= 1 && p.dilation_w >= 1 &&
+                     p.pad_h >= 0 && p.pad_w >= 0,
+                 "conv2d: strides and dilations must be >= 1 and padding >= 0",
+                 "fix the convolution parameters");
+  // Spans below zero mean the kernel does not fit; C++ division would truncate them to 0.
+  const int64_t span_h = x[2] + 2 * p.pad_h - p.dilation_h * (w[2] - 1) - 1;
+  const int64_t span_w = x[3] + 2 * p.pad_w - p.dilation_w * (w[3] - 1) - 1;
+  const int64_t ho = span_h < 0 ? 0 : span_h / p.stride_h + 1;
+  const int64_t wo = span_w < 0 ? 0 : span_w / p.stride_w + 1;
+  MANTISSA_CHECK(ho >= 1 && wo >= 1,
+                 "conv2d: a " + str(w[2]) + "x" + str(w[3]) + " kernel does not fit the " +
+                     str(x[2]) + "x" + str(x[3]) + " input (with padding " + str(p.pad_h) + "x" +
+                     str(p.pad_w) + ")",
+                 "use a larger input or more padding");
+  return {x[0], w[0], ho, wo};
+}
+
+namespace {
+
+struct ConvGeometry {
+  int64_t N, C, H, W, O, KH, KW, Ho, Wo, G, Cg, Og, CKK, HW;
+  Conv2dParams p;
+  ConvGeometry(const Shape& x, const Shape& w, const Conv2dParams& prm) : p(prm) {
+    const Shape y = conv2d_output_shape(x, w, prm);
+    N = x[0], C = x[1], H = x[2], W = x[3], O = w[0], KH = w[2], KW = w[3], Ho = y[2], Wo = y[3];
+    G = prm.groups, Cg = C / G, Og = O / G, CKK = Cg * KH * KW, HW = Ho * Wo;
+  }
+  // Images per chunk: the column buffer (CKK x images*HW) stays within ~8M elements.
+  int64_t chunk() const {
+    return std::clamp<int64_t>((int64_t{8} << 20) / std::max<int64_t>(CKK * HW, 1), 1, N);
+  }
+};
+
+// cols[(c, ki, kj), (n - n0, oh, ow)] of group g, in x's dtype (zeros where the window is padding).
+void im2col(const Tensor& x, const ConvGeometry& g, int64_t grp, int64_t n0, int64_t nb,
+            char* cols) {
+  const int64_t es = esize(x.dtype());
+  const int64_t L = nb * g.HW;
+  const char* xb = bytes(x);
+  parallel_for(static_cast<size_t>(g.CKK), 4,
+               g.CKK * L >= kParallelElements ? default_num_threads() : 1,
+               [&](size_t r0, size_t r1) {
+                 for (size_t r = r0; r < r1; ++r) {
+                   const int64_t c = static_cast<int64_t>(r) / (g.KH * g.KW),
+                                 ki = (static_cast<int64_t>(r) / g.KW) % g.KH,
+                                 kj = static_cast<int64_t>(r) % g.KW;
+                   char* row = cols + static_cast<int64_t>(r) * L * es;
+                   for (int64_t nl = 0; nl < nb; ++nl) {
+                     const char* plane = xb + ((n0 + nl) * g.C + grp * g.Cg + c) * g.H * g.W * es;
+                     for (int64_t oh = 0; oh < g.Ho; ++oh) {
+                       char* out = row + (nl * g.HW + oh * g.Wo) * es;
+                       const int64_t ih = oh * g.p.stride_h - g.p.pad_h + ki * g.p.dilation_h;
+                       if (ih < 0 || ih >= g.H) {
+                         std::memset(out, 0, static_cast<size_t>(g.Wo * es));
+                         continue;
+                       }
+                       const char* in_row = plane + ih * g.W * es;
+                       for (int64_t ow = 0; ow < g.Wo; ++ow) {
+                         const int64_t iw = ow * g.p.stride_w - g.p.pad_w + kj * g.p.dilation_w;
+                         if (iw < 0 || iw >= g.W)
+                           std::memset(out + ow * es, 0, static_cast<size_t>(es));
+                         else
+                           std::memcpy(out + ow * es, in_row + iw * es, static_cast<size_t>(es));
+                       }
+                     }
+                   }
+                 }
+               });
+}
+
+// dx[n0 + nl, grp*Cg + c, ih, iw] += dcols[(c, ki, kj), (nl, oh, ow)] into an FP32 chunk (nb, C, H,
+// W).
+void col2im(const float* dcols, const ConvGeometry& g, int64_t grp, int64_t nb, float* dx) {
+  const int64_t L = nb * g.HW;
+  // Parallel over input channels: each writes its own planes.
+  parallel_for(static_cast<size_t>(g.Cg), 1,
+               g.CKK * L >= kParallelElements ? default_num_threads() : 1,
+               [&](size_t c0, size_t c1) {
+                 for (int64_t c = static_cast<int64_t>(c0); c < static_cast<int64_t>(c1); ++c)
+                   for (int64_t ki = 0; ki < g.KH; ++ki)
+                     for (int64_t kj = 0; kj < g.KW; ++kj) {
+                       const float* row = dcols + ((c * g.KH + ki) * g.KW + kj) * L;
+                       for (int64_t nl = 0; nl < nb; ++nl) {
+                         float* plane = dx + (nl * g.C + grp * g.Cg + c) * g.H * g.W;
+                         for (int64_t oh = 0; oh < g.Ho; ++oh) {
+                           const int64_t ih = oh * g.p.stride_h - g.p.pad_h + ki * g.p.dilation_h;
+                           if (ih < 0 || ih >= g.H) continue;
+                           const float* src = row + nl * g.HW + oh * g.Wo;
+                           float* dst = plane + ih * g.W;
+                           for (int64_t ow = 0; ow < g.Wo; ++ow) {
+                             const int64_t iw = ow * g.p.stride_w - g.p.pad_w + kj * g.p.dilation_w;
+                             if (iw >= 0 && iw < g.W) dst[iw] += src[ow];
+                           }
+                         }
+                       }
+                     }
+               });
+}
+
+// dy of group grp for images [n0, n0+nb) as a matrix (Og, nb*HW), in dy's dtype.
+void gather_dy(const Tensor& dy, const ConvGeometry& g, int64_t grp, int64_t n0, int64_t nb,
+               char* dst) {
+  const int64_t es = esize(dy.dtype());
+  for (int64_t o = 0; o < g.Og; ++o)
+    for (int64_t nl = 0; nl < nb; ++nl)
+      std::memcpy(dst + (o * nb * g.HW + nl * g.HW) * es,
+                  bytes(dy) + (((n0 + nl) * g.O + grp * g.Og + o) * g.HW) * es,
+                  static_cast<size_t>(g.HW * es));
+}
+
+Tensor byte_workspace(int64_t elements, DType t) {
+  TensorOptions o;
+  o.category = MemoryCategory::workspace;
+  o.owner = "conv2d columns";
+  return Tensor::empty({elements}, t, o);
+}
+
+}  // namespace
+
+Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Conv2dParams& p,
+              DType out, Partials partials) {
+  require_float(x_in, "conv2d", "input");
+  require_float(w_in, "conv2d", "weight");
+  const ConvGeometry g(x_in.shape(), w_in.shape(), p);
+  if (b.defined())
+    MANTISSA_CHECK(b.dim() == 1 && b.size(0) == g.O,
+                   "conv2d: bias " + shape_str(b.shape()) + " for " + str(g.O) + " channels",
+                   "the bias has one value per output channel");
+  const Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
+  std::vector<float> bias(static_cast<size_t>(g.O), 0.0f);
+  if (b.defined()) {
+    const Tensor bc = b.contiguous();
+    convert(bc.data_ptr(), bc.dtype(), bias.data(), DType::f32, bias.size());
+  }
+  GemmOptions go;
+  go.partials = partials;
+  const int64_t chunk = g.chunk();
+  Tensor cols = byte_workspace(g.CKK * chunk * g.HW, x.dtype());
+  Tensor acc = f32_workspace({g.Og * chunk * g.HW});
+  for (int64_t n0 = 0; n0 < g.N; n0 += chunk) {
+    const int64_t nb = std::min(chunk, g.N - n0), L = nb * g.HW;
+    for (int64_t grp = 0; grp < g.G; ++grp) {
+      im2col(x, g, grp, n0, nb, bytes(cols));
+      gemm(g.Og, L, g.CKK, 1.0f,
+           {bytes(w) + grp * g.Og * g.CKK * esize(w.dtype()), w.dtype(), g.CKK, 1},
+           {cols.data_ptr(), cols.dtype(), L, 1}, 0.0f, {acc.data_ptr(), DType::f32, L, 1}, go);
+      // Scatter (Og, nb*HW) into NCHW, adding the bias, rounding once into the output dtype.
+      const float* a = acc.data<float>();
+      parallel_for(
+          static_cast<size_t>(g.Og * nb), 1,
+          g.Og * L >= kParallelElements ? default_num_threads() : 1, [&](size_t r0, size_t r1) {
+            std::vector<float> row(static_cast<size_t>(g.HW));
+            for (size_t r = r0; r < r1; ++r) {
+              const int64_t o = static_cast<int64_t>(r) / nb, nl = static_cast<int64_t>(r) % nb;
+              const float bo = bias[static_cast<size_t>(grp * g.Og + o)];
+              const float* src = a + o * L + nl * g.HW;
+              for (int64_t i = 0; i < g.HW; ++i) row[i] = src[i] + bo;
+              store_f32(row.data(), g.HW,
+                        bytes(y) + (((n0 + nl) * g.O + grp * g.Og + o) * g.HW) * esize(out), out,
+                        1);
+            }
+          });
+    }
+  }
+  return y;
+}
+
+Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shape& x_shape,
+                             const Conv2dParams& p, DType out, Partials partials) {
+  const ConvGeometry g(x_shape, w_in.shape(), p);
+  MANTISSA_CHECK(
+      dy_in.shape() == Shape({g.N, g.O, g.Ho, g.Wo}),
+      "conv2d backward: gradient " + shape_str(dy_in.shape()) + " does not match the output shape",
+      "report this as a bug");
+  const Tensor dy = dy_in.contiguous(), w = w_in.contiguous();
+  Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
+  GemmOptions go;
+  go.partials = partials;
+  const int64_t chunk = g.chunk();
+  Tensor dyg = byte_workspace(g.Og * chunk * g.HW, dy.dtype());
+  Tensor dcols = f32_workspace({g.CKK * chunk * g.HW});
+  Tensor dx32 = f32_workspace({chunk * g.C * g.H * g.W});
+  for (int64_t n0 = 0; n0 < g.N; n0 += chunk) {
+    const int64_t nb = std::min(chunk, g.N - n0), L = nb * g.HW;
+    std::fill(dx32.data<float>(), dx32.data<float>() + nb * g.C * g.H * g.W, 0.0f);
+    for (int64_t grp = 0; grp < g.G; ++grp) {
+      gather_dy(dy, g, grp, n0, nb, bytes(dyg));
+      // dcols (CKK, L) = W_g^T (CKK, Og) x dy_g (Og, L)
+      gemm(g.CKK, L, g.Og, 1.0f,
+           {bytes(w) + grp * g.Og * g.CKK * esize(w.dtype()), w.dtype(), 1, g.CKK},
+           {dyg.data_ptr(), dyg.dtype(), L, 1}, 0.0f, {dcols.data_ptr(), DType::f32, L, 1}, go);
+      col2im(dcols.data<float>(), g, grp, nb, dx32.data<float>());
+    }
+    convert(dx32.data_ptr(), DType::f32, bytes(dx) + n0 * g.C * g.H * g.W * esize(out), out,
+            static_cast<size_t>(nb * g.C * g.H * g.W));
+  }
+  return dx;
+}
+
+Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Shape& w_shape,
+                              const Conv2dParams& p, DType out, Partials partials) {
+  const ConvGeometry g(x_in.shape(), w_shape, p);
+  const Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
+  GemmOptions go;
+  go.partials = partials;
+  const int64_t chunk = g.chunk();
+  Tensor cols = byte_workspace(g.CKK * chunk * g.HW, x.dtype());
+  Tensor dyg = byte_workspace(g.Og * chunk * g.HW, dy.dtype());
+  Tensor dw32 = f32_workspace({g.O * g.CKK});
+  for (int64_t n0 = 0; n0 < g.N; n0 += chunk) {
+    const int64_t nb = std::min(chunk, g.N - n0), L = nb * g.HW;
+    for (int64_t grp = 0; grp < g.G; ++grp) {
+      im2col(x, g, grp, n0, nb, bytes(cols));
+      gather_dy(dy, g, grp, n0, nb, bytes(dyg));
+      // dW_g (Og, CKK) += dy_g (Og, L) x cols^T (L, CKK)
+      gemm(g.Og, g.CKK, L, 1.0f, {dyg.data_ptr(), dyg.dtype(), L, 1},
+           {cols.data_ptr(), cols.dtype(), 1, L}, n0 == 0 ? 0.0f : 1.0f,
+           {dw32.data<float>() + grp * g.Og * g.CKK, DType::f32, g.CKK, 1}, go);
+    }
+  }
+  Tensor dw = Tensor::empty(w_shape, out, charged_to(MemoryCategory::gradients));
+  convert(dw32.data_ptr(), DType::f32, dw.data_ptr(), out, static_cast<size_t>(dw.numel()));
+  return dw;
+}
+
+// ---- Pooling
+// ---------------------------------------------------------------------------------------------
+
+Shape pool2d_output_shape(const Shape& x, const Pool2dParams& p) {
+  MANTISSA_CHECK(x.size() == 4, "pool2d: input must be (N, C, H, W), got " + shape_str(x),
+                 "use the NCHW layout");
+  MANTISSA_CHECK(p.kernel_h >= 1 && p.kernel_w >= 1 && p.stride_h >= 1 && p.stride_w >= 1,
+                 "pool2d: kernel and stride must be >= 1", "fix the pooling parameters");
+  MANTISSA_CHECK(
+      p.pad_h >= 0 && p.pad_w >= 0 && 2 * p.pad_h <= p.kernel_h && 2 * p.pad_w <= p.kernel_w,
+      "pool2d: padding " + str(p.pad_h) + "x" + str(p.pad_w) + " must be at most half the kernel " +
+          str(p.kernel_h) + "x" + str(p.kernel_w),
+      "use less padding (PyTorch's rule)");
+  auto out_size = [&](int64_t in, int64_t k, int64_t s, int64_t pad) {
+    const int64_t span = in + 2 * pad - k;
+    if (span < 0) return int64_t{0};  // the window does not fit (C++ division would truncate to 0)
+    int64_t o = (p.ceil_mode ? (span + s - 1) / s : span / s) + 1;
+    if (p.ceil_mode && (o - 1) * s >= in + pad) --o;  // the last window must start inside
+    return o;
+  };
+  const int64_t ho = out_size(x[2], p.kernel_h, p.stride_h, p.pad_h),
+                wo = out_size(x[3], p.kernel_w, p.stride_w, p.pad_w);
+  MANTISSA_CHECK(ho >= 1 && wo >= 1,
+                 "pool2d: a " + str(p.kernel_h) + "x" + str(p.kernel_w) +
+                     " window does not fit the " + str(x[2]) + "x" + str(x[3]) + " input",
+                 "use a smaller kernel or a larger input");
+  return {x[0], x[1], ho, wo};
+}
+
+namespace {
+// Calls fn(plane_index, in_plane (FP32, H*W), out_offset) for each (n, c) plane, in parallel.
+template <typename Fn>
+void for_each_plane(const Tensor& x, int64_t planes, int64_t plane_size, Fn&& fn) {
+  parallel_for(static_cast<size_t>(planes), 1,
+               planes * plane_size >= kParallelElements ? default_num_threads() : 1,
+               [&](size_t p0, size_t p1) {
+                 std::vector<float> buf(static_cast<size_t>(plane_size));
+                 for (size_t pl = p0; pl < p1; ++pl) {
+                   load_f32(bytes(x) + static_cast<int64_t>(pl) * plane_size * esize(x.dtype()),
+                            x.dtype(), 1, plane_size, buf.data());
+                   fn(static_cast<int64_t>(pl), buf.data());
+                 }
+               });
+}
+}  // namespace
+
+std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, DType out) {
+  require_float(x_in, "max_pool2d", "input");
+  const Shape ys = pool2d_output_shape(x_in.shape(), p);
+  const Tensor x = x_in.contiguous();
+  const int64_t H = x.size(2), W = x.size(3), Ho = ys[2], Wo = ys[3];
+  Tensor y = Tensor::empty(ys, out, charged_to(MemoryCategory::activations));
+  Tensor idx = Tensor::empty(ys, DType::i32, charged_to(MemoryCategory::activations));
+  int32_t* ib = idx.data<int32_t>();
+  for_each_plane(x, ys[0] * ys[1], H * W, [&](int64_t pl, const float* in) {
+    std::vector<float> row(static_cast<size_t>(Ho * Wo));
+    for (int64_t oh = 0; oh < Ho; ++oh)
+      for (int64_t ow = 0; ow < Wo; ++ow) {
+        const int64_t h0 = oh * p.stride_h - p.pad_h, w0 = ow * p.stride_w - p.pad_w;
+        float best = -INFINITY;
+        int32_t at = -1;
+        for (int64_t h = std::max<int64_t>(h0, 0); h < std::min(h0 + p.kernel_h, H); ++h)
+          for (int64_t w = std::max<int64_t>(w0, 0); w < std::min(w0 + p.kernel_w, W); ++w) {
+            const float v = in[h * W + w];
+            if (at < 0 || v > best || std::isnan(v)) {
+              best = v;
+              at = static_cast<int32_t>(h * W + w);
+              if (std::isnan(v)) goto done;  // NaN propagates, as in PyTorch
+            }
+          }
+      done:
+        row[oh * Wo + ow] = best;
+        ib[pl * Ho * Wo + oh * Wo + ow] = at;
+      }
+    store_f32(row.data(), Ho * Wo, bytes(y) + pl * Ho * Wo * esize(out), out, 1);
+  });
+  return {y, idx};
+}
+
+Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& indices, const Shape& x_shape,
+                           DType out) {
+  const Tensor dy = dy_in.contiguous();
+  const int64_t planes = x_shape[0] * x_shape[1], HW = x_shape[2] * x_shape[3],
+                OHW = dy.size(2) * dy.size(3);
+  Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
+  const int32_t* ib = indices.data<int32_t>();
+  for_each_plane(dy, planes, OHW, [&](int64_t pl, const float* g) {
+    std::vector<float> acc(static_cast<size_t>(HW), 0.0f);
+    for (int64_t i = 0; i < OHW; ++i) acc[static_cast<size_t>(ib[pl * OHW + i])] += g[i];
+    store_f32(acc.data(), HW, bytes(dx) + pl * HW * esize(out), out, 1);
+  });
+  return dx;
+}
+
+namespace {
+// The window of output (oh, ow) and its divisor, as PyTorch's avg_pool2d defines them.
+struct AvgWindow {
+  int64_t h0, h1, w0, w1;
+  float inv_count;
+};
+AvgWindow avg_window(const Pool2dParams& p, int64_t H, int64_t W, int64_t oh, int64_t ow) {
+  int64_t h0 = oh * p.stride_h - p.pad_h, w0 = ow * p.stride_w - p.pad_w;
+  int64_t h1 = std::min(h0 + p.kernel_h, H + p.pad_h), w1 = std::min(w0 + p.kernel_w, W + p.pad_w);
+  const int64_t padded = (h1 - h0) * (w1 - w0);
+  h0 = std::max<int64_t>(h0, 0), w0 = std::max<int64_t>(w0, 0), h1 = std::min(h1, H),
+  w1 = std::min(w1, W);
+  const int64_t count = p.count_include_pad ? padded : (h1 - h0) * (w1 - w0);
+  return {h0, h1, w0, w1, 1.0f / static_cast<float>(std::max<int64_t>(count, 1))};
+}
+}  // namespace
+
+Tensor avg_pool2d(const Tensor& x_in, const Pool2dParams& p, DType out) {
+  require_float(x_in, "avg_pool2d", "input");
+  const Shape ys = pool2d_output_shape(x_in.shape(), p);
+  const Tensor x = x_in.contiguous();
+  const int64_t H = x.size(2), W = x.size(3), Ho = ys[2], Wo = ys[3];
+  Tensor y = Tensor::empty(ys, out, charged_to(MemoryCategory::activations));
+  for_each_plane(x, ys[0] * ys[1], H * W, [&](int64_t pl, const float* in) {
+    std::vector<float> row(static_cast<size_t>(Ho * Wo));
+    for (int64_t oh = 0; oh < Ho; ++oh)
+      for (int64_t ow = 0; ow < Wo; ++ow) {
+        const AvgWindow win = avg_window(p, H, W, oh, ow);
+        float s = 0.0f;
+        for (int64_t h = win.h0; h < win.h1; ++h)
+          for (int64_t w = win.w0; w < win.w1; ++w) s += in[h * W + w];
+        row[oh * Wo + ow] = s * win.inv_count;
+      }
+    store_f32(row.data(), Ho * Wo, bytes(y) + pl * Ho * Wo * esize(out), out, 1);
+  });
+  return y;
+}
+
+Tensor avg_pool2d_backward(const Tensor& dy_in, const Shape& x_shape, const Pool2dParams& p,
+                           DType out) {
+  const Tensor dy = dy_in.contiguous();
+  const int64_t H = x_shape[2], W = x_shape[3], Ho = dy.size(2), Wo = dy.size(3);
+  Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
+  for_each_plane(dy, x_shape[0] * x_shape[1], Ho * Wo, [&](int64_t pl, const float* g) {
+    std::vector<float> acc(static_cast<size_t>(H * W), 0.0f);
+    for (int64_t oh = 0; oh < Ho; ++oh)
+      for (int64_t ow = 0; ow < Wo; ++ow) {
+        const AvgWindow win = avg_window(p, H, W, oh, ow);
+        const float v = g[oh * Wo + ow] * win.inv_count;
+        for (int64_t h = win.h0; h < win.h1; ++h)
+          for (int64_t w = win.w0; w < win.w1; ++w) acc[static_cast<size_t>(h * W + w)] += v;
+      }
+    store_f32(acc.data(), H * W, bytes(dx) + pl * H * W * esize(out), out, 1);
+  });
+  return dx;
+}
+
+Tensor adaptive_avg_pool2d(const Tensor& x_in, int64_t out_h, int64_t out_w, DType out) {
+  require_float(x_in, "adaptive_avg_pool2d", "input");
+  require_rank(x_in, 4, "adaptive_avg_pool2d", "input");
+  MANTISSA_CHECK(out_h >= 1 && out_w >= 1, "adaptive_avg_pool2d: output size must be >= 1",
+                 "pass a positive size");
+  const Tensor x = x_in.contiguous();
+  const int64_t H = x.size(2), W = x.size(3);
+  Tensor y = Tensor::empty({x.size(0), x.size(1), out_h, out_w}, out,
+                           charged_to(MemoryCategory::activations));
+  for_each_plane(x, x.size(0) * x.size(1), H * W, [&](int64_t pl, const float* in) {
+    std::vector<float> row(static_cast<size_t>(out_h * out_w));
+    for (int64_t oh = 0; oh < out_h; ++oh)
+      for (int64_t ow = 0; ow < out_w; ++ow) {
+        const int64_t h0 = oh * H / out_h, h1 = ((oh + 1) * H + out_h - 1) / out_h;
+        const int64_t w0 = ow * W / out_w, w1 = ((ow + 1) * W + out_w - 1) / out_w;
+        float s = 0.0f;
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t w = w0; w < w1; ++w) s += in[h * W + w];
+        row[oh * out_w + ow] = s / static_cast<float>((h1 - h0) * (w1 - w0));
+      }
+    store_f32(row.data(), out_h * out_w, bytes(y) + pl * out_h * out_w * esize(out), out, 1);
+  });
+  return y;
+}
+
+Tensor adaptive_avg_pool2d_backward(const Tensor& dy_in, const Shape& x_shape, DType out) {
+  const Tensor dy = dy_in.contiguous();
+  const int64_t H = x_shape[2], W = x_shape[3], Ho = dy.size(2), Wo = dy.size(3);
+  Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
+  for_each_plane(dy, x_shape[0] * x_shape[1], Ho * Wo, [&](int64_t pl, const float* g) {
+    std::vector<float> acc(static_cast<size_t>(H * W), 0.0f);
+    for (int64_t oh = 0; oh < Ho; ++oh)
+      for (int64_t ow = 0; ow < Wo; ++ow) {
+        const int64_t h0 = oh * H / Ho, h1 = ((oh + 1) * H + Ho - 1) / Ho;
+        const int64_t w0 = ow * W / Wo, w1 = ((ow + 1) * W + Wo - 1) / Wo;
+        const float v = g[oh * Wo + ow] / static_cast<float>((h1 - h0) * (w1 - w0));
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t w = w0; w < w1; ++w) acc[static_cast<size_t>(h * W + w)] += v;
+      }
+    store_f32(acc.data(), H * W, bytes(dx) + pl * H * W * esize(out), out, 1);
+  });
+  return dx;
+}
+
+// ---- Normalization
+// ---------------------------------------------------------------------------------
+
+namespace {
+
+// The shared engine of the three norms. x is viewed as (outer, groups, inner): statistics are taken
+// per (outer, group) pair for group/layer norm, or per group across outer for batch norm. The
+// affine parameters are per "channel" c = element index / channel_inner % channels.
+struct NormLayout {
+  int64_t outer, groups, inner;     // x = (outer, groups, inner) elements
+  int64_t channels, channel_inner;  // affine index of element e: (e / channel_inner) % channels
+  bool across_outer;                // batch norm: statistics of group g pool all outer
+};
+
+std::vector<float> load_all(const Tensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  const Tensor c = t.contiguous();
+  if (!v.empty()) convert(c.data_ptr(), c.dtype(), v.data(), DType::f32, v.size());
+  return v;
+}
+
+Tensor from_vector(const std::vector<float>& v, const Shape& shape, DType t, MemoryCategory cat) {
+  Tensor out = Tensor::empty(shape, t, charged_to(cat));
+  if (!v.empty()) convert(v.data(), DType::f32, out.data_ptr(), t, v.size());
+  return out;
+}
+
+// Statistics per stat index s (outer*groups entries, or groups when across_outer), accumulated in
+// FP64 (sums over whole batches lose too much in FP32).
+void norm_stats(const std::vector<float>& x, const NormLayout& L, double eps,
+                std::vector<float>& mean, std::vector<float>& rstd, std::vector<double>* var_out) {
+  const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
+  mean.assign(static_cast<size_t>(stats), 0.0f);
+  rstd.assign(static_cast<size_t>(stats), 0.0f);
+  if (var_out) var_out->assign(static_cast<size_t>(stats), 0.0);
+  parallel_for(static_cast<size_t>(stats), 1,
+               static_cast<int64_t>(x.size()) >= kParallelElements ? default_num_threads() : 1,
+               [&](size_t s0, size_t s1) {
+                 for (size_t s = s0; s < s1; ++s) {
+                   const int64_t o_begin = L.across_outer ? 0 : static_cast<int64_t>(s) / L.groups;
+                   const int64_t o_end = L.across_outer ? L.outer : o_begin + 1;
+                   const int64_t grp = L.across_outer ? static_cast<int64_t>(s)
+                                                      : static_cast<int64_t>(s) % L.groups;
+                   double sum = 0;
+                   for (int64_t o = o_begin; o < o_end; ++o) {
+                     const float* p = x.data() + (o * L.groups + grp) * L.inner;
+                     for (int64_t i = 0; i < L.inner; ++i) sum += p[i];
+                   }
+                   const double count = static_cast<double>((o_end - o_begin) * L.inner);
+                   const double mu = sum / count;
+                   double sq = 0;
+                   for (int64_t o = o_begin; o < o_end; ++o) {
+                     const float* p = x.data() + (o * L.groups + grp) * L.inner;
+                     for (int64_t i = 0; i < L.inner; ++i) sq += (p[i] - mu) * (p[i] - mu);
+                   }
+                   const double var = sq / count;
+                   mean[s] = static_cast<float>(mu);
+                   rstd[s] = static_cast<float>(1.0 / std::sqrt(var + eps));
+                   if (var_out) (*var_out)[s] = var;
+                 }
+               });
+}
+
+// y = (x - mean) * rstd * w[c] + b[c]
+std::vector<float> norm_apply(const std::vector<float>& x, const NormLayout& L,
+                              const std::vector<float>& mean, const std::vector<float>& rstd,
+                              const std::vector<float>* w, const std::vector<float>* b) {
+  std::vector<float> y(x.size());
+  const int64_t rows = L.outer * L.groups;
+  parallel_for(static_cast<size_t>(rows), 1,
+               static_cast<int64_t>(x.size()) >= kParallelElements ? default_num_threads() : 1,
+               [&](size_t r0, size_t r1) {
+                 for (size_t r = r0; r < r1; ++r) {
+                   const int64_t o = static_cast<int64_t>(r) / L.groups,
+                                 grp = static_cast<int64_t>(r) % L.groups;
+                   const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
+                   const int64_t base = static_cast<int64_t>(r) * L.inner;
+                   for (int64_t i = 0; i < L.inner; ++i) {
+                     const int64_t c = ((base + i) / L.channel_inner) % L.channels;
+                     float v = (x[static_cast<size_t>(base + i)] - mean[s]) * rstd[s];
+                     if (w) v = v * (*w)[static_cast<size_t>(c)] + (*b)[static_cast<size_t>(c)];
+                     y[static_cast<size_t>(base + i)] = v;
+                   }
+                 }
+               });
+  return y;
+}
+
+// dx, dw, db of y = xhat * w + b with xhat normalized by statistics over each stat group
+// (those statistics depend on x when `through_stats`; batch norm in eval mode uses fixed ones).
+void norm_backward(const std::vector<float>& dy, const std::vector<float>& x, const NormLayout& L,
+                   const std::vector<float>& mean, const std::vector<float>& rstd,
+                   const std::vector<float>* w, bool through_stats, std::vector<float>& dx,
+                   std::vector<double>& dw, std::vector<double>& db) {
+  const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
+  dx.assign(x.size(), 0.0f);
+  dw.assign(static_cast<size_t>(L.channels), 0.0);
+  db.assign(static_cast<size_t>(L.channels), 0.0);
+  // Per stat group: sums of g = dy*w and g*xhat; per channel: sums of dy and dy*xhat.
+  std::vector<double> sum_g(static_cast<size_t>(stats), 0.0),
+      sum_gx(static_cast<size_t>(stats), 0.0);
+  for (int64_t r = 0; r < L.outer * L.groups; ++r) {
+    const int64_t o = r / L.groups, grp = r % L.groups;
+    const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
+    for (int64_t i = 0; i < L.inner; ++i) {
+      const int64_t e = r * L.inner + i;
+      const size_t c = static_cast<size_t>((e / L.channel_inner) % L.channels);
+      const double xhat = (x[static_cast<size_t>(e)] - mean[s]) * rstd[s];
+      const double d = dy[static_cast<size_t>(e)];
+      const double g = w ? d * (*w)[c] : d;
+      sum_g[s] += g;
+      sum_gx[s] += g * xhat;
+      dw[c] += d * xhat;
+      db[c] += d;
+    }
+  }
+  const double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
+  for (int64_t r = 0; r < L.outer * L.groups; ++r) {
+    const int64_t o = r / L.groups, grp = r % L.groups;
+    const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
+    for (int64_t i = 0; i < L.inner; ++i) {
+      const int64_t e = r * L.inner + i;
+      const size_t c = static_cast<size_t>((e / L.channel_inner) % L.channels);
+      const double g = w ? static_cast<double>(dy[static_cast<size_t>(e)]) * (*w)[c]
+                         : dy[static_cast<size_t>(e)];
+      if (!through_stats) {
+        dx[static_cast<size_t>(e)] = static_cast<float>(g * rstd[s]);
+        continue;
+      }
+      const double xhat = (x[static_cast<size_t>(e)] - mean[s]) * rstd[s];
+      dx[static_cast<size_t>(e)] =
+          static_cast<float>(rstd[s] * (g - sum_g[s] / count - xhat * sum_gx[s] / count));
+    }
+  }
+}
+
+std::tuple<Tensor, Tensor, Tensor> finish_backward(const std::vector<float>& dx,
+                                                   const std::vector<double>& dw,
+                                                   const std::vector<double>& db,
+                                                   const Shape& x_shape, DType dx_type,
+                                                   const Tensor& weight) {
+  Tensor tdx = from_vector(dx, x_shape, dx_type, MemoryCategory::gradients);
+  if (!weight.defined()) return {tdx, Tensor(), Tensor()};
+  std::vector<float> fw(dw.begin(), dw.end()), fb(db.begin(), db.end());
+  return {tdx, from_vector(fw, weight.shape(), weight.dtype(), MemoryCategory::gradients),
+          from_vector(fb, weight.shape(), weight.dtype(), MemoryCategory::gradients)};
+}
+
+void check_affine(const Tensor& w, const Tensor& b, int64_t channels, const char* op) {
+  MANTISSA_CHECK(w.defined() == b.defined(),
+                 std::string(op) + ": give both weight and bias, or neither",
+                 "pass both affine parameters");
+  if (w.defined())
+    MANTISSA_CHECK(w.numel() == channels && b.numel() == channels,
+                   std::string(op) + ": weight " + shape_str(w.shape()) + " and bias " +
+                       shape_str(b.shape()) + " for " + str(channels) + " channels",
+                   "the affine parameters have one value per normalized channel");
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& weight,
+                                              const Tensor& bias, Tensor running_mean,
+                                              Tensor running_var, bool training, double momentum,
+                                              double eps, DType out) {
+  require_float(x, "batch_norm", "input");
+  MANTISSA_CHECK(x.dim() >= 2, "batch_norm: input must be (N, C, ...), got " + shape_str(x.shape()),
+                 "add a batch dimension");
+  const int64_t C = x.size(1);
+  check_affine(weight, bias, C, "batch_norm");
+  const int64_t inner = x.numel() / std::max<int64_t>(x.size(0) * C, 1);
+  const NormLayout L{x.size(0), C, inner, C, inner, true};
+  const std::vector<float> xv = load_all(x);
+  std::vector<float> mean, rstd;
+  if (training) {
+    MANTISSA_CHECK(x.size(0) * inner > 1,
+                   "batch_norm: training needs more than one value per channel, got input " +
+                       shape_str(x.shape()),
+                   "use a batch larger than 1, or evaluation mode");
+    std::vector<double> var;
+    norm_stats(xv, L, eps, mean, rstd, &var);
+    if (running_mean.defined()) {
+      MANTISSA_CHECK(running_mean.dtype() == DType::f32 && running_var.dtype() == DType::f32 &&
+                         running_mean.numel() == C && running_var.numel() == C,
+                     "batch_norm: running statistics must be f32 with one value per channel",
+                     "keep running statistics in f32");
+      float* rm = running_mean.data<float>();
+      float* rv = running_var.data<float>();
+      const double n = static_cast<double>(x.size(0) * inner);
+      for (int64_t c = 0; c < C; ++c) {
+        rm[c] = static_cast<float>((1.0 - momentum) * rm[c] + momentum * mean[c]);
+        rv[c] = static_cast<float>((1.0 - momentum) * rv[c] + momentum * var[c] * n / (n - 1.0));
+      }
+    }
+  } else {
+    MANTISSA_CHECK(running_mean.defined() && running_var.defined(),
+                   "batch_norm: evaluation mode needs running statistics",
+                   "pass running_mean and running_var");
+    mean = load_all(running_mean);
+    const std::vector<float> rv = load_all(running_var);
+    rstd.resize(rv.size());
+    for (size_t c = 0; c < rv.size(); ++c)
+      rstd[c] = static_cast<float>(1.0 / std::sqrt(static_cast<double>(rv[c]) + eps));
+  }
+  std::vector<float> wv, bv;
+  if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
+  const std::vector<float> y = norm_apply(xv, L, mean, rstd, weight.defined() ? &wv : nullptr,
+                                          weight.defined() ? &bv : nullptr);
+  return {from_vector(y, x.shape(), out, MemoryCategory::activations),
+          from_vector(mean, {C}, DType::f32, MemoryCategory::activations),
+          from_vector(rstd, {C}, DType::f32, MemoryCategory::activations)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> batch_norm_backward(const Tensor& dy, const Tensor& x,
+                                                       const Tensor& weight, const Tensor& mean,
+                                                       const Tensor& rstd, bool training,
+                                                       DType dx_type) {
+  const int64_t C = x.size(1), inner = x.numel() / std::max<int64_t>(x.size(0) * C, 1);
+  const NormLayout L{x.size(0), C, inner, C, inner, true};
+  std::vector<float> wv;
+  if (weight.defined()) wv = load_all(weight);
+  std::vector<float> dx;
+  std::vector<double> dw, db;
+  norm_backward(load_all(dy), load_all(x), L, load_all(mean), load_all(rstd),
+                weight.defined() ? &wv : nullptr, training, dx, dw, db);
+  return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
+}
+
+std::tuple<Tensor, Tensor, Tensor> group_norm(const Tensor& x, int64_t groups, const Tensor& weight,
+                                              const Tensor& bias, double eps, DType out) {
+  require_float(x, "group_norm", "input");
+  MANTISSA_CHECK(x.dim() >= 2, "group_norm: input must be (N, C, ...), got " + shape_str(x.shape()),
+                 "add a batch dimension");
+  const int64_t N = x.size(0), C = x.size(1);
+  MANTISSA_CHECK(
+      groups >= 1 && C % groups == 0,
+      "group_norm: " + str(C) + " channels do not divide into " + str(groups) + " groups",
+      "choose a number of groups that divides the channels");
+  check_affine(weight, bias, C, "group_norm");
+  const int64_t spatial = x.numel() / std::max<int64_t>(N * C, 1);
+  const NormLayout L{N, groups, (C / groups) * spatial, C, spatial, false};
+  const std::vector<float> xv = load_all(x);
+  std::vector<float> mean, rstd;
+  norm_stats(xv, L, eps, mean, rstd, nullptr);
+  std::vector<float> wv, bv;
+  if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
+  const std::vector<float> y = norm_apply(xv, L, mean, rstd, weight.defined() ? &wv : nullptr,
+                                          weight.defined() ? &bv : nullptr);
+  return {from_vector(y, x.shape(), out, MemoryCategory::activations),
+          from_vector(mean, {N, groups}, DType::f32, MemoryCategory::activations),
+          from_vector(rstd, {N, groups}, DType::f32, MemoryCategory::activations)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> group_norm_backward(const Tensor& dy, const Tensor& x,
+                                                       int64_t groups, const Tensor& weight,
+                                                       const Tensor& mean, const Tensor& rstd,
+                                                       DType dx_type) {
+  const int64_t N = x.size(0), C = x.size(1), spatial = x.numel() / std::max<int64_t>(N * C, 1);
+  const NormLayout L{N, groups, (C / groups) * spatial, C, spatial, false};
+  std::vector<float> wv;
+  if (weight.defined()) wv = load_all(weight);
+  std::vector<float> dx;
+  std::vector<double> dw, db;
+  norm_backward(load_all(dy), load_all(x), L, load_all(mean), load_all(rstd),
+                weight.defined() ? &wv : nullptr, true, dx, dw, db);
+  return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, int64_t normalized_dims,
+                                              const Tensor& weight, const Tensor& bias, double eps,
+                                              DType out) {
+  require_float(x, "layer_norm", "input");
+  MANTISSA_CHECK(normalized_dims >= 1 && normalized_dims <= x.dim(),
+                 "layer_norm: cannot normalize the last " + str(normalized_dims) +
+                     " dimensions of " + shape_str(x.shape()),
+                 "normalize between 1 and rank dimensions");
+  int64_t D = 1;
+  for (int64_t d = x.dim() - normalized_dims; d < x.dim(); ++d) D *= x.size(d);
+  check_affine(weight, bias, D, "layer_norm");
+  const int64_t rows = x.numel() / std::max<int64_t>(D, 1);
+  const NormLayout L{rows, 1, D, D, 1, false};
+  const std::vector<float> xv = load_all(x);
+  std::vector<float> mean, rstd;
+  norm_stats(xv, L, eps, mean, rstd, nullptr);
+  std::vector<float> wv, bv;
+  if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
+  const std::vector<float> y = norm_apply(xv, L, mean, rstd, weight.defined() ? &wv : nullptr,
+                                          weight.defined() ? &bv : nullptr);
+  return {from_vector(y, x.shape(), out, MemoryCategory::activations),
+          from_vector(mean, {rows}, DType::f32, MemoryCategory::activations),
+          from_vector(rstd, {rows}, DType::f32, MemoryCategory::activations)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x,
+                                                       int64_t normalized_dims,
+                                                       const Tensor& weight, const Tensor& mean,
+                                                       const Tensor& rstd, DType dx_type) {
+  int64_t D = 1;
+  for (int64_t d = x.dim() - normalized_dims; d < x.dim(); ++d) D *= x.size(d);
+  const NormLayout L{x.numel() / std::max<int64_t>(D, 1), 1, D, D, 1, false};
+  std::vector<float> wv;
+  if (weight.defined()) wv = load_all(weight);
+  std::vector<float> dx;
+  std::vector<double> dw, db;
+  norm_backward(load_all(dy), load_all(x), L, load_all(mean), load_all(rstd),
+                weight.defined() ? &wv : nullptr, true, dx, dw, db);
+  return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
+}
+
+// ---- Losses
+// -------------------------------------------------------------------------------------------------
+
+namespace {
+void check_logits(const Tensor& t, const char* op) {
+  require_float(t, op, "input");
+  MANTISSA_CHECK(t.dim() == 2,
+                 std::string(op) + ": input must be (N, C), got " + shape_str(t.shape()),
+                 "flatten the input to (batch, classes)");
+}
+Tensor scalar_f32(float v, MemoryCategory cat) {
+  Tensor t = Tensor::empty({}, DType::f32, charged_to(cat));
+  *t.data<float>() = v;
+  return t;
+}
+}  // namespace
+
+Tensor nll_loss(const Tensor& log_probs, const Tensor& target, int64_t ignore_index) {
+  check_logits(log_probs, "nll_loss");
+  const int64_t N = log_probs.size(0), C = log_probs.size(1);
+  const std::vector<int64_t> t = read_targets(target, N, C, ignore_index, "nll_loss");
+  const std::vector<float> lp = load_all(log_probs);
+  double total = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    if (t[i] == ignore_index) continue;
+    total -= lp[static_cast<size_t>(i * C + t[i])];
+    ++count;
+  }
+  return scalar_f32(count ? static_cast<float>(total / count) : NAN, MemoryCategory::activations);
+}
+
+Tensor nll_loss_backward(const Tensor& grad_loss, const Tensor& log_probs, const Tensor& target,
+                         int64_t ignore_index, DType out) {
+  const int64_t N = log_probs.size(0), C = log_probs.size(1);
+  const std::vector<int64_t> t = read_targets(target, N, C, ignore_index, "nll_loss");
+  int64_t count = 0;
+  for (int64_t v : t) count += v != ignore_index;
+  const float g =
+      static_cast<float>(grad_loss.item()) / static_cast<float>(std::max<int64_t>(count, 1));
+  std::vector<float> d(static_cast<size_t>(N * C), 0.0f);
+  for (int64_t i = 0; i < N; ++i)
+    if (t[i] != ignore_index) d[static_cast<size_t>(i * C + t[i])] = -g;
+  return from_vector(d, log_probs.shape(), out, MemoryCategory::gradients);
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
+                     int64_t ignore_index) {
+  check_logits(logits, "cross_entropy");
+  MANTISSA_CHECK(
+      label_smoothing >= 0.0 && label_smoothing <= 1.0,
+      "cross_entropy: label smoothing " + std::to_string(label_smoothing) + " is outside [0, 1]",
+      "use a value in [0, 1]");
+  const int64_t N = logits.size(0), C = logits.size(1);
+  const std::vector<int64_t> t = read_targets(target, N, C, ignore_index, "cross_entropy");
+  const Tensor lp_t = softmax(logits, 1, true, DType::f32, MemoryCategory::workspace);
+  const float* lp = lp_t.data<float>();
+  double total = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    if (t[i] == ignore_index) continue;
+    double all = 0;
+    for (int64_t c = 0; c < C; ++c) all += lp[i * C + c];
+    total += -(1.0 - label_smoothing) * lp[i * C + t[i]] -
+             label_smoothing / static_cast<double>(C) * all;
+    ++count;
+  }
+  return scalar_f32(count ? static_cast<float>(total / count) : NAN, MemoryCategory::activations);
+}
+
+Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
+                              double label_smoothing, int64_t ignore_index, DType out) {
+  const int64_t N = logits.size(0), C = logits.size(1);
+  const std::vector<int64_t> t = read_targets(target, N, C, ignore_index, "cross_entropy");
+  int64_t count = 0;
+  for (int64_t v : t) count += v != ignore_index;
+  const float g =
+      static_cast<float>(grad_loss.item()) / static_cast<float>(std::max<int64_t>(count, 1));
+  const Tensor p_t = softmax(logits, 1, false, DType::f32, MemoryCategory::workspace);
+  const float* p = p_t.data<float>();
+  std::vector<float> d(static_cast<size_t>(N * C), 0.0f);
+  const float smooth = static_cast<float>(label_smoothing / static_cast<double>(C));
+  for (int64_t i = 0; i < N; ++i) {
+    if (t[i] == ignore_index) continue;
+    for (int64_t c = 0; c < C; ++c) {
+      const float q = (c == t[i] ? static_cast<float>(1.0 - label_smoothing) : 0.0f) + smooth;
+      d[static_cast<size_t>(i * C + c)] = g * (p[i * C + c] - q);
+    }
+  }
+  return from_vector(d, logits.shape(), out, MemoryCategory::gradients);
+}
+
+// ---- Dropout
+// ---------------------------------------------------------------------------------------------
+
+Tensor dropout(const Tensor& x_in, double p, uint64_t seed, uint64_t stream, DType out,
+               MemoryCategory cat) {
+  require_float(x_in, "dropout", "input");
+  MANTISSA_CHECK(p >= 0.0 && p < 1.0,
+                 "dropout: probability " + std::to_string(p) + " is outside [0, 1)",
+                 "use a probability in [0, 1)");
+  const Tensor x = x_in.contiguous();
+  Tensor y = Tensor::empty(x.shape(), out, charged_to(cat));
+  const int64_t n = x.numel();
+  // Drop when the 32 random bits fall below p * 2^32.
+  const uint64_t threshold = static_cast<uint64_t>(std::ldexp(p, 32));
+  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  parallel_for(static_cast<size_t>(n), 4096, n >= kParallelElements ? default_num_threads() : 1,
+               [&](size_t b, size_t e) {
+                 float buf[1024];
+                 for (size_t c = b; c < e; c += 1024) {
+                   const int64_t m = static_cast<int64_t>(std::min<size_t>(1024, e - c));
+                   load_f32(bytes(x) + static_cast<int64_t>(c) * esize(x.dtype()), x.dtype(), 1, m,
+                            buf);
+                   for (int64_t i = 0; i < m; ++i)
+                     buf[i] = philox_bits(seed, stream, c + static_cast<uint64_t>(i)) < threshold
+                                  ? 0.0f
+                                  : buf[i] * scale;
+                   store_f32(buf, m, bytes(y) + static_cast<int64_t>(c) * esize(out), out, 1);
+                 }
+               });
+  return y;
+}
+
+}  // namespace mantissa::kernels

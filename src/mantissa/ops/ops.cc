@@ -1,0 +1,500 @@
+#include "mantissa/ops/ops.h"
+
+#include <functional>
+#include <memory>
+
+#include "mantissa/autograd/autograd.h"
+#include "mantissa/core/error.h"
+#include "mantissa/kernels/elementwise.h"
+
+namespace mantissa::ops {
+
+std::optional<OpId> op_from_name(std::string_view name) {
+  for (int i = 0; i < kNumOps; ++i)
+    if (kOpInfo[i].name == name) return static_cast<OpId>(i);
+  return std::nullopt;
+}
+
+std::string_view autocast_category_name(AutocastCategory c) {
+  switch (c) {
+    case AutocastCategory::kLowerPrecision:
+      return "lower_precision";
+    case AutocastCategory::kFp32:
+      return "fp32";
+    case AutocastCategory::kPromote:
+      return "promote";
+    case AutocastCategory::kFollowInput:
+      return "follow_input";
+    case AutocastCategory::kNever:
+      return "never";
+  }
+  return "?";
+}
+
+namespace {
+
+using autograd::Node;
+using kernels::BinaryOp;
+using kernels::UnaryOp;
+
+// A node whose backward is a closure over exactly the tensors it needs.
+class FnNode : public Node {
+ public:
+  using Fn = std::function<std::vector<Tensor>(const Tensor& grad, const FnNode& self)>;
+  FnNode(const char* name, Fn fn) : name_(name), fn_(std::move(fn)) {}
+  const char* name() const override { return name_; }
+  std::vector<Tensor> backward(const Tensor& grad) override { return fn_(grad, *this); }
+  DType input_dtype(size_t i) const { return inputs()[i].dtype; }
+
+ private:
+  const char* name_;
+  Fn fn_;
+};
+
+// Records `fn` as the backward of `out` when an input needs a gradient.
+Tensor recorded(Tensor out, const char* name, std::initializer_list<const Tensor*> inputs,
+                FnNode::Fn fn) {
+  if (autograd::needs_grad(inputs))
+    autograd::record(out, std::make_shared<FnNode>(name, std::move(fn)), inputs);
+  return out;
+}
+
+DType out_or(const OpOptions& opt, DType fallback) { return opt.out.value_or(fallback); }
+
+// ReLU, sigmoid and tanh differentiate from their output, GELU from its input: the node keeps
+// only that one tensor.
+Tensor unary_op(const char* name, UnaryOp op, const Tensor& x, const OpOptions& opt,
+                bool backward_from_y) {
+  Tensor y = kernels::unary(op, x.detach(), out_or(opt, x.dtype()));
+  const Tensor saved = backward_from_y ? y.detach() : x.detach();
+  return recorded(
+      y, name, {&x},
+      [op, saved, backward_from_y](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        return {backward_from_y
+                    ? kernels::unary_backward(op, g, Tensor(), saved, n.input_dtype(0))
+                    : kernels::unary_backward(op, g, saved, Tensor(), n.input_dtype(0))};
+      });
+}
+
+// Gradient of a broadcast binary op with respect to one operand: reduce to its shape.
+Tensor reduce_grad(const Tensor& g, const Shape& shape, DType dtype) {
+  return kernels::sum_to_shape(g, shape, dtype, MemoryCategory::gradients);
+}
+
+Tensor binary_op(const char* name, BinaryOp op, const Tensor& a, const Tensor& b,
+                 const OpOptions& opt) {
+  const Tensor ad = a.detach(), bd = b.detach();
+  Tensor y = kernels::binary(op, ad, bd, out_or(opt, promote_types(a.dtype(), b.dtype())));
+  // add/sub need no saved tensors; mul and div keep their operands.
+  const bool keep = op == BinaryOp::kMul || op == BinaryOp::kDiv;
+  const Tensor sa = keep ? ad : Tensor(), sb = keep ? bd : Tensor();
+  const Shape as = a.shape(), bs = b.shape();
+  return recorded(
+      y, name, {&a, &b},
+      [op, sa, sb, as, bs](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        std::vector<Tensor> out(2);
+        const DType ta = n.input_dtype(0), tb = n.input_dtype(1);
+        switch (op) {
+          case BinaryOp::kAdd:
+            if (n.needs_input_grad(0)) out[0] = reduce_grad(g, as, ta);
+            if (n.needs_input_grad(1)) out[1] = reduce_grad(g, bs, tb);
+            break;
+          case BinaryOp::kSub:
+            if (n.needs_input_grad(0)) out[0] = reduce_grad(g, as, ta);
+            if (n.needs_input_grad(1))
+              out[1] = reduce_grad(
+                  kernels::binary_scalar(BinaryOp::kMul, g, -1.0, false, DType::f32), bs, tb);
+            break;
+          case BinaryOp::kMul:
+            if (n.needs_input_grad(0))
+              out[0] = reduce_grad(kernels::binary(BinaryOp::kMul, g, sb, DType::f32), as, ta);
+            if (n.needs_input_grad(1))
+              out[1] = reduce_grad(kernels::binary(BinaryOp::kMul, g, sa, DType::f32), bs, tb);
+            break;
+          case BinaryOp::kDiv:
+            // d(a/b)/da = 1/b; d(a/b)/db = -a/b^2
+            if (n.needs_input_grad(0))
+              out[0] = reduce_grad(kernels::binary(BinaryOp::kDiv, g, sb, DType::f32), as, ta);
+            if (n.needs_input_grad(1)) {
+              const Tensor q = kernels::binary(
+                  BinaryOp::kDiv, kernels::binary(BinaryOp::kMul, g, sa, DType::f32),
+                  kernels::unary(UnaryOp::kSquare, sb, DType::f32), DType::f32);
+              out[1] = reduce_grad(
+                  kernels::binary_scalar(BinaryOp::kMul, q, -1.0, false, DType::f32), bs, tb);
+            }
+            break;
+        }
+        return out;
+      });
+}
+
+// The gradient of a reduction over dims, broadcast back to the input's shape (times scale).
+Tensor expand_grad(const Tensor& g, const Shape& in_shape, const std::vector<int64_t>& dims,
+                   bool keepdim, double scale, DType dtype) {
+  Tensor gk = g;
+  if (!keepdim) {
+    Shape kept = in_shape;
+    const int64_t rank = static_cast<int64_t>(in_shape.size());
+    if (dims.empty()) {
+      std::fill(kept.begin(), kept.end(), 1);
+    } else {
+      for (int64_t d : dims) kept[static_cast<size_t>(d < 0 ? d + rank : d)] = 1;
+    }
+    gk = g.reshape(kept);
+  }
+  return kernels::binary_scalar(BinaryOp::kMul, gk.expand(in_shape), scale, false, dtype,
+                                MemoryCategory::gradients);
+}
+
+}  // namespace
+
+// ---- Matrix ops ----
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions& opt) {
+  const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
+  Tensor y =
+      kernels::linear(xd, wd, bd, out_or(opt, promote_types(x.dtype(), w.dtype())), opt.partials);
+  const Partials p = opt.partials;
+  return recorded(
+      y, "linear", {&x, &w, &b},
+      [xd, wd, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        std::vector<Tensor> out(3);
+        const int64_t in = wd.size(1), outf = wd.size(0),
+                      rows = xd.numel() / std::max<int64_t>(in, 1);
+        const Tensor g2 = g.reshape({rows, outf});
+        if (n.needs_input_grad(0))  // dx = g w
+          out[0] = kernels::matmul(g2, wd, n.input_dtype(0), p, MemoryCategory::gradients)
+                       .view(xd.shape());
+        if (n.needs_input_grad(1))  // dw = g^T x
+          out[1] = kernels::matmul(g2.transpose(0, 1), xd.reshape({rows, in}), n.input_dtype(1), p,
+                                   MemoryCategory::gradients);
+        if (n.needs_input_grad(2))
+          out[2] = kernels::sum(g2, {0}, false, n.input_dtype(2), MemoryCategory::gradients);
+        return out;
+      });
+}
+
+Tensor matmul(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  const Tensor ad = a.detach(), bd = b.detach();
+  Tensor y =
+      kernels::matmul(ad, bd, out_or(opt, promote_types(a.dtype(), b.dtype())), opt.partials);
+  const Partials p = opt.partials;
+  return recorded(
+      y, "matmul", {&a, &b}, [ad, bd, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        std::vector<Tensor> out(2);
+        if (n.needs_input_grad(0))  // da = g b^T
+          out[0] = kernels::matmul(g, bd.transpose(-1, -2), n.input_dtype(0), p,
+                                   MemoryCategory::gradients);
+        if (n.needs_input_grad(1)) {  // db = a^T g (summed over the batch when b is 2-D)
+          if (bd.dim() == 2 && ad.dim() > 2) {
+            const int64_t K = ad.size(-1), N = g.size(-1);
+            out[1] = kernels::matmul(ad.reshape({-1, K}).transpose(0, 1), g.reshape({-1, N}),
+                                     n.input_dtype(1), p, MemoryCategory::gradients);
+          } else {
+            out[1] = kernels::matmul(ad.transpose(-1, -2), g, n.input_dtype(1), p,
+                                     MemoryCategory::gradients);
+          }
+        }
+        return out;
+      });
+}
+
+Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dParams& prm,
+              const OpOptions& opt) {
+  const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
+  Tensor y = kernels::conv2d(xd, wd, bd, prm, out_or(opt, promote_types(x.dtype(), w.dtype())),
+                             opt.partials);
+  const Partials p = opt.partials;
+  return recorded(
+      y, "conv2d", {&x, &w, &b},
+      [xd, wd, prm, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        std::vector<Tensor> out(3);
+        if (n.needs_input_grad(0))
+          out[0] = kernels::conv2d_backward_input(g, wd, xd.shape(), prm, n.input_dtype(0), p);
+        if (n.needs_input_grad(1))
+          out[1] = kernels::conv2d_backward_weight(g, xd, wd.shape(), prm, n.input_dtype(1), p);
+        if (n.needs_input_grad(2))
+          out[2] = kernels::sum(g, {0, 2, 3}, false, n.input_dtype(2), MemoryCategory::gradients);
+        return out;
+      });
+}
+
+// ---- Pooling ----
+
+Tensor max_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt) {
+  auto [y, idx] = kernels::max_pool2d(x.detach(), p, out_or(opt, x.dtype()));
+  const Shape xs = x.shape();
+  return recorded(y, "max_pool2d", {&x},
+                  [idx, xs](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    return {kernels::max_pool2d_backward(g, idx, xs, n.input_dtype(0))};
+                  });
+}
+
+Tensor avg_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt) {
+  Tensor y = kernels::avg_pool2d(x.detach(), p, out_or(opt, x.dtype()));
+  const Shape xs = x.shape();
+  return recorded(y, "avg_pool2d", {&x},
+                  [xs, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    return {kernels::avg_pool2d_backward(g, xs, p, n.input_dtype(0))};
+                  });
+}
+
+Tensor adaptive_avg_pool2d(const Tensor& x, int64_t out_h, int64_t out_w, const OpOptions& opt) {
+  Tensor y = kernels::adaptive_avg_pool2d(x.detach(), out_h, out_w, out_or(opt, x.dtype()));
+  const Shape xs = x.shape();
+  return recorded(y, "adaptive_avg_pool2d", {&x},
+                  [xs](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    return {kernels::adaptive_avg_pool2d_backward(g, xs, n.input_dtype(0))};
+                  });
+}
+
+// ---- Elementwise ----
+
+Tensor relu(const Tensor& x, const OpOptions& opt) {
+  return unary_op("relu", UnaryOp::kRelu, x, opt, true);
+}
+Tensor gelu(const Tensor& x, const OpOptions& opt) {
+  return unary_op("gelu", UnaryOp::kGelu, x, opt, false);
+}
+Tensor sigmoid(const Tensor& x, const OpOptions& opt) {
+  return unary_op("sigmoid", UnaryOp::kSigmoid, x, opt, true);
+}
+Tensor tanh(const Tensor& x, const OpOptions& opt) {
+  return unary_op("tanh", UnaryOp::kTanh, x, opt, true);
+}
+Tensor add(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  return binary_op("add", BinaryOp::kAdd, a, b, opt);
+}
+Tensor sub(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  return binary_op("sub", BinaryOp::kSub, a, b, opt);
+}
+Tensor mul(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  return binary_op("mul", BinaryOp::kMul, a, b, opt);
+}
+Tensor div(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  return binary_op("div", BinaryOp::kDiv, a, b, opt);
+}
+
+Tensor add_scalar(const Tensor& a, double s, const OpOptions& opt) {
+  Tensor y = kernels::binary_scalar(BinaryOp::kAdd, a.detach(), s, false, out_or(opt, a.dtype()));
+  return recorded(
+      y, "add_scalar", {&a}, [](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        return {g.dtype() == n.input_dtype(0)
+                    ? g
+                    : kernels::cast(g, n.input_dtype(0), {}, MemoryCategory::gradients)};
+      });
+}
+
+Tensor mul_scalar(const Tensor& a, double s, const OpOptions& opt) {
+  Tensor y = kernels::binary_scalar(BinaryOp::kMul, a.detach(), s, false, out_or(opt, a.dtype()));
+  return recorded(y, "mul_scalar", {&a},
+                  [s](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    return {kernels::binary_scalar(BinaryOp::kMul, g, s, false, n.input_dtype(0),
+                                                   MemoryCategory::gradients)};
+                  });
+}
+
+// ---- Normalization ----
+
+Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                  const Tensor& running_mean, const Tensor& running_var, bool training,
+                  double momentum, double eps, const OpOptions& opt) {
+  const Tensor xd = x.detach(), wd = weight.defined() ? weight.detach() : Tensor();
+  auto [y, mean, rstd] =
+      kernels::batch_norm(xd, wd, bias.defined() ? bias.detach() : Tensor(), running_mean.detach(),
+                          running_var.detach(), training, momentum, eps, out_or(opt, x.dtype()));
+  return recorded(
+      y, "batch_norm", {&x, &weight, &bias},
+      [xd, wd, mean = mean, rstd = rstd, training](const Tensor& g,
+                                                   const FnNode& n) -> std::vector<Tensor> {
+        auto [dx, dw, db] =
+            kernels::batch_norm_backward(g, xd, wd, mean, rstd, training, n.input_dtype(0));
+        return {n.needs_input_grad(0) ? dx : Tensor(), n.needs_input_grad(1) ? dw : Tensor(),
+                n.needs_input_grad(2) ? db : Tensor()};
+      });
+}
+
+Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight, const Tensor& bias,
+                  double eps, const OpOptions& opt) {
+  const Tensor xd = x.detach(), wd = weight.defined() ? weight.detach() : Tensor();
+  auto [y, mean, rstd] = kernels::group_norm(
+      xd, groups, wd, bias.defined() ? bias.detach() : Tensor(), eps, out_or(opt, x.dtype()));
+  return recorded(
+      y, "group_norm", {&x, &weight, &bias},
+      [xd, wd, mean = mean, rstd = rstd, groups](const Tensor& g,
+                                                 const FnNode& n) -> std::vector<Tensor> {
+        auto [dx, dw, db] =
+            kernels::group_norm_backward(g, xd, groups, wd, mean, rstd, n.input_dtype(0));
+        return {n.needs_input_grad(0) ? dx : Tensor(), n.needs_input_grad(1) ? dw : Tensor(),
+                n.needs_input_grad(2) ? db : Tensor()};
+      });
+}
+
+Tensor layer_norm(const Tensor& x, int64_t normalized_dims, const Tensor& weight,
+                  const Tensor& bias, double eps, const OpOptions& opt) {
+  const Tensor xd = x.detach(), wd = weight.defined() ? weight.detach() : Tensor();
+  auto [y, mean, rstd] =
+      kernels::layer_norm(xd, normalized_dims, wd, bias.defined() ? bias.detach() : Tensor(), eps,
+                          out_or(opt, x.dtype()));
+  return recorded(
+      y, "layer_norm", {&x, &weight, &bias},
+      [xd, wd, mean = mean, rstd = rstd, normalized_dims](const Tensor& g,
+                                                          const FnNode& n) -> std::vector<Tensor> {
+        auto [dx, dw, db] =
+            kernels::layer_norm_backward(g, xd, normalized_dims, wd, mean, rstd, n.input_dtype(0));
+        return {n.needs_input_grad(0) ? dx : Tensor(), n.needs_input_grad(1) ? dw : Tensor(),
+                n.needs_input_grad(2) ? db : Tensor()};
+      });
+}
+
+Tensor dropout(const Tensor& x, double p, bool training, uint64_t seed, uint64_t stream,
+               const OpOptions& opt) {
+  if (!training || p == 0.0) return opt.out && *opt.out != x.dtype() ? cast(x, *opt.out) : x;
+  Tensor y = kernels::dropout(x.detach(), p, seed, stream, out_or(opt, x.dtype()));
+  // The mask is recomputed from (seed, stream): nothing saved.
+  return recorded(
+      y, "dropout", {&x},
+      [p, seed, stream](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        return {kernels::dropout(g, p, seed, stream, n.input_dtype(0), MemoryCategory::gradients)};
+      });
+}
+
+// ---- Layout ----
+
+Tensor reshape(const Tensor& x, const Shape& shape) {
+  Tensor y = x.detach().reshape(shape);
+  const Shape xs = x.shape();
+  return recorded(y, "reshape", {&x}, [xs](const Tensor& g, const FnNode&) -> std::vector<Tensor> {
+    return {g.reshape(xs)};
+  });
+}
+
+Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
+  Tensor y = x.detach().flatten(start_dim, end_dim);
+  const Shape xs = x.shape();
+  return recorded(y, "flatten", {&x}, [xs](const Tensor& g, const FnNode&) -> std::vector<Tensor> {
+    return {g.reshape(xs)};
+  });
+}
+
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
+  Tensor y = x.detach().transpose(d0, d1);
+  return recorded(y, "transpose", {&x},
+                  [d0, d1](const Tensor& g, const FnNode&) -> std::vector<Tensor> {
+                    return {g.transpose(d0, d1)};
+                  });
+}
+
+Tensor cat(const std::vector<Tensor>& xs, int64_t dim, const OpOptions& opt) {
+  MANTISSA_CHECK(!xs.empty(), "cat: no tensors given", "pass at least one tensor");
+  DType t = xs[0].dtype();
+  std::vector<Tensor> raw;
+  for (const Tensor& x : xs) {
+    t = promote_types(t, x.dtype());
+    raw.push_back(x.detach());
+  }
+  Tensor y = kernels::cat(raw, dim, out_or(opt, t));
+  bool needs = false;
+  for (const Tensor& x : xs) needs = needs || autograd::needs_grad({&x});
+  if (!needs) return y;
+  // Record with every input: the engine takes inputs as a list of pointers.
+  std::vector<int64_t> sizes;
+  for (const Tensor& x : xs) sizes.push_back(x.size(dim));
+  auto node = std::make_shared<FnNode>(
+      "cat", [sizes, dim](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        std::vector<Tensor> out(sizes.size());
+        int64_t at = 0;
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          if (n.needs_input_grad(i))
+            out[i] = kernels::cast(g.narrow(dim, at, sizes[i]), n.input_dtype(i), {},
+                                   MemoryCategory::gradients);
+          at += sizes[i];
+        }
+        return out;
+      });
+  std::vector<const Tensor*> ptrs;
+  for (const Tensor& x : xs) ptrs.push_back(&x);
+  autograd::record_many(y, node, ptrs);
+  return y;
+}
+
+// ---- Reductions and probabilities ----
+
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, const OpOptions& opt) {
+  Tensor y = kernels::sum(x.detach(), dims, keepdim, out_or(opt, x.dtype()));
+  const Shape xs = x.shape();
+  return recorded(y, "sum", {&x},
+                  [xs, dims, keepdim](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    return {expand_grad(g, xs, dims, keepdim, 1.0, n.input_dtype(0))};
+                  });
+}
+
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, const OpOptions& opt) {
+  int64_t count = 1;
+  if (dims.empty()) {
+    count = x.numel();
+  } else {
+    for (int64_t d : dims) count *= x.size(d);
+  }
+  const double scale = 1.0 / static_cast<double>(std::max<int64_t>(count, 1));
+  const Tensor s = kernels::sum(x.detach(), dims, keepdim, DType::f32, MemoryCategory::workspace);
+  Tensor y = kernels::binary_scalar(BinaryOp::kMul, s, scale, false, out_or(opt, x.dtype()));
+  const Shape xs = x.shape();
+  return recorded(
+      y, "mean", {&x},
+      [xs, dims, keepdim, scale](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        return {expand_grad(g, xs, dims, keepdim, scale, n.input_dtype(0))};
+      });
+}
+
+Tensor softmax(const Tensor& x, int64_t dim, const OpOptions& opt) {
+  Tensor y = kernels::softmax(x.detach(), dim, false, out_or(opt, x.dtype()));
+  const Tensor yd = y.detach();
+  return recorded(y, "softmax", {&x},
+                  [yd, dim](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    return {kernels::softmax_backward(g, yd, dim, false, n.input_dtype(0))};
+                  });
+}
+
+Tensor log_softmax(const Tensor& x, int64_t dim, const OpOptions& opt) {
+  Tensor y = kernels::softmax(x.detach(), dim, true, out_or(opt, x.dtype()));
+  const Tensor yd = y.detach();
+  return recorded(y, "log_softmax", {&x},
+                  [yd, dim](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    return {kernels::softmax_backward(g, yd, dim, true, n.input_dtype(0))};
+                  });
+}
+
+// ---- Losses ----
+
+Tensor nll_loss(const Tensor& log_probs, const Tensor& target, int64_t ignore_index) {
+  const Tensor lp = log_probs.detach(), t = target.detach();
+  Tensor y = kernels::nll_loss(lp, t, ignore_index);
+  return recorded(y, "nll_loss", {&log_probs},
+                  [lp, t, ignore_index](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    return {kernels::nll_loss_backward(g, lp, t, ignore_index, n.input_dtype(0))};
+                  });
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
+                     int64_t ignore_index) {
+  const Tensor x = logits.detach(), t = target.detach();
+  Tensor y = kernels::cross_entropy(x, t, label_smoothing, ignore_index);
+  return recorded(y, "cross_entropy", {&logits},
+                  [x, t, label_smoothing, ignore_index](const Tensor& g,
+                                                        const FnNode& n) -> std::vector<Tensor> {
+                    return {kernels::cross_entropy_backward(g, x, t, label_smoothing, ignore_index,
+                                                            n.input_dtype(0))};
+                  });
+}
+
+// ---- Cast ----
+
+Tensor cast(const Tensor& x, DType dtype, const CastOptions& rounding) {
+  Tensor y = kernels::cast(x.detach(), dtype, rounding);
+  return recorded(y, "cast", {&x}, [](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+    return {kernels::cast(g, n.input_dtype(0), {}, MemoryCategory::gradients)};
+  });
+}
+
+}  // namespace mantissa::ops

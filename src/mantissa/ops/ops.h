@@ -1,0 +1,89 @@
+// The differentiable ops: functions on tensors that record what backward needs when an input
+// requires grad (see autograd/autograd.h). Each accepts inputs stored in f32, f16 or bf16,
+// computes in FP32, and writes its output in OpOptions::out (default: the input's dtype, or the
+// promoted dtype of several inputs; losses: f32). Gradients come back in each input's dtype.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mantissa/core/tensor.h"
+#include "mantissa/kernels/gemm.h"
+#include "mantissa/kernels/nn.h"
+#include "mantissa/ops/op_table.h"
+
+namespace mantissa::ops {
+
+using kernels::Conv2dParams;
+using kernels::Partials;
+using kernels::Pool2dParams;
+
+struct OpOptions {
+  std::optional<DType> out;            // output dtype
+  Partials partials = Partials::kF32;  // accumulation type of linear, matmul, conv2d
+};
+
+// ---- Matrix ops ----
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = {}, const OpOptions& opt = {});
+Tensor matmul(const Tensor& a, const Tensor& b, const OpOptions& opt = {});
+Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b = {}, const Conv2dParams& p = {},
+              const OpOptions& opt = {});
+
+// ---- Pooling ----
+Tensor max_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt = {});
+Tensor avg_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt = {});
+Tensor adaptive_avg_pool2d(const Tensor& x, int64_t out_h, int64_t out_w,
+                           const OpOptions& opt = {});
+
+// ---- Elementwise ----
+Tensor relu(const Tensor& x, const OpOptions& opt = {});
+Tensor gelu(const Tensor& x, const OpOptions& opt = {});  // exact (erf) form
+Tensor sigmoid(const Tensor& x, const OpOptions& opt = {});
+Tensor tanh(const Tensor& x, const OpOptions& opt = {});
+Tensor add(const Tensor& a, const Tensor& b, const OpOptions& opt = {});  // broadcasting
+Tensor sub(const Tensor& a, const Tensor& b, const OpOptions& opt = {});
+Tensor mul(const Tensor& a, const Tensor& b, const OpOptions& opt = {});
+Tensor div(const Tensor& a, const Tensor& b, const OpOptions& opt = {});
+Tensor add_scalar(const Tensor& a, double s, const OpOptions& opt = {});
+Tensor mul_scalar(const Tensor& a, double s, const OpOptions& opt = {});
+
+// ---- Normalization ----
+// Running statistics (f32) are updated in place in training mode when given.
+Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                  const Tensor& running_mean, const Tensor& running_var, bool training,
+                  double momentum = 0.1, double eps = 1e-5, const OpOptions& opt = {});
+Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight = {},
+                  const Tensor& bias = {}, double eps = 1e-5, const OpOptions& opt = {});
+Tensor layer_norm(const Tensor& x, int64_t normalized_dims, const Tensor& weight = {},
+                  const Tensor& bias = {}, double eps = 1e-5, const OpOptions& opt = {});
+
+// Dropout with probability p in training mode (identity otherwise); the mask is a function of
+// (seed, stream, element index), so a run is reproducible.
+Tensor dropout(const Tensor& x, double p, bool training, uint64_t seed, uint64_t stream,
+               const OpOptions& opt = {});
+
+// ---- Layout ----
+Tensor reshape(const Tensor& x, const Shape& shape);
+Tensor flatten(const Tensor& x, int64_t start_dim = 1, int64_t end_dim = -1);
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1);
+Tensor cat(const std::vector<Tensor>& xs, int64_t dim, const OpOptions& opt = {});
+
+// ---- Reductions and probabilities ----
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false,
+           const OpOptions& opt = {});
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false,
+            const OpOptions& opt = {});
+Tensor softmax(const Tensor& x, int64_t dim, const OpOptions& opt = {});
+Tensor log_softmax(const Tensor& x, int64_t dim, const OpOptions& opt = {});
+
+// ---- Losses (one-element f32 results, mean over the batch) ----
+Tensor nll_loss(const Tensor& log_probs, const Tensor& target, int64_t ignore_index = -100);
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing = 0.0,
+                     int64_t ignore_index = -100);
+
+// ---- Cast ----
+// A copy in another dtype (stochastic rounding through `cast`); the gradient flows back cast to
+// the input's dtype.
+Tensor cast(const Tensor& x, DType dtype, const CastOptions& rounding = {});
+
+}  // namespace mantissa::ops

@@ -1,0 +1,172 @@
+// The autograd engine: accumulation, graph shapes, no-grad scope, saved tensors, errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "mantissa/autograd/autograd.h"
+#include "mantissa/mantissa.h"
+#include "mantissa/ops/ops.h"
+
+namespace mantissa {
+namespace {
+
+Tensor leaf(std::vector<float> v, Shape s, DType t = DType::f32) {
+  Tensor x = Tensor::from_floats(v, s, t);
+  x.set_requires_grad(true);
+  return x;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Autograd, SharedSubexpressionsSumTheirGradients) {
+  // y = sum(x * x + 3x): dy/dx = 2x + 3
+  Tensor x = leaf({1, -2, 0.5}, {3});
+  Tensor y = ops::sum(ops::add(ops::mul(x, x), ops::mul_scalar(x, 3.0)));
+  EXPECT_FLOAT_EQ(static_cast<float>(y.item()), 1 + 4 + 0.25f + 3 * (1 - 2 + 0.5f));
+  autograd::backward(y);
+  EXPECT_EQ(x.grad().to_float_vector(), (std::vector<float>{5, -1, 4}));
+}
+
+TEST(Autograd, GradientsAccumulateAcrossBackwardPasses) {
+  Tensor x = leaf({2, 3}, {2});
+  autograd::backward(ops::sum(ops::mul_scalar(x, 2.0)));
+  autograd::backward(ops::sum(ops::mul_scalar(x, 5.0)));
+  EXPECT_EQ(x.grad().to_float_vector(), (std::vector<float>{7, 7}));
+  x.zero_grad();
+  EXPECT_FALSE(x.grad().defined());
+}
+
+TEST(Autograd, GradientsAreStoredInTheTensorsDtype) {
+  Tensor w = leaf({0.1f, 0.2f, 0.3f, 0.4f}, {2, 2}, DType::f16);
+  Tensor x = Tensor::from_floats({1, 2}, {1, 2}, DType::bf16);
+  Tensor y = ops::sum(ops::linear(x, w, Tensor(), {DType::f32}));
+  autograd::backward(y);
+  ASSERT_EQ(w.grad().dtype(), DType::f16);
+  EXPECT_EQ(w.grad().to_float_vector(), (std::vector<float>{1, 2, 1, 2}));
+  EXPECT_EQ(w.grad().storage()->category(), MemoryCategory::gradients);
+  EXPECT_FALSE(x.grad().defined());  // x did not require grad
+}
+
+TEST(Autograd, NoGradScopeRecordsNothing) {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor y;
+  {
+    autograd::NoGradGuard guard;
+    EXPECT_FALSE(autograd::grad_enabled());
+    y = ops::mul_scalar(x, 2.0);
+  }
+  EXPECT_TRUE(autograd::grad_enabled());
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_FALSE(y.grad_fn());
+  EXPECT_NE(error_of([&] { autograd::backward(ops::sum(y)); }).find("does not require grad"),
+            std::string::npos);
+}
+
+TEST(Autograd, DeepChainsDoNotOverflowTheStack) {
+  Tensor x = leaf({1.0f}, {1});
+  Tensor y = x;
+  for (int i = 0; i < 5000; ++i) y = ops::add_scalar(y, 0.001);
+  autograd::backward(ops::sum(y));
+  EXPECT_EQ(x.grad().item(), 1.0);
+}
+
+TEST(Autograd, NodesKeepOnlyWhatBackwardNeeds) {
+  Tensor a = leaf({1, 2, 3}, {3}), b = leaf({4, 5, 6}, {3});
+  const long before = a.storage().use_count();
+  Tensor s = ops::add(a, b);  // d(a+b) needs neither operand
+  EXPECT_EQ(a.storage().use_count(), before);
+  Tensor r = ops::relu(a);  // relu keeps its output, not its input
+  EXPECT_EQ(a.storage().use_count(), before);
+  Tensor m = ops::mul(a, b);  // mul needs both
+  EXPECT_EQ(a.storage().use_count(), before + 1);
+  Tensor d = ops::dropout(a, 0.5, true, 1, 1);  // dropout recomputes its mask: nothing saved
+  EXPECT_EQ(a.storage().use_count(), before + 1);
+  (void)s, (void)r, (void)m, (void)d;
+}
+
+TEST(Autograd, RootsMustBeScalarsOrGetAGradient) {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor y = ops::mul_scalar(x, 2.0);
+  EXPECT_NE(error_of([&] { autograd::backward(y); }).find("must be a scalar"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              autograd::backward(y, Tensor::zeros({3}, DType::f32));
+            }).find("gradient of shape (3,)"),
+            std::string::npos);
+  autograd::backward(y, Tensor::from_floats({1, 10}, {2}));
+  EXPECT_EQ(x.grad().to_float_vector(), (std::vector<float>{2, 20}));
+  EXPECT_NE(
+      error_of([] { Tensor::zeros({2}, DType::i64).set_requires_grad(); }).find("floating-point"),
+      std::string::npos);
+}
+
+TEST(Autograd, BatchNormUpdatesRunningStatisticsLikePyTorch) {
+  Tensor x =
+      Tensor::from_floats({1, 2, 3, 4, 10, 20, 30, 40}, {4, 2, 1, 1});  // channel 0: 1,3,10,30
+  Tensor rm = Tensor::zeros({2}, DType::f32), rv = Tensor::full({2}, 1.0, DType::f32);
+  ops::batch_norm(x, Tensor(), Tensor(), rm, rv, true, 0.1, 1e-5);
+  const double mean0 = (1 + 3 + 10 + 30) / 4.0;
+  const double var0 = ((1 - mean0) * (1 - mean0) + (3 - mean0) * (3 - mean0) +
+                       (10 - mean0) * (10 - mean0) + (30 - mean0) * (30 - mean0)) /
+                      3.0;  // unbiased
+  EXPECT_NEAR(rm.at({0}), 0.1 * mean0, 1e-5);
+  EXPECT_NEAR(rv.at({0}), 0.9 + 0.1 * var0, 1e-4);
+  // Evaluation mode uses them and leaves them alone.
+  Tensor y = ops::batch_norm(x, Tensor(), Tensor(), rm, rv, false);
+  EXPECT_NEAR(y.at({0, 0, 0, 0}), (1 - 0.1 * mean0) / std::sqrt(0.9 + 0.1 * var0 + 1e-5), 1e-5);
+  EXPECT_NEAR(rm.at({0}), 0.1 * mean0, 1e-5);
+}
+
+TEST(Autograd, DropoutIsReproducibleAndDropsTheRightFraction) {
+  Tensor x = Tensor::full({100000}, 1.0, DType::f32);
+  const Tensor a = ops::dropout(x, 0.25, true, 5, 0), b = ops::dropout(x, 0.25, true, 5, 0);
+  const Tensor c = ops::dropout(x, 0.25, true, 5, 1);
+  EXPECT_EQ(a.to_float_vector(), b.to_float_vector());
+  EXPECT_NE(a.to_float_vector(), c.to_float_vector());
+  double kept = 0, total = 0;
+  for (float v : a.to_float_vector()) kept += v != 0.0f, total += v;
+  EXPECT_NEAR(kept / 100000, 0.75, 0.01);
+  EXPECT_NEAR(total / 100000, 1.0, 0.02);  // scaled by 1 / (1 - p): unbiased
+  EXPECT_EQ(ops::dropout(x, 0.25, false, 5, 0).storage(), x.storage());  // evaluation: identity
+}
+
+TEST(Ops, BadShapesGetClearErrors) {
+  const Tensor x = Tensor::zeros({2, 3, 8, 8}, DType::f32);
+  EXPECT_NE(error_of([&] {
+              ops::conv2d(x, Tensor::zeros({4, 2, 3, 3}, DType::f32));
+            }).find("expects 2 input channels"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              ops::linear(Tensor::zeros({2, 5}, DType::f32), Tensor::zeros({3, 4}, DType::f32));
+            }).find("last dimension 5 vs 4"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              ops::add(Tensor::zeros({2, 3}, DType::f32), Tensor::zeros({4}, DType::f32));
+            }).find("do not broadcast"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ops::group_norm(x, 2); }).find("do not divide into 2 groups"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              ops::cross_entropy(Tensor::zeros({2, 3}, DType::f32),
+                                 Tensor::from_floats({0, 3}, {2}).to(DType::i64));
+            }).find("target 3 at row 1 is outside [0, 3)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ops::relu(Tensor::zeros({2}, DType::i32)); }).find("must be f32"),
+            std::string::npos);
+  kernels::Pool2dParams p;
+  p.kernel_h = p.kernel_w = 9;
+  EXPECT_NE(error_of([&] { ops::max_pool2d(x, p); }).find("does not fit"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              ops::conv2d(x, Tensor::zeros({4, 3, 10, 3}, DType::f32));
+            }).find("does not fit"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace mantissa
