@@ -5,7 +5,7 @@
 #   bash scripts/setup.sh            # build + test dependencies
 set -euo pipefail
 
-packages=(cmake g++ make libgtest-dev libbenchmark-dev)
+packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev)
 
 missing=()
 for p in "${packages[@]}"; do
