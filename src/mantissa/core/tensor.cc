@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <sstream>
 
@@ -37,6 +39,53 @@ Shape contiguous_strides(const Shape& shape) {
 
 // ---- Storage -----------------------------------------------------------------------------------
 
+namespace {
+// Freed blocks of 1 MiB or more are kept, by exact size, for the next allocation of that size: a
+// training loop allocates the same activation sizes every step, and a fresh block from the system
+// costs a page fault per 4 KiB (the kernel zeroes each page) — measured as a quarter of a large
+// elementwise op's time. Budgets and reports count live tensors only; at most kCacheLimit bytes
+// are kept, and release_cached_memory() returns them.
+class BlockCache {
+ public:
+  static BlockCache& instance() {
+    static BlockCache* cache = new BlockCache();  // never destroyed: storages may outlive statics
+    return *cache;
+  }
+  void* take(size_t bytes) {
+    if (bytes < kMinBlock) return nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = blocks_.find(bytes);
+    if (it == blocks_.end()) return nullptr;
+    void* p = it->second;
+    blocks_.erase(it);
+    total_ -= bytes;
+    return p;
+  }
+  void give(void* p, size_t bytes) {
+    if (bytes < kMinBlock) return std::free(p);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (total_ + bytes > kCacheLimit) return std::free(p);
+    blocks_.emplace(bytes, p);
+    total_ += bytes;
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [bytes, p] : blocks_) std::free(p);
+    blocks_.clear();
+    total_ = 0;
+  }
+
+ private:
+  static constexpr size_t kMinBlock = size_t{1} << 20;
+  static constexpr size_t kCacheLimit = size_t{4} << 30;
+  std::mutex mu_;
+  std::multimap<size_t, void*> blocks_;
+  size_t total_ = 0;
+};
+}  // namespace
+
+void release_cached_memory() { BlockCache::instance().release(); }
+
 std::shared_ptr<Storage> Storage::allocate(size_t bytes, MemoryCategory category, std::string owner,
                                            Device device, MemoryTracker* tracker) {
   if (device.type != DeviceType::kCpu)
@@ -53,7 +102,9 @@ std::shared_ptr<Storage> Storage::allocate(size_t bytes, MemoryCategory category
   s->tracker_ = tracker;
   if (bytes > 0) {
     constexpr size_t kAlign = 64;  // a cache line; also what AVX-512 loads like
-    s->data_ = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+    const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+    s->data_ = BlockCache::instance().take(rounded);
+    if (!s->data_) s->data_ = std::aligned_alloc(kAlign, rounded);
     if (!s->data_) {
       tracker->on_free(bytes, category, s->owner_);
       s->tracker_ = nullptr;
@@ -66,7 +117,7 @@ std::shared_ptr<Storage> Storage::allocate(size_t bytes, MemoryCategory category
 }
 
 Storage::~Storage() {
-  std::free(data_);
+  if (data_) BlockCache::instance().give(data_, (bytes_ + 63) / 64 * 64);
   if (tracker_) tracker_->on_free(bytes_, category_, owner_);
 }
 

@@ -185,6 +185,9 @@ class Tensor {
   std::shared_ptr<AutogradMeta> autograd_;
 };
 
+// Returns the blocks kept for reuse (freed tensors of 1 MiB or more, by size) to the system.
+void release_cached_memory();
+
 // Contiguous (row-major) strides for a shape.
 Shape contiguous_strides(const Shape& shape);
 

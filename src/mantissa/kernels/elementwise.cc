@@ -92,21 +92,47 @@ void for_each_row(const Shape& shape, std::array<Shape, N> strides,
   const int64_t outer_dims = static_cast<int64_t>(dims.size()) - 1;
   int64_t rows = 1;
   for (int64_t d = 0; d < outer_dims; ++d) rows *= dims[d];
-  const int64_t grain = std::max<int64_t>(1, kParallelElements / std::max<int64_t>(row, 1));
-  parallel_for(static_cast<size_t>(rows), static_cast<size_t>(grain),
-               rows * row >= kParallelElements ? default_num_threads() : 1,
-               [&](size_t r0, size_t r1) {
-                 for (size_t r = r0; r < r1; ++r) {
+  // Work items are segments of rows: a long row (a whole contiguous tensor coalesces into one) is
+  // cut into segments so that every thread gets a share.
+  const int64_t threads = rows * row >= kParallelElements ? default_num_threads() : 1;
+  const int64_t seg = threads > 1 && rows < 4 * threads
+                          ? std::max<int64_t>(4096, (row + 4 * threads - 1) / (4 * threads))
+                          : row;
+  const int64_t segs = (row + seg - 1) / seg;
+  const int64_t items = rows * segs;
+  const int64_t grain = std::max<int64_t>(1, kParallelElements / std::max<int64_t>(seg, 1));
+  parallel_for(static_cast<size_t>(items), static_cast<size_t>(grain), static_cast<int>(threads),
+               [&](size_t t0, size_t t1) {
+                 for (size_t t = t0; t < t1; ++t) {
+                   const int64_t r = static_cast<int64_t>(t) / segs,
+                                 sg = static_cast<int64_t>(t) % segs;
                    std::array<int64_t, N> off{};
-                   int64_t rem = static_cast<int64_t>(r);
+                   int64_t rem = r;
                    for (int64_t d = outer_dims - 1; d >= 0; --d) {
                      const int64_t i = rem % dims[d];
                      rem /= dims[d];
                      for (size_t k = 0; k < N; ++k) off[k] += i * st[k][d];
                    }
-                   fn(off, row, inner);
+                   for (size_t k = 0; k < N; ++k) off[k] += sg * seg * inner[k];
+                   fn(off, std::min(seg, row - sg * seg), inner);
                  }
                });
+}
+
+// A row's FP32 values: the row itself when it is contiguous FP32, else staged into buf.
+const float* row_f32(const char* src, DType t, int64_t stride, int64_t n, float* buf) {
+  if (t == DType::f32 && stride == 1) return reinterpret_cast<const float*>(src);
+  load_f32(src, t, stride, n, buf);
+  return buf;
+}
+
+// Where a row's results go: the destination itself when it is contiguous FP32, else buf (then
+// finish_row stores it).
+float* out_row(char* dst, DType t, int64_t stride, float* buf) {
+  return t == DType::f32 && stride == 1 ? reinterpret_cast<float*>(dst) : buf;
+}
+void finish_row(const float* r, int64_t n, char* dst, DType t, int64_t stride) {
+  if (r != reinterpret_cast<const float*>(dst)) store_f32(r, n, dst, t, stride);
 }
 
 // The strides of t seen as a tensor of `shape` (broadcast dimensions get stride 0).
@@ -220,24 +246,92 @@ Shape broadcast_shapes(const Shape& a, const Shape& b) {
   return out;
 }
 
+namespace {
+template <UnaryOp kOp>
+void unary_loop(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = apply_unary(kOp, x[i]);
+}
+// The op's loop, chosen once per row (the switch outside the loop lets the compiler vectorize).
+void unary_apply(UnaryOp op, const float* x, float* y, int64_t n) {
+  switch (op) {
+    case UnaryOp::kRelu:
+      return unary_loop<UnaryOp::kRelu>(x, y, n);
+    case UnaryOp::kGelu:
+      return unary_loop<UnaryOp::kGelu>(x, y, n);
+    case UnaryOp::kSigmoid:
+      return unary_loop<UnaryOp::kSigmoid>(x, y, n);
+    case UnaryOp::kTanh:
+      return unary_loop<UnaryOp::kTanh>(x, y, n);
+    case UnaryOp::kNeg:
+      return unary_loop<UnaryOp::kNeg>(x, y, n);
+    case UnaryOp::kExp:
+      return unary_loop<UnaryOp::kExp>(x, y, n);
+    case UnaryOp::kLog:
+      return unary_loop<UnaryOp::kLog>(x, y, n);
+    case UnaryOp::kSqrt:
+      return unary_loop<UnaryOp::kSqrt>(x, y, n);
+    case UnaryOp::kSquare:
+      return unary_loop<UnaryOp::kSquare>(x, y, n);
+  }
+}
+}  // namespace
+
 Tensor unary(UnaryOp op, const Tensor& x, DType out, MemoryCategory cat) {
   check_float(x, "unary op");
   Tensor y = Tensor::empty(x.shape(), out, charged_to(cat));
   const char* xb = byte_ptr(x);
   char* yb = byte_ptr(y);
   const size_t xs = dtype_size(x.dtype()), ys = dtype_size(out);
-  for_each_row<2>(
-      x.shape(), {x.strides(), y.strides()}, [&](const auto& off, int64_t n, const auto& in) {
-        float buf[kChunk];
-        for (int64_t c = 0; c < n; c += kChunk) {
-          const int64_t m = std::min(kChunk, n - c);
-          load_f32(xb + (off[0] + c * in[0]) * static_cast<int64_t>(xs), x.dtype(), in[0], m, buf);
-          for (int64_t i = 0; i < m; ++i) buf[i] = apply_unary(op, buf[i]);
-          store_f32(buf, m, yb + (off[1] + c * in[1]) * static_cast<int64_t>(ys), out, in[1]);
-        }
-      });
+  for_each_row<2>(x.shape(), {x.strides(), y.strides()},
+                  [&](const auto& off, int64_t n, const auto& in) {
+                    // FP32 rows are read and written in place; other dtypes go through an FP32
+                    // staging buffer.
+                    const bool direct_in = x.dtype() == DType::f32 && in[0] == 1,
+                               direct_out = out == DType::f32 && in[1] == 1;
+                    float buf[kChunk], res[kChunk];
+                    for (int64_t c = 0; c < n; c += kChunk) {
+                      const int64_t m = std::min(kChunk, n - c);
+                      const char* src = xb + (off[0] + c * in[0]) * static_cast<int64_t>(xs);
+                      char* dst = yb + (off[1] + c * in[1]) * static_cast<int64_t>(ys);
+                      const float* a = direct_in ? reinterpret_cast<const float*>(src) : buf;
+                      if (!direct_in) load_f32(src, x.dtype(), in[0], m, buf);
+                      float* r = direct_out ? reinterpret_cast<float*>(dst) : res;
+                      unary_apply(op, a, r, m);
+                      if (!direct_out) store_f32(r, m, dst, out, in[1]);
+                    }
+                  });
   return y;
 }
+
+namespace {
+template <UnaryOp kOp>
+void backward_loop(const float* g, const float* x, const float* y, float* dx, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dx[i] = g[i] * unary_derivative(kOp, x[i], y[i]);
+}
+void backward_apply(UnaryOp op, const float* g, const float* x, const float* y, float* dx,
+                    int64_t n) {
+  switch (op) {
+    case UnaryOp::kRelu:
+      return backward_loop<UnaryOp::kRelu>(g, x, y, dx, n);
+    case UnaryOp::kGelu:
+      return backward_loop<UnaryOp::kGelu>(g, x, y, dx, n);
+    case UnaryOp::kSigmoid:
+      return backward_loop<UnaryOp::kSigmoid>(g, x, y, dx, n);
+    case UnaryOp::kTanh:
+      return backward_loop<UnaryOp::kTanh>(g, x, y, dx, n);
+    case UnaryOp::kNeg:
+      return backward_loop<UnaryOp::kNeg>(g, x, y, dx, n);
+    case UnaryOp::kExp:
+      return backward_loop<UnaryOp::kExp>(g, x, y, dx, n);
+    case UnaryOp::kLog:
+      return backward_loop<UnaryOp::kLog>(g, x, y, dx, n);
+    case UnaryOp::kSqrt:
+      return backward_loop<UnaryOp::kSqrt>(g, x, y, dx, n);
+    case UnaryOp::kSquare:
+      return backward_loop<UnaryOp::kSquare>(g, x, y, dx, n);
+  }
+}
+}  // namespace
 
 Tensor unary_backward(UnaryOp op, const Tensor& grad_out, const Tensor& x, const Tensor& y,
                       DType out, MemoryCategory cat) {
@@ -246,23 +340,25 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad_out, const Tensor& x, const
   const Tensor& yy = y.defined() ? y : x;
   const size_t gs = dtype_size(grad_out.dtype()), xs = dtype_size(xx.dtype()),
                ys = dtype_size(yy.dtype()), ds = dtype_size(out);
-  for_each_row<4>(grad_out.shape(), {grad_out.strides(), xx.strides(), yy.strides(), dx.strides()},
-                  [&](const auto& off, int64_t n, const auto& in) {
-                    float g[kChunk], a[kChunk], b[kChunk];
-                    for (int64_t c = 0; c < n; c += kChunk) {
-                      const int64_t m = std::min(kChunk, n - c);
-                      load_f32(byte_ptr(grad_out) + (off[0] + c * in[0]) * static_cast<int64_t>(gs),
-                               grad_out.dtype(), in[0], m, g);
-                      load_f32(byte_ptr(xx) + (off[1] + c * in[1]) * static_cast<int64_t>(xs),
-                               xx.dtype(), in[1], m, a);
-                      load_f32(byte_ptr(yy) + (off[2] + c * in[2]) * static_cast<int64_t>(ys),
-                               yy.dtype(), in[2], m, b);
-                      for (int64_t i = 0; i < m; ++i) g[i] *= unary_derivative(op, a[i], b[i]);
-                      store_f32(g, m,
-                                byte_ptr(dx) + (off[3] + c * in[3]) * static_cast<int64_t>(ds), out,
-                                in[3]);
-                    }
-                  });
+  for_each_row<4>(
+      grad_out.shape(), {grad_out.strides(), xx.strides(), yy.strides(), dx.strides()},
+      [&](const auto& off, int64_t n, const auto& in) {
+        float g[kChunk], a[kChunk], b[kChunk], r[kChunk];
+        for (int64_t c = 0; c < n; c += kChunk) {
+          const int64_t m = std::min(kChunk, n - c);
+          const float* pg =
+              row_f32(byte_ptr(grad_out) + (off[0] + c * in[0]) * static_cast<int64_t>(gs),
+                      grad_out.dtype(), in[0], m, g);
+          const float* px = row_f32(byte_ptr(xx) + (off[1] + c * in[1]) * static_cast<int64_t>(xs),
+                                    xx.dtype(), in[1], m, a);
+          const float* py = row_f32(byte_ptr(yy) + (off[2] + c * in[2]) * static_cast<int64_t>(ys),
+                                    yy.dtype(), in[2], m, b);
+          char* dst = byte_ptr(dx) + (off[3] + c * in[3]) * static_cast<int64_t>(ds);
+          float* pd = out_row(dst, out, in[3], r);
+          backward_apply(op, pg, px, py, pd, m);
+          finish_row(pd, m, dst, out, in[3]);
+        }
+      });
   return dx;
 }
 
@@ -272,21 +368,22 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b, DType out, MemoryCa
   const Shape shape = broadcast_shapes(a.shape(), b.shape());
   Tensor y = Tensor::empty(shape, out, charged_to(cat));
   const size_t as = dtype_size(a.dtype()), bs = dtype_size(b.dtype()), ys = dtype_size(out);
-  for_each_row<3>(shape, {broadcast_strides(a, shape), broadcast_strides(b, shape), y.strides()},
-                  [&](const auto& off, int64_t n, const auto& in) {
-                    float fa[kChunk], fb[kChunk];
-                    for (int64_t c = 0; c < n; c += kChunk) {
-                      const int64_t m = std::min(kChunk, n - c);
-                      load_f32(byte_ptr(a) + (off[0] + c * in[0]) * static_cast<int64_t>(as),
-                               a.dtype(), in[0], m, fa);
-                      load_f32(byte_ptr(b) + (off[1] + c * in[1]) * static_cast<int64_t>(bs),
-                               b.dtype(), in[1], m, fb);
-                      binary_apply(op, fa, fb, fa, m);
-                      store_f32(fa, m,
-                                byte_ptr(y) + (off[2] + c * in[2]) * static_cast<int64_t>(ys), out,
-                                in[2]);
-                    }
-                  });
+  for_each_row<3>(
+      shape, {broadcast_strides(a, shape), broadcast_strides(b, shape), y.strides()},
+      [&](const auto& off, int64_t n, const auto& in) {
+        float fa[kChunk], fb[kChunk], fy[kChunk];
+        for (int64_t c = 0; c < n; c += kChunk) {
+          const int64_t m = std::min(kChunk, n - c);
+          const float* pa = row_f32(byte_ptr(a) + (off[0] + c * in[0]) * static_cast<int64_t>(as),
+                                    a.dtype(), in[0], m, fa);
+          const float* pb = row_f32(byte_ptr(b) + (off[1] + c * in[1]) * static_cast<int64_t>(bs),
+                                    b.dtype(), in[1], m, fb);
+          char* dst = byte_ptr(y) + (off[2] + c * in[2]) * static_cast<int64_t>(ys);
+          float* py = out_row(dst, out, in[2], fy);
+          binary_apply(op, pa, pb, py, m);
+          finish_row(py, m, dst, out, in[2]);
+        }
+      });
   return y;
 }
 

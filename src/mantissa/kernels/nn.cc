@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "mantissa/core/error.h"
@@ -194,41 +195,62 @@ struct ConvGeometry {
   }
 };
 
+template <typename Word>
+void copy_strided(const char* in_row, int64_t off, int64_t stride, int64_t lo, int64_t hi,
+                  char* out) {
+  const Word* src = reinterpret_cast<const Word*>(in_row);
+  Word* dst = reinterpret_cast<Word*>(out);
+  for (int64_t ow = lo; ow < hi; ++ow) dst[ow] = src[ow * stride + off];
+}
+
 // cols[(c, ki, kj), (n - n0, oh, ow)] of group g, in x's dtype (zeros where the window is padding).
 void im2col(const Tensor& x, const ConvGeometry& g, int64_t grp, int64_t n0, int64_t nb,
             char* cols) {
   const int64_t es = esize(x.dtype());
   const int64_t L = nb * g.HW;
   const char* xb = bytes(x);
-  parallel_for(static_cast<size_t>(g.CKK), 4,
-               g.CKK * L >= kParallelElements ? default_num_threads() : 1,
-               [&](size_t r0, size_t r1) {
-                 for (size_t r = r0; r < r1; ++r) {
-                   const int64_t c = static_cast<int64_t>(r) / (g.KH * g.KW),
-                                 ki = (static_cast<int64_t>(r) / g.KW) % g.KH,
-                                 kj = static_cast<int64_t>(r) % g.KW;
-                   char* row = cols + static_cast<int64_t>(r) * L * es;
-                   for (int64_t nl = 0; nl < nb; ++nl) {
-                     const char* plane = xb + ((n0 + nl) * g.C + grp * g.Cg + c) * g.H * g.W * es;
-                     for (int64_t oh = 0; oh < g.Ho; ++oh) {
-                       char* out = row + (nl * g.HW + oh * g.Wo) * es;
-                       const int64_t ih = oh * g.p.stride_h - g.p.pad_h + ki * g.p.dilation_h;
-                       if (ih < 0 || ih >= g.H) {
-                         std::memset(out, 0, static_cast<size_t>(g.Wo * es));
-                         continue;
-                       }
-                       const char* in_row = plane + ih * g.W * es;
-                       for (int64_t ow = 0; ow < g.Wo; ++ow) {
-                         const int64_t iw = ow * g.p.stride_w - g.p.pad_w + kj * g.p.dilation_w;
-                         if (iw < 0 || iw >= g.W)
-                           std::memset(out + ow * es, 0, static_cast<size_t>(es));
-                         else
-                           std::memcpy(out + ow * es, in_row + iw * es, static_cast<size_t>(es));
-                       }
-                     }
-                   }
-                 }
-               });
+  parallel_for(
+      static_cast<size_t>(g.CKK), 4, g.CKK * L >= kParallelElements ? default_num_threads() : 1,
+      [&](size_t r0, size_t r1) {
+        for (size_t r = r0; r < r1; ++r) {
+          const int64_t c = static_cast<int64_t>(r) / (g.KH * g.KW),
+                        ki = (static_cast<int64_t>(r) / g.KW) % g.KH,
+                        kj = static_cast<int64_t>(r) % g.KW;
+          char* row = cols + static_cast<int64_t>(r) * L * es;
+          for (int64_t nl = 0; nl < nb; ++nl) {
+            const char* plane = xb + ((n0 + nl) * g.C + grp * g.Cg + c) * g.H * g.W * es;
+            for (int64_t oh = 0; oh < g.Ho; ++oh) {
+              char* out = row + (nl * g.HW + oh * g.Wo) * es;
+              const int64_t ih = oh * g.p.stride_h - g.p.pad_h + ki * g.p.dilation_h;
+              if (ih < 0 || ih >= g.H) {
+                std::memset(out, 0, static_cast<size_t>(g.Wo * es));
+                continue;
+              }
+              const char* in_row = plane + ih * g.W * es;
+              // Columns ow whose input column iw = ow*s - pad + kj*d lies inside [0, W).
+              const int64_t off = kj * g.p.dilation_w - g.p.pad_w;
+              const int64_t lo =
+                  std::clamp<int64_t>((-off + g.p.stride_w - 1) / g.p.stride_w, 0, g.Wo);
+              const int64_t hi =
+                  std::clamp<int64_t>((g.W - off + g.p.stride_w - 1) / g.p.stride_w, lo, g.Wo);
+              std::memset(out, 0, static_cast<size_t>(lo * es));
+              std::memset(out + hi * es, 0, static_cast<size_t>((g.Wo - hi) * es));
+              if (g.p.stride_w == 1) {  // a contiguous run
+                std::memcpy(out + lo * es, in_row + (lo + off) * es,
+                            static_cast<size_t>((hi - lo) * es));
+              } else if (es == 4) {
+                copy_strided<uint32_t>(in_row, off, g.p.stride_w, lo, hi, out);
+              } else if (es == 2) {
+                copy_strided<uint16_t>(in_row, off, g.p.stride_w, lo, hi, out);
+              } else {
+                for (int64_t ow = lo; ow < hi; ++ow)
+                  std::memcpy(out + ow * es, in_row + (ow * g.p.stride_w + off) * es,
+                              static_cast<size_t>(es));
+              }
+            }
+          }
+        }
+      });
 }
 
 // dx[n0 + nl, grp*Cg + c, ih, iw] += dcols[(c, ki, kj), (nl, oh, ow)] into an FP32 chunk (nb, C, H,
@@ -365,25 +387,45 @@ Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Sha
                               const Conv2dParams& p, DType out, Partials partials) {
   const ConvGeometry g(x_in.shape(), w_shape, p);
   const Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
-  GemmOptions go;
-  go.partials = partials;
-  const int64_t chunk = g.chunk();
-  Tensor cols = byte_workspace(g.CKK * chunk * g.HW, x.dtype());
-  Tensor dyg = byte_workspace(g.Og * chunk * g.HW, dy.dtype());
-  Tensor dw32 = f32_workspace({g.O * g.CKK});
-  for (int64_t n0 = 0; n0 < g.N; n0 += chunk) {
-    const int64_t nb = std::min(chunk, g.N - n0), L = nb * g.HW;
-    for (int64_t grp = 0; grp < g.G; ++grp) {
-      im2col(x, g, grp, n0, nb, bytes(cols));
-      gather_dy(dy, g, grp, n0, nb, bytes(dyg));
-      // dW_g (Og, CKK) += dy_g (Og, L) x cols^T (L, CKK)
-      gemm(g.Og, g.CKK, L, 1.0f, {dyg.data_ptr(), dyg.dtype(), L, 1},
-           {cols.data_ptr(), cols.dtype(), 1, L}, n0 == 0 ? 0.0f : 1.0f,
-           {dw32.data<float>() + grp * g.Og * g.CKK, DType::f32, g.CKK, 1}, go);
+  // dW_g (Og, CKK) = sum over images of dy_g (Og, L) x cols^T (L, CKK): a GEMM whose output is
+  // small and whose depth is the whole batch. When the output is too small to split across
+  // threads (the tutorial CNN's conv1: 5 x 9), threads take groups of images instead, each with
+  // its own FP32 accumulator, summed at the end.
+  const int threads = default_num_threads();
+  const int64_t parts =
+      (g.Og * g.CKK < 64 * 64 && threads > 1) ? std::min<int64_t>(threads, g.N) : 1;
+  std::vector<Tensor> partial(static_cast<size_t>(parts));
+  parallel_for(static_cast<size_t>(parts), 1, static_cast<int>(parts), [&](size_t p0, size_t p1) {
+    for (size_t part = p0; part < p1; ++part) {
+      const int64_t i0 = g.N * static_cast<int64_t>(part) / parts,
+                    i1 = g.N * static_cast<int64_t>(part + 1) / parts;
+      GemmOptions go;
+      go.partials = partials;
+      go.threads = parts > 1 ? 1 : 0;
+      const int64_t chunk = g.chunk();
+      Tensor cols = byte_workspace(g.CKK * chunk * g.HW, x.dtype());
+      Tensor dyg = byte_workspace(g.Og * chunk * g.HW, dy.dtype());
+      Tensor dw32 = f32_workspace({g.O * g.CKK});
+      for (int64_t n0 = i0; n0 < i1; n0 += chunk) {
+        const int64_t nb = std::min(chunk, i1 - n0), L = nb * g.HW;
+        for (int64_t grp = 0; grp < g.G; ++grp) {
+          im2col(x, g, grp, n0, nb, bytes(cols));
+          gather_dy(dy, g, grp, n0, nb, bytes(dyg));
+          gemm(g.Og, g.CKK, L, 1.0f, {dyg.data_ptr(), dyg.dtype(), L, 1},
+               {cols.data_ptr(), cols.dtype(), 1, L}, n0 == i0 ? 0.0f : 1.0f,
+               {dw32.data<float>() + grp * g.Og * g.CKK, DType::f32, g.CKK, 1}, go);
+        }
+      }
+      partial[part] = dw32;
     }
+  });
+  float* total = partial[0].data<float>();
+  for (size_t part = 1; part < partial.size(); ++part) {
+    const float* add = partial[part].data<float>();
+    for (int64_t i = 0; i < g.O * g.CKK; ++i) total[i] += add[i];
   }
   Tensor dw = Tensor::empty(w_shape, out, charged_to(MemoryCategory::gradients));
-  convert(dw32.data_ptr(), DType::f32, dw.data_ptr(), out, static_cast<size_t>(dw.numel()));
+  convert(total, DType::f32, dw.data_ptr(), out, static_cast<size_t>(dw.numel()));
   return dw;
 }
 
@@ -645,27 +687,41 @@ void norm_stats(const std::vector<float>& x, const NormLayout& L, double eps,
                });
 }
 
+// Calls fn(row, stat index, [begin, end) within the row, channel) for each run of a row's elements
+// that share an affine channel (an element e's channel is (e / channel_inner) % channels).
+template <typename Fn>
+void for_each_channel_run(const NormLayout& L, int64_t r, Fn&& fn) {
+  const int64_t o = r / L.groups, grp = r % L.groups;
+  const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
+  const int64_t base = r * L.inner;
+  for (int64_t i = 0; i < L.inner;) {
+    const int64_t e = base + i;
+    const int64_t end = std::min(L.inner, i + (L.channel_inner - e % L.channel_inner));
+    fn(s, i, end, static_cast<size_t>((e / L.channel_inner) % L.channels));
+    i = end;
+  }
+}
+
+int norm_threads(size_t elements) {
+  return static_cast<int64_t>(elements) >= kParallelElements ? default_num_threads() : 1;
+}
+
 // y = (x - mean) * rstd * w[c] + b[c]
 std::vector<float> norm_apply(const std::vector<float>& x, const NormLayout& L,
                               const std::vector<float>& mean, const std::vector<float>& rstd,
                               const std::vector<float>* w, const std::vector<float>* b) {
   std::vector<float> y(x.size());
-  const int64_t rows = L.outer * L.groups;
-  parallel_for(static_cast<size_t>(rows), 1,
-               static_cast<int64_t>(x.size()) >= kParallelElements ? default_num_threads() : 1,
+  parallel_for(static_cast<size_t>(L.outer * L.groups), 1, norm_threads(x.size()),
                [&](size_t r0, size_t r1) {
-                 for (size_t r = r0; r < r1; ++r) {
-                   const int64_t o = static_cast<int64_t>(r) / L.groups,
-                                 grp = static_cast<int64_t>(r) % L.groups;
-                   const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
-                   const int64_t base = static_cast<int64_t>(r) * L.inner;
-                   for (int64_t i = 0; i < L.inner; ++i) {
-                     const int64_t c = ((base + i) / L.channel_inner) % L.channels;
-                     float v = (x[static_cast<size_t>(base + i)] - mean[s]) * rstd[s];
-                     if (w) v = v * (*w)[static_cast<size_t>(c)] + (*b)[static_cast<size_t>(c)];
-                     y[static_cast<size_t>(base + i)] = v;
-                   }
-                 }
+                 for (size_t r = r0; r < r1; ++r)
+                   for_each_channel_run(
+                       L, static_cast<int64_t>(r), [&](size_t s, int64_t i0, int64_t i1, size_t c) {
+                         const float scale = w ? rstd[s] * (*w)[c] : rstd[s];
+                         const float shift = w ? (*b)[c] - mean[s] * scale : -mean[s] * scale;
+                         const float* xs = x.data() + static_cast<int64_t>(r) * L.inner;
+                         float* ys = y.data() + static_cast<int64_t>(r) * L.inner;
+                         for (int64_t i = i0; i < i1; ++i) ys[i] = xs[i] * scale + shift;
+                       });
                });
   return y;
 }
@@ -677,45 +733,63 @@ void norm_backward(const std::vector<float>& dy, const std::vector<float>& x, co
                    const std::vector<float>* w, bool through_stats, std::vector<float>& dx,
                    std::vector<double>& dw, std::vector<double>& db) {
   const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
+  const int64_t rows = L.outer * L.groups;
   dx.assign(x.size(), 0.0f);
   dw.assign(static_cast<size_t>(L.channels), 0.0);
   db.assign(static_cast<size_t>(L.channels), 0.0);
-  // Per stat group: sums of g = dy*w and g*xhat; per channel: sums of dy and dy*xhat.
+  // Pass 1, per stat group: sums of g = dy*w and g*xhat; per channel: sums of dy and dy*xhat.
+  // Tasks own whole stat groups; channel sums are per task, added at the end.
   std::vector<double> sum_g(static_cast<size_t>(stats), 0.0),
       sum_gx(static_cast<size_t>(stats), 0.0);
-  for (int64_t r = 0; r < L.outer * L.groups; ++r) {
-    const int64_t o = r / L.groups, grp = r % L.groups;
-    const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
-    for (int64_t i = 0; i < L.inner; ++i) {
-      const int64_t e = r * L.inner + i;
-      const size_t c = static_cast<size_t>((e / L.channel_inner) % L.channels);
-      const double xhat = (x[static_cast<size_t>(e)] - mean[s]) * rstd[s];
-      const double d = dy[static_cast<size_t>(e)];
-      const double g = w ? d * (*w)[c] : d;
-      sum_g[s] += g;
-      sum_gx[s] += g * xhat;
-      dw[c] += d * xhat;
-      db[c] += d;
-    }
-  }
-  const double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
-  for (int64_t r = 0; r < L.outer * L.groups; ++r) {
-    const int64_t o = r / L.groups, grp = r % L.groups;
-    const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
-    for (int64_t i = 0; i < L.inner; ++i) {
-      const int64_t e = r * L.inner + i;
-      const size_t c = static_cast<size_t>((e / L.channel_inner) % L.channels);
-      const double g = w ? static_cast<double>(dy[static_cast<size_t>(e)]) * (*w)[c]
-                         : dy[static_cast<size_t>(e)];
-      if (!through_stats) {
-        dx[static_cast<size_t>(e)] = static_cast<float>(g * rstd[s]);
-        continue;
+  std::mutex merge;
+  parallel_for(static_cast<size_t>(stats), 1, norm_threads(x.size()), [&](size_t s0, size_t s1) {
+    std::vector<double> tdw(static_cast<size_t>(L.channels), 0.0),
+        tdb(static_cast<size_t>(L.channels), 0.0);
+    for (size_t st = s0; st < s1; ++st) {
+      // The rows of stat group st: one row, or (batch norm) row o * groups + st for every o.
+      const int64_t n_rows = L.across_outer ? L.outer : 1;
+      for (int64_t k = 0; k < n_rows; ++k) {
+        const int64_t r =
+            L.across_outer ? k * L.groups + static_cast<int64_t>(st) : static_cast<int64_t>(st);
+        for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
+          const float* xr = x.data() + r * L.inner;
+          const float* dr = dy.data() + r * L.inner;
+          const double wc = w ? (*w)[c] : 1.0;
+          double sd = 0, sdx = 0;
+          for (int64_t i = i0; i < i1; ++i) {
+            const double xhat = (xr[i] - mean[s]) * rstd[s];
+            sd += dr[i];
+            sdx += dr[i] * xhat;
+          }
+          sum_g[s] += wc * sd;
+          sum_gx[s] += wc * sdx;
+          tdw[c] += sdx;
+          tdb[c] += sd;
+        });
       }
-      const double xhat = (x[static_cast<size_t>(e)] - mean[s]) * rstd[s];
-      dx[static_cast<size_t>(e)] =
-          static_cast<float>(rstd[s] * (g - sum_g[s] / count - xhat * sum_gx[s] / count));
     }
-  }
+    std::lock_guard<std::mutex> lock(merge);
+    for (size_t c = 0; c < tdw.size(); ++c) dw[c] += tdw[c], db[c] += tdb[c];
+  });
+  // Pass 2: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per stat group.
+  const double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
+  parallel_for(static_cast<size_t>(rows), 1, norm_threads(x.size()), [&](size_t r0, size_t r1) {
+    for (size_t rr = r0; rr < r1; ++rr) {
+      const int64_t r = static_cast<int64_t>(rr);
+      for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
+        const float* xr = x.data() + r * L.inner;
+        const float* dr = dy.data() + r * L.inner;
+        float* out = dx.data() + r * L.inner;
+        const double wc = w ? (*w)[c] : 1.0;
+        const double a = through_stats ? sum_g[s] / count : 0.0,
+                     bq = through_stats ? sum_gx[s] / count : 0.0;
+        for (int64_t i = i0; i < i1; ++i) {
+          const double xhat = (xr[i] - mean[s]) * rstd[s];
+          out[i] = static_cast<float>(rstd[s] * (wc * dr[i] - a - xhat * bq));
+        }
+      });
+    }
+  });
 }
 
 std::tuple<Tensor, Tensor, Tensor> finish_backward(const std::vector<float>& dx,
