@@ -345,7 +345,7 @@ void bandwidth_table() {
       gbs[i++] = bytes / best_time([&] { op.run(a, b, t); }, 3) / 1e9;
     }
     std::printf("%-28s | %9.1f %7.0f%% | %9.1f %7.0f%% | %.2fx\n", op.what, gbs[0],
-                100 * gbs[0] / memcpy_gbs, gbs[1], 100 * gbs[1] / memcpy_gbs, gbs[1] / gbs[0] / 2);
+                100 * gbs[0] / memcpy_gbs, gbs[1], 100 * gbs[1] / memcpy_gbs, 2 * gbs[1] / gbs[0]);
   }
 }
 

@@ -23,5 +23,12 @@ int main() {
     std::printf("%s\n", e.what());
   }
   std::printf("%s", mem.report().c_str());
+
+  // Differentiable ops and reverse-mode gradients, stored in each tensor's dtype.
+  Tensor w2 = Tensor::from_floats({0.5f, -0.25f}, {1, 2}, DType::bf16).set_requires_grad();
+  Tensor x = Tensor::from_floats({1.0f, 2.0f}, {1, 2});
+  Tensor loss = ops::sum(ops::relu(ops::linear(x, w2)));
+  autograd::backward(loss);  // w2.grad(): bf16, like w2
+  std::printf("loss %g, gradient %s\n", loss.item(), w2.grad().str().c_str());
   return 0;
 }

@@ -3,9 +3,17 @@
 # Safe to run repeatedly; needs root (or sudo) only when something is missing.
 #
 #   bash scripts/setup.sh            # build + test dependencies
+#   bash scripts/setup.sh --bench    # also the libraries benchmarks compare with (OpenBLAS, BLIS)
+#                                    # and Debian's PyTorch (regenerates tests/golden)
 set -euo pipefail
 
 packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev)
+for arg in "$@"; do
+  case "$arg" in
+    --bench) packages+=(libopenblas0-pthread libblis4-pthread python3-torch) ;;
+    *) echo "setup: unknown option '$arg' (use --bench or nothing)" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${packages[@]}"; do
@@ -13,7 +21,7 @@ for p in "${packages[@]}"; do
 done
 
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "setup: all build dependencies present (${packages[*]})"
+  echo "setup: all dependencies present (${packages[*]})"
   exit 0
 fi
 

@@ -1,6 +1,7 @@
 // Mantissa's public C++ API: include this one header.
 #pragma once
 
+#include "mantissa/autograd/autograd.h"
 #include "mantissa/core/convert.h"
 #include "mantissa/core/cpu_features.h"
 #include "mantissa/core/dtype.h"
@@ -10,3 +11,5 @@
 #include "mantissa/core/parallel.h"
 #include "mantissa/core/philox.h"
 #include "mantissa/core/tensor.h"
+#include "mantissa/io/safetensors.h"
+#include "mantissa/ops/ops.h"

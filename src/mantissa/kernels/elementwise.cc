@@ -531,17 +531,19 @@ Tensor softmax(const Tensor& x, int64_t dim, bool log, DType out, MemoryCategory
                    len, buf.data());
           float mx = -INFINITY;
           for (float v : buf) mx = std::max(mx, v);
+          // One exp per element, kept for the normalization.
           float total = 0.0f;
-          for (float& v : buf) {
-            v -= mx;
-            total += std::exp(v);
-          }
           if (log) {
-            const float lt = std::log(total);
-            for (float& v : buf) v -= lt;
+            for (float v : buf) total += std::exp(v - mx);
+            const float shift = mx + std::log(total);
+            for (float& v : buf) v -= shift;
           } else {
+            for (float& v : buf) {
+              v = std::exp(v - mx);
+              total += v;
+            }
             const float inv = 1.0f / total;
-            for (float& v : buf) v = std::exp(v) * inv;
+            for (float& v : buf) v *= inv;
           }
           store_f32(buf.data(), len, byte_ptr(y) + (off0[1] + j * in[1]) * static_cast<int64_t>(ys),
                     out, ystep);

@@ -638,6 +638,56 @@ struct NormLayout {
   bool across_outer;                // batch norm: statistics of group g pool all outer
 };
 
+// FP32 values of a tensor: its own memory when it is contiguous FP32, else a converted copy.
+struct FloatSpan {
+  const float* p = nullptr;
+  size_t n = 0;
+  const float* data() const { return p; }
+  size_t size() const { return n; }
+  float operator[](size_t i) const { return p[i]; }
+};
+FloatSpan as_f32(const Tensor& t, std::vector<float>& staging) {
+  if (t.dtype() == DType::f32 && t.is_contiguous())
+    return {t.data<float>(), static_cast<size_t>(t.numel())};
+  staging.resize(static_cast<size_t>(t.numel()));
+  const Tensor c = t.contiguous();
+  if (!staging.empty())
+    convert(c.data_ptr(), c.dtype(), staging.data(), DType::f32, staging.size());
+  return {staging.data(), staging.size()};
+}
+
+// Sum of n floats, 8 lanes at a time (vectorizable), in FP64 across chunks of 4096.
+double sum_f(const float* p, int64_t n) {
+  double total = 0;
+  for (int64_t c = 0; c < n; c += 4096) {
+    const int64_t m = std::min<int64_t>(4096, n - c);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8)
+      for (int j = 0; j < 8; ++j) acc[j] += p[c + i + j];
+    for (; i < m; ++i) acc[0] += p[c + i];
+    total += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  }
+  return total;
+}
+// Sum of (p[i] - mu)^2, the same way.
+double sum_sq_f(const float* p, int64_t n, float mu) {
+  double total = 0;
+  for (int64_t c = 0; c < n; c += 4096) {
+    const int64_t m = std::min<int64_t>(4096, n - c);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8)
+      for (int j = 0; j < 8; ++j) {
+        const float d = p[c + i + j] - mu;
+        acc[j] += d * d;
+      }
+    for (; i < m; ++i) acc[0] += (p[c + i] - mu) * (p[c + i] - mu);
+    total += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  }
+  return total;
+}
+
 std::vector<float> load_all(const Tensor& t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
   const Tensor c = t.contiguous();
@@ -653,8 +703,8 @@ Tensor from_vector(const std::vector<float>& v, const Shape& shape, DType t, Mem
 
 // Statistics per stat index s (outer*groups entries, or groups when across_outer), accumulated in
 // FP64 (sums over whole batches lose too much in FP32).
-void norm_stats(const std::vector<float>& x, const NormLayout& L, double eps,
-                std::vector<float>& mean, std::vector<float>& rstd, std::vector<double>* var_out) {
+void norm_stats(FloatSpan x, const NormLayout& L, double eps, std::vector<float>& mean,
+                std::vector<float>& rstd, std::vector<double>* var_out) {
   const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
   mean.assign(static_cast<size_t>(stats), 0.0f);
   rstd.assign(static_cast<size_t>(stats), 0.0f);
@@ -668,17 +718,14 @@ void norm_stats(const std::vector<float>& x, const NormLayout& L, double eps,
                    const int64_t grp = L.across_outer ? static_cast<int64_t>(s)
                                                       : static_cast<int64_t>(s) % L.groups;
                    double sum = 0;
-                   for (int64_t o = o_begin; o < o_end; ++o) {
-                     const float* p = x.data() + (o * L.groups + grp) * L.inner;
-                     for (int64_t i = 0; i < L.inner; ++i) sum += p[i];
-                   }
+                   for (int64_t o = o_begin; o < o_end; ++o)
+                     sum += sum_f(x.data() + (o * L.groups + grp) * L.inner, L.inner);
                    const double count = static_cast<double>((o_end - o_begin) * L.inner);
                    const double mu = sum / count;
-                   double sq = 0;
-                   for (int64_t o = o_begin; o < o_end; ++o) {
-                     const float* p = x.data() + (o * L.groups + grp) * L.inner;
-                     for (int64_t i = 0; i < L.inner; ++i) sq += (p[i] - mu) * (p[i] - mu);
-                   }
+                   double sq = 0;  // two passes: the variance of values around their mean
+                   for (int64_t o = o_begin; o < o_end; ++o)
+                     sq += sum_sq_f(x.data() + (o * L.groups + grp) * L.inner, L.inner,
+                                    static_cast<float>(mu));
                    const double var = sq / count;
                    mean[s] = static_cast<float>(mu);
                    rstd[s] = static_cast<float>(1.0 / std::sqrt(var + eps));
@@ -707,10 +754,9 @@ int norm_threads(size_t elements) {
 }
 
 // y = (x - mean) * rstd * w[c] + b[c]
-std::vector<float> norm_apply(const std::vector<float>& x, const NormLayout& L,
-                              const std::vector<float>& mean, const std::vector<float>& rstd,
-                              const std::vector<float>* w, const std::vector<float>* b) {
-  std::vector<float> y(x.size());
+void norm_apply(FloatSpan x, const NormLayout& L, const std::vector<float>& mean,
+                const std::vector<float>& rstd, const std::vector<float>* w,
+                const std::vector<float>* b, float* y) {
   parallel_for(static_cast<size_t>(L.outer * L.groups), 1, norm_threads(x.size()),
                [&](size_t r0, size_t r1) {
                  for (size_t r = r0; r < r1; ++r)
@@ -719,19 +765,33 @@ std::vector<float> norm_apply(const std::vector<float>& x, const NormLayout& L,
                          const float scale = w ? rstd[s] * (*w)[c] : rstd[s];
                          const float shift = w ? (*b)[c] - mean[s] * scale : -mean[s] * scale;
                          const float* xs = x.data() + static_cast<int64_t>(r) * L.inner;
-                         float* ys = y.data() + static_cast<int64_t>(r) * L.inner;
+                         float* ys = y + static_cast<int64_t>(r) * L.inner;
                          for (int64_t i = i0; i < i1; ++i) ys[i] = xs[i] * scale + shift;
                        });
                });
+}
+
+// y = norm_apply(...) as a tensor of `out` dtype: written in place when FP32.
+Tensor normalized(FloatSpan x, const Shape& shape, const NormLayout& L,
+                  const std::vector<float>& mean, const std::vector<float>& rstd,
+                  const Tensor& weight, const Tensor& bias, DType out) {
+  std::vector<float> wv, bv;
+  if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
+  Tensor y = Tensor::empty(shape, out, charged_to(MemoryCategory::activations));
+  std::vector<float> staging;
+  float* dst = out == DType::f32 ? y.data<float>() : (staging.resize(x.size()), staging.data());
+  norm_apply(x, L, mean, rstd, weight.defined() ? &wv : nullptr, weight.defined() ? &bv : nullptr,
+             dst);
+  if (out != DType::f32 && !staging.empty())
+    convert(staging.data(), DType::f32, y.data_ptr(), out, staging.size());
   return y;
 }
 
 // dx, dw, db of y = xhat * w + b with xhat normalized by statistics over each stat group
 // (those statistics depend on x when `through_stats`; batch norm in eval mode uses fixed ones).
-void norm_backward(const std::vector<float>& dy, const std::vector<float>& x, const NormLayout& L,
-                   const std::vector<float>& mean, const std::vector<float>& rstd,
-                   const std::vector<float>* w, bool through_stats, std::vector<float>& dx,
-                   std::vector<double>& dw, std::vector<double>& db) {
+void norm_backward(FloatSpan dy, FloatSpan x, const NormLayout& L, const std::vector<float>& mean,
+                   const std::vector<float>& rstd, const std::vector<float>* w, bool through_stats,
+                   std::vector<float>& dx, std::vector<double>& dw, std::vector<double>& db) {
   const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
   const int64_t rows = L.outer * L.groups;
   dx.assign(x.size(), 0.0f);
@@ -828,7 +888,8 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& wei
   check_affine(weight, bias, C, "batch_norm");
   const int64_t inner = x.numel() / std::max<int64_t>(x.size(0) * C, 1);
   const NormLayout L{x.size(0), C, inner, C, inner, true};
-  const std::vector<float> xv = load_all(x);
+  std::vector<float> staging;
+  const FloatSpan xv = as_f32(x, staging);
   std::vector<float> mean, rstd;
   if (training) {
     MANTISSA_CHECK(x.size(0) * inner > 1,
@@ -860,11 +921,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& wei
     for (size_t c = 0; c < rv.size(); ++c)
       rstd[c] = static_cast<float>(1.0 / std::sqrt(static_cast<double>(rv[c]) + eps));
   }
-  std::vector<float> wv, bv;
-  if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
-  const std::vector<float> y = norm_apply(xv, L, mean, rstd, weight.defined() ? &wv : nullptr,
-                                          weight.defined() ? &bv : nullptr);
-  return {from_vector(y, x.shape(), out, MemoryCategory::activations),
+  return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
           from_vector(mean, {C}, DType::f32, MemoryCategory::activations),
           from_vector(rstd, {C}, DType::f32, MemoryCategory::activations)};
 }
@@ -879,7 +936,8 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_backward(const Tensor& dy, const T
   if (weight.defined()) wv = load_all(weight);
   std::vector<float> dx;
   std::vector<double> dw, db;
-  norm_backward(load_all(dy), load_all(x), L, load_all(mean), load_all(rstd),
+  std::vector<float> sdy, sx;
+  norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
                 weight.defined() ? &wv : nullptr, training, dx, dw, db);
   return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
 }
@@ -897,14 +955,11 @@ std::tuple<Tensor, Tensor, Tensor> group_norm(const Tensor& x, int64_t groups, c
   check_affine(weight, bias, C, "group_norm");
   const int64_t spatial = x.numel() / std::max<int64_t>(N * C, 1);
   const NormLayout L{N, groups, (C / groups) * spatial, C, spatial, false};
-  const std::vector<float> xv = load_all(x);
+  std::vector<float> staging;
+  const FloatSpan xv = as_f32(x, staging);
   std::vector<float> mean, rstd;
   norm_stats(xv, L, eps, mean, rstd, nullptr);
-  std::vector<float> wv, bv;
-  if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
-  const std::vector<float> y = norm_apply(xv, L, mean, rstd, weight.defined() ? &wv : nullptr,
-                                          weight.defined() ? &bv : nullptr);
-  return {from_vector(y, x.shape(), out, MemoryCategory::activations),
+  return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
           from_vector(mean, {N, groups}, DType::f32, MemoryCategory::activations),
           from_vector(rstd, {N, groups}, DType::f32, MemoryCategory::activations)};
 }
@@ -919,7 +974,8 @@ std::tuple<Tensor, Tensor, Tensor> group_norm_backward(const Tensor& dy, const T
   if (weight.defined()) wv = load_all(weight);
   std::vector<float> dx;
   std::vector<double> dw, db;
-  norm_backward(load_all(dy), load_all(x), L, load_all(mean), load_all(rstd),
+  std::vector<float> sdy, sx;
+  norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
                 weight.defined() ? &wv : nullptr, true, dx, dw, db);
   return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
 }
@@ -937,14 +993,11 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, int64_t normalize
   check_affine(weight, bias, D, "layer_norm");
   const int64_t rows = x.numel() / std::max<int64_t>(D, 1);
   const NormLayout L{rows, 1, D, D, 1, false};
-  const std::vector<float> xv = load_all(x);
+  std::vector<float> staging;
+  const FloatSpan xv = as_f32(x, staging);
   std::vector<float> mean, rstd;
   norm_stats(xv, L, eps, mean, rstd, nullptr);
-  std::vector<float> wv, bv;
-  if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
-  const std::vector<float> y = norm_apply(xv, L, mean, rstd, weight.defined() ? &wv : nullptr,
-                                          weight.defined() ? &bv : nullptr);
-  return {from_vector(y, x.shape(), out, MemoryCategory::activations),
+  return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
           from_vector(mean, {rows}, DType::f32, MemoryCategory::activations),
           from_vector(rstd, {rows}, DType::f32, MemoryCategory::activations)};
 }
@@ -960,7 +1013,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
   if (weight.defined()) wv = load_all(weight);
   std::vector<float> dx;
   std::vector<double> dw, db;
-  norm_backward(load_all(dy), load_all(x), L, load_all(mean), load_all(rstd),
+  std::vector<float> sdy, sx;
+  norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
                 weight.defined() ? &wv : nullptr, true, dx, dw, db);
   return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
 }
