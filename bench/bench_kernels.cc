@@ -29,6 +29,7 @@ namespace {
 
 int g_threads = 2;
 bool g_quick = false;
+bool g_networks_only = false;
 
 // Best wall time of fn over a few runs (after one warm-up), in seconds.
 double best_time(const std::function<void()>& fn, int reps = 5, double min_total = 0.3) {
@@ -355,10 +356,12 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick"))
       g_quick = true;
+    else if (!std::strcmp(argv[i], "--networks"))
+      g_networks_only = true;
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc)
       g_threads = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: bench_kernels [--quick] [--threads N]\n");
+      std::fprintf(stderr, "usage: bench_kernels [--quick] [--networks] [--threads N]\n");
       return 2;
     }
   }
@@ -377,7 +380,7 @@ int main(int argc, char** argv) {
       kernels::gemm(512, 512, 512, 1.0f, {a.data_ptr(), DType::f32, 512, 1},
                     {a.data_ptr(), DType::f32, 512, 1}, 0.0f, {c.data_ptr(), DType::f32, 512, 1});
   }
-  gemm_table(libs);
+  if (!g_networks_only) gemm_table(libs);
   const std::vector<ConvLayer> cnn = {
       {"cnn conv1", {12, 1, 128, 128}, {5, 1, 3, 3}, {}},
       {"cnn conv2", {12, 5, 63, 63}, {12, 5, 5, 5}, {}},
@@ -393,8 +396,8 @@ int main(int argc, char** argv) {
       {"r18 layer4 256->512 s2", {64, 256, 8, 8}, {512, 256, 3, 3}, {2, 2, 1, 1, 1, 1, 1}},
       {"r18 layer4 512->512", {64, 512, 4, 4}, {512, 512, 3, 3}, {1, 1, 1, 1, 1, 1, 1}},
   };
-  conv_table("tutorial CNN (batch 12, 128x128)", cnn, DType::f32);
-  if (!g_quick) {
+  if (!g_networks_only) conv_table("tutorial CNN (batch 12, 128x128)", cnn, DType::f32);
+  if (!g_quick && !g_networks_only) {
     conv_table("ResNet-18 CIFAR (batch 64, 32x32)", r18, DType::f32);
     conv_table("tutorial CNN (batch 12, 128x128)", cnn, DType::bf16);
   }
@@ -412,6 +415,6 @@ int main(int argc, char** argv) {
           "ResNet-18 CIFAR, batch 64, 32x32, %-4s: %7.1f ms/step, %6.2f ms/image, %6.0f images/s\n",
           std::string(dtype_name(t)).c_str(), s * 1e3, s * 1e3 / 64, 64 / s);
     }
-  bandwidth_table();
+  if (!g_networks_only) bandwidth_table();
   return 0;
 }

@@ -25,7 +25,7 @@ int main() {
   std::printf("%s", mem.report().c_str());
 
   // Differentiable ops and reverse-mode gradients, stored in each tensor's dtype.
-  Tensor w2 = Tensor::from_floats({0.5f, -0.25f}, {1, 2}, DType::bf16).set_requires_grad();
+  Tensor w2 = Tensor::from_floats({0.5f, 0.25f}, {1, 2}, DType::bf16).set_requires_grad();
   Tensor x = Tensor::from_floats({1.0f, 2.0f}, {1, 2});
   Tensor loss = ops::sum(ops::relu(ops::linear(x, w2)));
   autograd::backward(loss);  // w2.grad(): bf16, like w2

@@ -170,3 +170,29 @@ TEST(Ops, BadShapesGetClearErrors) {
 
 }  // namespace
 }  // namespace mantissa
+
+namespace mantissa {
+namespace {
+
+// The partials type reaches the GEMM through linear and conv2d.
+TEST(Ops, PartialsTypeReachesMatrixOps) {
+  const int64_t K = 4096;
+  const Tensor x = Tensor::full({1, K}, 1.0, DType::f32), w = Tensor::full({1, K}, 0.1, DType::f32);
+  const Tensor b = Tensor::full({1}, 4096.0, DType::f32);
+  ops::OpOptions f16p;
+  f16p.partials = kernels::Partials::kF16;
+  // The bias starts the sum at 4096 (FP16 ulp 4): every 16-product chunk (1.6) is lost in FP16.
+  EXPECT_NEAR(ops::linear(x, w, b).item(), 4505.6, 1.0);
+  EXPECT_EQ(ops::linear(x, w, b, f16p).item(), 4096.0);
+  // A 1x1 convolution over 4096 channels sums 409.6 in FP32; FP16 partials drift from it.
+  const Tensor xc = Tensor::full({1, K, 1, 1}, 1.0, DType::f32),
+               wc = Tensor::full({1, K, 1, 1}, 0.1, DType::f32);
+  const double exact = ops::conv2d(xc, wc).item(),
+               fp16 = ops::conv2d(xc, wc, Tensor(), {}, f16p).item();
+  EXPECT_NEAR(exact, 409.6, 0.05);          // sequential FP32: 4096 roundings
+  EXPECT_GT(std::fabs(fp16 - exact), 1.0);  // measured: 402.5 (ulps of 0.25 and 0.5 past 256)
+  EXPECT_LT(std::fabs(fp16 - exact), 20.0);
+}
+
+}  // namespace
+}  // namespace mantissa

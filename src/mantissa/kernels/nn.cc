@@ -646,14 +646,15 @@ struct FloatSpan {
   size_t size() const { return n; }
   float operator[](size_t i) const { return p[i]; }
 };
-FloatSpan as_f32(const Tensor& t, std::vector<float>& staging) {
+// Staging buffers are workspace tensors: their blocks are reused (no page faults, no zeroing).
+FloatSpan as_f32(const Tensor& t, Tensor& staging) {
   if (t.dtype() == DType::f32 && t.is_contiguous())
     return {t.data<float>(), static_cast<size_t>(t.numel())};
-  staging.resize(static_cast<size_t>(t.numel()));
+  staging = f32_workspace({t.numel()});
   const Tensor c = t.contiguous();
-  if (!staging.empty())
-    convert(c.data_ptr(), c.dtype(), staging.data(), DType::f32, staging.size());
-  return {staging.data(), staging.size()};
+  convert_parallel(c.data_ptr(), c.dtype(), staging.data_ptr(), DType::f32,
+                   static_cast<size_t>(t.numel()), {}, default_num_threads());
+  return {staging.data<float>(), static_cast<size_t>(t.numel())};
 }
 
 // Sum of n floats, 8 lanes at a time (vectorizable), in FP64 across chunks of 4096.
@@ -778,12 +779,12 @@ Tensor normalized(FloatSpan x, const Shape& shape, const NormLayout& L,
   std::vector<float> wv, bv;
   if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
   Tensor y = Tensor::empty(shape, out, charged_to(MemoryCategory::activations));
-  std::vector<float> staging;
-  float* dst = out == DType::f32 ? y.data<float>() : (staging.resize(x.size()), staging.data());
+  Tensor staging = out == DType::f32 ? y : f32_workspace({static_cast<int64_t>(x.size())});
   norm_apply(x, L, mean, rstd, weight.defined() ? &wv : nullptr, weight.defined() ? &bv : nullptr,
-             dst);
-  if (out != DType::f32 && !staging.empty())
-    convert(staging.data(), DType::f32, y.data_ptr(), out, staging.size());
+             staging.data<float>());
+  if (out != DType::f32)
+    convert_parallel(staging.data_ptr(), DType::f32, y.data_ptr(), out, x.size(), {},
+                     default_num_threads());
   return y;
 }
 
@@ -888,7 +889,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& wei
   check_affine(weight, bias, C, "batch_norm");
   const int64_t inner = x.numel() / std::max<int64_t>(x.size(0) * C, 1);
   const NormLayout L{x.size(0), C, inner, C, inner, true};
-  std::vector<float> staging;
+  Tensor staging;
   const FloatSpan xv = as_f32(x, staging);
   std::vector<float> mean, rstd;
   if (training) {
@@ -936,7 +937,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_backward(const Tensor& dy, const T
   if (weight.defined()) wv = load_all(weight);
   std::vector<float> dx;
   std::vector<double> dw, db;
-  std::vector<float> sdy, sx;
+  Tensor sdy, sx;
   norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
                 weight.defined() ? &wv : nullptr, training, dx, dw, db);
   return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
@@ -955,7 +956,7 @@ std::tuple<Tensor, Tensor, Tensor> group_norm(const Tensor& x, int64_t groups, c
   check_affine(weight, bias, C, "group_norm");
   const int64_t spatial = x.numel() / std::max<int64_t>(N * C, 1);
   const NormLayout L{N, groups, (C / groups) * spatial, C, spatial, false};
-  std::vector<float> staging;
+  Tensor staging;
   const FloatSpan xv = as_f32(x, staging);
   std::vector<float> mean, rstd;
   norm_stats(xv, L, eps, mean, rstd, nullptr);
@@ -974,7 +975,7 @@ std::tuple<Tensor, Tensor, Tensor> group_norm_backward(const Tensor& dy, const T
   if (weight.defined()) wv = load_all(weight);
   std::vector<float> dx;
   std::vector<double> dw, db;
-  std::vector<float> sdy, sx;
+  Tensor sdy, sx;
   norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
                 weight.defined() ? &wv : nullptr, true, dx, dw, db);
   return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
@@ -993,7 +994,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, int64_t normalize
   check_affine(weight, bias, D, "layer_norm");
   const int64_t rows = x.numel() / std::max<int64_t>(D, 1);
   const NormLayout L{rows, 1, D, D, 1, false};
-  std::vector<float> staging;
+  Tensor staging;
   const FloatSpan xv = as_f32(x, staging);
   std::vector<float> mean, rstd;
   norm_stats(xv, L, eps, mean, rstd, nullptr);
@@ -1013,7 +1014,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
   if (weight.defined()) wv = load_all(weight);
   std::vector<float> dx;
   std::vector<double> dw, db;
-  std::vector<float> sdy, sx;
+  Tensor sdy, sx;
   norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
                 weight.defined() ? &wv : nullptr, true, dx, dw, db);
   return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
