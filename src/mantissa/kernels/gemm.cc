@@ -14,6 +14,7 @@
 #include "mantissa/core/error.h"
 #include "mantissa/core/float_formats.h"
 #include "mantissa/core/tensor.h"
+#include "mantissa/kernels/elementwise.h"
 #include "mantissa/kernels/gemm_kernels.h"
 
 namespace mantissa::kernels {
@@ -110,21 +111,6 @@ const char* at(const void* base, DType t, int64_t offset) {
   return static_cast<const char*>(base) + offset * static_cast<int64_t>(dtype_size(t));
 }
 
-// n elements from `src` with element stride `stride`, into contiguous FP32. The conversion runs at
-// memory speed when the run is contiguous.
-void load_run(const void* src, DType t, int64_t stride, int64_t n, float* dst) {
-  if (stride == 1) {
-    convert(src, t, dst, DType::f32, static_cast<size_t>(n));
-  } else if (t == DType::f32) {
-    const float* s = static_cast<const float*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = s[i * stride];
-  } else {
-    const int64_t es = static_cast<int64_t>(dtype_size(t));
-    for (int64_t i = 0; i < n; ++i)
-      convert(static_cast<const char*>(src) + i * stride * es, t, dst + i, DType::f32, 1);
-  }
-}
-
 // Packs `count` groups of `width` (16 for B, 6 for A) lines of a matrix into slivers: sliver s
 // holds, for each of the kc positions along the packed direction, `width` values (zero past
 // `lines`). Line l, position p of the source is at element offset l * line_stride + p * pos_stride.
@@ -143,7 +129,7 @@ void pack(const void* base, DType t, int64_t line_stride, int64_t pos_stride, in
       const int64_t ld = direct ? line_stride : kc;
       if (!direct)
         for (int r = 0; r < rows; ++r)
-          load_run(at(base, t, (s * width + r) * line_stride), t, pos_stride, kc, run + r * kc);
+          load_f32(at(base, t, (s * width + r) * line_stride), t, pos_stride, kc, run + r * kc);
       float* d = dst + s * kc * width;
       for (int r0 = 0; r0 < rows; r0 += 8)
         kernels().interleave(src + r0 * ld, ld, std::min(8, rows - r0), kc, d + r0, width);
@@ -155,7 +141,7 @@ void pack(const void* base, DType t, int64_t line_stride, int64_t pos_stride, in
     float* run = scratch(kRun, static_cast<size_t>(slivers * width));
     std::fill(run + lines, run + slivers * width, 0.0f);
     for (int64_t k = 0; k < kc; ++k) {
-      load_run(at(base, t, k * pos_stride), t, line_stride, lines, run);
+      load_f32(at(base, t, k * pos_stride), t, line_stride, lines, run);
       for (int64_t s = 0; s < slivers; ++s)
         std::memcpy(dst + s * kc * width + k * width, run + s * width,
                     static_cast<size_t>(width) * sizeof(float));
@@ -209,7 +195,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
       c_cs = 1;
       if (beta != 0.0f)
         for (int64_t m = 0; m < M; ++m)
-          load_run(at(C.data, C.dtype, (m0 + m) * C.rs + jc * C.cs), C.dtype, C.cs, nc,
+          load_f32(at(C.data, C.dtype, (m0 + m) * C.rs + jc * C.cs), C.dtype, C.cs, nc,
                    c32 + m * nc);
     }
     const int64_t n_slivers = (nc + kNR - 1) / kNR;

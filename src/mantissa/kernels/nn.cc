@@ -865,6 +865,21 @@ std::tuple<Tensor, Tensor, Tensor> finish_backward(const std::vector<float>& dx,
           from_vector(fb, weight.shape(), weight.dtype(), MemoryCategory::gradients)};
 }
 
+// The backward of a norm on tensors: stage the inputs, differentiate, package dx, dw, db.
+std::tuple<Tensor, Tensor, Tensor> norm_backward_tensors(const Tensor& dy, const Tensor& x,
+                                                         const NormLayout& L, const Tensor& weight,
+                                                         const Tensor& mean, const Tensor& rstd,
+                                                         bool through_stats, DType dx_type) {
+  std::vector<float> wv;
+  if (weight.defined()) wv = load_all(weight);
+  std::vector<float> dx;
+  std::vector<double> dw, db;
+  Tensor sdy, sx;
+  norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
+                weight.defined() ? &wv : nullptr, through_stats, dx, dw, db);
+  return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
+}
+
 void check_affine(const Tensor& w, const Tensor& b, int64_t channels, const char* op) {
   MANTISSA_CHECK(w.defined() == b.defined(),
                  std::string(op) + ": give both weight and bias, or neither",
@@ -933,14 +948,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_backward(const Tensor& dy, const T
                                                        DType dx_type) {
   const int64_t C = x.size(1), inner = x.numel() / std::max<int64_t>(x.size(0) * C, 1);
   const NormLayout L{x.size(0), C, inner, C, inner, true};
-  std::vector<float> wv;
-  if (weight.defined()) wv = load_all(weight);
-  std::vector<float> dx;
-  std::vector<double> dw, db;
-  Tensor sdy, sx;
-  norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
-                weight.defined() ? &wv : nullptr, training, dx, dw, db);
-  return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
+  return norm_backward_tensors(dy, x, L, weight, mean, rstd, training, dx_type);
 }
 
 std::tuple<Tensor, Tensor, Tensor> group_norm(const Tensor& x, int64_t groups, const Tensor& weight,
@@ -971,14 +979,7 @@ std::tuple<Tensor, Tensor, Tensor> group_norm_backward(const Tensor& dy, const T
                                                        DType dx_type) {
   const int64_t N = x.size(0), C = x.size(1), spatial = x.numel() / std::max<int64_t>(N * C, 1);
   const NormLayout L{N, groups, (C / groups) * spatial, C, spatial, false};
-  std::vector<float> wv;
-  if (weight.defined()) wv = load_all(weight);
-  std::vector<float> dx;
-  std::vector<double> dw, db;
-  Tensor sdy, sx;
-  norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
-                weight.defined() ? &wv : nullptr, true, dx, dw, db);
-  return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
+  return norm_backward_tensors(dy, x, L, weight, mean, rstd, true, dx_type);
 }
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, int64_t normalized_dims,
@@ -1010,14 +1011,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
   int64_t D = 1;
   for (int64_t d = x.dim() - normalized_dims; d < x.dim(); ++d) D *= x.size(d);
   const NormLayout L{x.numel() / std::max<int64_t>(D, 1), 1, D, D, 1, false};
-  std::vector<float> wv;
-  if (weight.defined()) wv = load_all(weight);
-  std::vector<float> dx;
-  std::vector<double> dw, db;
-  Tensor sdy, sx;
-  norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
-                weight.defined() ? &wv : nullptr, true, dx, dw, db);
-  return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
+  return norm_backward_tensors(dy, x, L, weight, mean, rstd, true, dx_type);
 }
 
 // ---- Losses
