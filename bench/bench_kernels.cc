@@ -118,7 +118,6 @@ void gemm_table(const std::vector<Blas>& libs) {
     const Tensor b32 = random_tensor(s.tb ? Shape{s.N, s.K} : Shape{s.K, s.N}, DType::f32, 1, 2);
     Tensor c = Tensor::zeros({s.M, s.N}, DType::f32);
     auto view = [](const Tensor& t, bool trans, int64_t rows, int64_t cols) {
-      (void)rows;
       return trans ? kernels::ConstMatrix{t.data_ptr(), t.dtype(), 1, rows}
                    : kernels::ConstMatrix{t.data_ptr(), t.dtype(), cols, 1};
     };
@@ -191,10 +190,6 @@ void conv_table(const char* title, const std::vector<ConvLayer>& layers, DType t
 }
 
 // ---- whole networks ----
-struct Param {
-  Tensor t;
-};
-
 Tensor param(const Shape& s, DType t, float scale, uint32_t seed) {
   Tensor p = random_tensor(s, t, scale, seed);
   p.set_requires_grad(true);

@@ -6,6 +6,7 @@
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/mantissa.h"
 #include "mantissa/ops/ops.h"
+#include "support/errors.h"
 
 namespace mantissa {
 namespace {
@@ -16,14 +17,7 @@ Tensor leaf(std::vector<float> v, Shape s, DType t = DType::f32) {
   return x;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(Autograd, SharedSubexpressionsSumTheirGradients) {
   // y = sum(x * x + 3x): dy/dx = 2x + 3

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "mantissa/mantissa.h"
+#include "support/errors.h"
 
 namespace mantissa {
 namespace {
@@ -17,14 +18,7 @@ Tensor iota(const Shape& shape, DType dtype = DType::f32) {
   return Tensor::from_floats(v, shape, dtype);
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(Tensor, ShapesStridesAndContiguity) {
   Tensor t = Tensor::zeros({2, 3, 4}, DType::f16);

@@ -14,6 +14,7 @@
 #include "mantissa/kernels/reference.h"
 #include "mantissa/mantissa.h"
 #include "mantissa/ops/ops.h"
+#include "support/compare.h"
 #include "support/tolerances.h"
 
 #ifndef MANTISSA_GOLDEN_DIR
@@ -36,18 +37,8 @@ const io::SafetensorsFile& golden(const std::string& file) {
 void expect_matches(const std::string& what, const Tensor& got, const Tensor& want, double rtol,
                     double floor = 0.02) {
   ASSERT_EQ(got.shape(), want.shape()) << what << ": shape";
-  const std::vector<double> g = reference::from_tensor(got).v, w = reference::from_tensor(want).v;
-  double scale = 0;
-  for (double v : w) scale = std::max(scale, std::fabs(v));
-  double worst = 0;
-  size_t at = 0;
-  for (size_t i = 0; i < g.size(); ++i) {
-    const double tol = rtol * std::max(std::fabs(w[i]), floor * scale) + 1e-7;
-    const double excess = std::fabs(g[i] - w[i]) / tol;
-    if (excess > worst || std::isnan(g[i])) worst = std::isnan(g[i]) ? INFINITY : excess, at = i;
-  }
-  EXPECT_LE(worst, 1.0) << what << ": worst element at index " << at << ": mantissa " << g[at]
-                        << ", pytorch " << w[at] << " (relative tolerance " << rtol << ")";
+  testing::expect_close(what, reference::from_tensor(got).v, reference::from_tensor(want).v, rtol,
+                        floor, 1e-7, "mantissa", "pytorch");
 }
 
 void expect_golden(const std::string& what, const Tensor& got, const Tensor& want, bool gradient) {

@@ -13,6 +13,7 @@
 #include "mantissa/kernels/reference.h"
 #include "mantissa/mantissa.h"
 #include "mantissa/ops/ops.h"
+#include "support/compare.h"
 #include "support/tolerances.h"
 
 namespace mantissa {
@@ -78,21 +79,10 @@ std::vector<float> make_values(const Input& in, uint32_t seed) {
 std::string dname(DType t) { return std::string(dtype_name(t)); }
 
 // The worst element of |got - want| relative to tol(i); fails naming it.
+// The fast kernels against the FP64 reference (tolerance floor: 5% of the tensor's scale).
 void expect_close(const std::string& what, const std::vector<double>& got,
                   const std::vector<double>& want, double rtol, double abs_floor) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double scale = 0;
-  for (double w : want) scale = std::max(scale, std::fabs(w));
-  double worst = 0;
-  size_t at = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double tol = rtol * std::max(std::fabs(want[i]), 0.05 * scale) + abs_floor;
-    const double excess =
-        std::isnan(got[i]) != std::isnan(want[i]) ? INFINITY : std::fabs(got[i] - want[i]) / tol;
-    if (excess > worst) worst = excess, at = i;
-  }
-  EXPECT_LE(worst, 1.0) << what << ": worst element " << at << ": got " << got[at] << ", reference "
-                        << want[at] << " (tolerance " << rtol << " relative)";
+  testing::expect_close(what, got, want, rtol, 0.05, abs_floor, "got", "reference");
 }
 
 std::vector<double> values_of(const Tensor& t) { return reference::from_tensor(t).v; }
@@ -163,8 +153,6 @@ void run_case(const OpCase& c) {
   }
 }
 
-Array opt_arr(const std::vector<Array>& r, size_t i) { return i < r.size() ? r[i] : Array{}; }
-
 std::vector<OpCase> all_cases() {
   using kernels::Conv2dParams;
   using kernels::Pool2dParams;
@@ -172,7 +160,6 @@ std::vector<OpCase> all_cases() {
   using reference::Unary;
   std::vector<OpCase> cs;
   auto T = [](const std::vector<Tensor>& x, size_t i) { return i < x.size() ? x[i] : Tensor(); };
-  (void)opt_arr;
 
   // ---- matrix ops ----
   cs.push_back({"linear",

@@ -412,32 +412,6 @@ Tensor binary_scalar(BinaryOp op, const Tensor& a, double s, bool scalar_first, 
   return y;
 }
 
-Tensor axpby(float alpha, const Tensor& a, float beta, const Tensor& b, DType out,
-             MemoryCategory cat) {
-  MANTISSA_CHECK(
-      a.shape() == b.shape(),
-      "axpby: shapes " + shape_str(a.shape()) + " and " + shape_str(b.shape()) + " differ",
-      "pass tensors of the same shape");
-  Tensor y = Tensor::empty(a.shape(), out, charged_to(cat));
-  const size_t as = dtype_size(a.dtype()), bs = dtype_size(b.dtype()), ys = dtype_size(out);
-  for_each_row<3>(a.shape(), {a.strides(), b.strides(), y.strides()},
-                  [&](const auto& off, int64_t n, const auto& in) {
-                    float fa[kChunk], fb[kChunk];
-                    for (int64_t c = 0; c < n; c += kChunk) {
-                      const int64_t m = std::min(kChunk, n - c);
-                      load_f32(byte_ptr(a) + (off[0] + c * in[0]) * static_cast<int64_t>(as),
-                               a.dtype(), in[0], m, fa);
-                      load_f32(byte_ptr(b) + (off[1] + c * in[1]) * static_cast<int64_t>(bs),
-                               b.dtype(), in[1], m, fb);
-                      for (int64_t i = 0; i < m; ++i) fa[i] = alpha * fa[i] + beta * fb[i];
-                      store_f32(fa, m,
-                                byte_ptr(y) + (off[2] + c * in[2]) * static_cast<int64_t>(ys), out,
-                                in[2]);
-                    }
-                  });
-  return y;
-}
-
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim, DType out,
            MemoryCategory cat) {
   check_float(x, "sum");

@@ -34,9 +34,6 @@ inline Tensor add(const Tensor& a, const Tensor& b, DType out,
 // a op s, or s op a when scalar_first.
 Tensor binary_scalar(BinaryOp op, const Tensor& a, double s, bool scalar_first, DType out,
                      MemoryCategory cat = MemoryCategory::activations);
-// alpha * a + beta * b (same shape): the fused update many backward passes need.
-Tensor axpby(float alpha, const Tensor& a, float beta, const Tensor& b, DType out,
-             MemoryCategory cat = MemoryCategory::gradients);
 
 // Sums g over the dimensions that broadcasting expanded, giving `shape` (the gradient of a
 // broadcast operand).

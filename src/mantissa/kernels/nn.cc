@@ -580,6 +580,14 @@ Tensor avg_pool2d_backward(const Tensor& dy_in, const Shape& x_shape, const Pool
   return dx;
 }
 
+namespace {
+// Input rows [begin, end) averaged into output row o of n (PyTorch: floor(o*in/n),
+// ceil((o+1)*in/n)).
+std::pair<int64_t, int64_t> adaptive_range(int64_t o, int64_t in, int64_t n) {
+  return {o * in / n, ((o + 1) * in + n - 1) / n};
+}
+}  // namespace
+
 Tensor adaptive_avg_pool2d(const Tensor& x_in, int64_t out_h, int64_t out_w, DType out) {
   require_float(x_in, "adaptive_avg_pool2d", "input");
   require_rank(x_in, 4, "adaptive_avg_pool2d", "input");
@@ -593,8 +601,8 @@ Tensor adaptive_avg_pool2d(const Tensor& x_in, int64_t out_h, int64_t out_w, DTy
     std::vector<float> row(static_cast<size_t>(out_h * out_w));
     for (int64_t oh = 0; oh < out_h; ++oh)
       for (int64_t ow = 0; ow < out_w; ++ow) {
-        const int64_t h0 = oh * H / out_h, h1 = ((oh + 1) * H + out_h - 1) / out_h;
-        const int64_t w0 = ow * W / out_w, w1 = ((ow + 1) * W + out_w - 1) / out_w;
+        const auto [h0, h1] = adaptive_range(oh, H, out_h);
+        const auto [w0, w1] = adaptive_range(ow, W, out_w);
         float s = 0.0f;
         for (int64_t h = h0; h < h1; ++h)
           for (int64_t w = w0; w < w1; ++w) s += in[h * W + w];
@@ -613,8 +621,8 @@ Tensor adaptive_avg_pool2d_backward(const Tensor& dy_in, const Shape& x_shape, D
     std::vector<float> acc(static_cast<size_t>(H * W), 0.0f);
     for (int64_t oh = 0; oh < Ho; ++oh)
       for (int64_t ow = 0; ow < Wo; ++ow) {
-        const int64_t h0 = oh * H / Ho, h1 = ((oh + 1) * H + Ho - 1) / Ho;
-        const int64_t w0 = ow * W / Wo, w1 = ((ow + 1) * W + Wo - 1) / Wo;
+        const auto [h0, h1] = adaptive_range(oh, H, Ho);
+        const auto [w0, w1] = adaptive_range(ow, W, Wo);
         const float v = g[oh * Wo + ow] / static_cast<float>((h1 - h0) * (w1 - w0));
         for (int64_t h = h0; h < h1; ++h)
           for (int64_t w = w0; w < w1; ++w) acc[static_cast<size_t>(h * W + w)] += v;
