@@ -13,6 +13,8 @@ constexpr const char* kUsage =
     "commands:\n"
     "  formats   the number formats: bits, range, precision, SIMD path in use\n"
     "  cast      convert values to f16, bf16, e4m3 or e5m2 (nearest-even or stochastic)\n"
+    "  train     train a model (default: the tutorial CNN on Fashion-MNIST)\n"
+    "  eval      evaluate a checkpoint on a test set\n"
     "Run 'mantissa <command> --help' for a command's options.\n";
 
 }  // namespace
@@ -29,6 +31,8 @@ int main(int argc, char** argv) {
   try {
     if (command == "formats") return run_formats(args, std::cout);
     if (command == "cast") return run_cast(args, std::cin, std::cout);
+    if (command == "train") return run_train(args, std::cout, std::cerr);
+    if (command == "eval") return run_eval(args, std::cout);
     if (command == "--version" || command == "version") {
       std::cout << "mantissa 0.1.0\n";
       return kExitOk;
@@ -43,8 +47,11 @@ int main(int argc, char** argv) {
     std::cerr << "mantissa: " << e.what() << '\n';
     return kExitOutOfMemory;
   } catch (const mantissa::Error& e) {
+    // One line: the problem, then how to fix it.
     std::cout.flush();
-    std::cerr << "mantissa: error: " << e.what() << '\n';
+    std::cerr << "mantissa: error: " << e.message();
+    if (!e.hint().empty()) std::cerr << " (" << e.hint() << ")";
+    std::cerr << '\n';
     return kExitBadInput;
   } catch (const std::exception& e) {
     std::cout.flush();

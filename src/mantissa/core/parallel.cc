@@ -18,7 +18,14 @@
 
 namespace mantissa {
 
+namespace {
+std::atomic<int> g_num_threads{0};  // set_num_threads(); 0: not set
+}  // namespace
+
+void set_num_threads(int n) { g_num_threads.store(n > 0 ? n : 0); }
+
 int default_num_threads() {
+  if (const int n = g_num_threads.load(std::memory_order_relaxed); n > 0) return n;
   if (const char* env = std::getenv("MANTISSA_NUM_THREADS")) {
     const int n = std::atoi(env);
     if (n > 0) return n;

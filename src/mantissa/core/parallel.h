@@ -11,6 +11,8 @@ namespace mantissa {
 // Threads the engine uses when not told otherwise: MANTISSA_NUM_THREADS if set, else the number of
 // hardware threads.
 int default_num_threads();
+// Overrides default_num_threads() for the whole process (the --threads flag); 0 restores it.
+void set_num_threads(int n);
 
 // Calls fn(begin, end) over [0, n) in ranges of at least `grain` elements (range starts are
 // multiples of grain), on up to `threads` threads of a persistent pool; the calling thread takes

@@ -1,0 +1,236 @@
+#include "mantissa/data/loader.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "mantissa/core/error.h"
+#include "mantissa/core/philox.h"
+#include "mantissa/kernels/elementwise.h"
+
+namespace mantissa::data {
+namespace {
+
+constexpr uint64_t kShuffleStream = 0x5348554600000000ull;  // "SHUF"
+constexpr uint64_t kAugmentStream = 0x4155474d00000000ull;  // "AUGM"
+
+// PyTorch's upsample_bilinear2d (align_corners=False) taps for one axis: source index, next
+// index offset and the weight of the second tap, computed in float as its CPU kernel does.
+struct Taps {
+  std::vector<int64_t> i0, step;
+  std::vector<float> lambda;
+};
+Taps bilinear_taps(int64_t in, int64_t out) {
+  Taps t;
+  const float scale = static_cast<float>(in) / static_cast<float>(out);
+  for (int64_t o = 0; o < out; ++o) {
+    float src = scale * (static_cast<float>(o) + 0.5f) - 0.5f;
+    if (src < 0) src = 0;
+    const int64_t i = static_cast<int64_t>(src);
+    t.i0.push_back(i);
+    t.step.push_back(i < in - 1 ? 1 : 0);
+    t.lambda.push_back(src - static_cast<float>(i));
+  }
+  return t;
+}
+
+}  // namespace
+
+void transform_image(const uint8_t* src, int64_t C, int64_t H, int64_t W, const Transform& t,
+                     uint32_t random, float* dst) {
+  const int64_t S = t.image_size > 0 ? t.image_size : H;
+  const int64_t SW = t.image_size > 0 ? t.image_size : W;
+  MANTISSA_CHECK(t.mean.size() == 1 || static_cast<int64_t>(t.mean.size()) == C,
+                 "normalization has " + std::to_string(t.mean.size()) + " means for " +
+                     std::to_string(C) + " channels",
+                 "give one mean per channel, or one for all");
+  MANTISSA_CHECK(t.std.size() == t.mean.size(), "normalization needs as many std values as means",
+                 "");
+  // Resized image in [0, 1] (C, S, SW).
+  std::vector<float> img(static_cast<size_t>(C * S * SW));
+  if (S == H && SW == W) {
+    for (int64_t i = 0; i < C * H * W; ++i) img[static_cast<size_t>(i)] = src[i] / 255.0f;
+  } else {
+    const Taps th = bilinear_taps(H, S), tw = bilinear_taps(W, SW);
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t y = 0; y < S; ++y) {
+        const uint8_t* r0 = src + (c * H + th.i0[static_cast<size_t>(y)]) * W;
+        const uint8_t* r1 = r0 + th.step[static_cast<size_t>(y)] * W;
+        const float h1 = th.lambda[static_cast<size_t>(y)], h0 = 1.0f - h1;
+        for (int64_t x = 0; x < SW; ++x) {
+          const int64_t x0 = tw.i0[static_cast<size_t>(x)], xs = tw.step[static_cast<size_t>(x)];
+          const float w1 = tw.lambda[static_cast<size_t>(x)], w0 = 1.0f - w1;
+          const float a = r0[x0] / 255.0f, b = r0[x0 + xs] / 255.0f;
+          const float cc = r1[x0] / 255.0f, d = r1[x0 + xs] / 255.0f;
+          img[static_cast<size_t>((c * S + y) * SW + x)] =
+              h0 * (w0 * a + w1 * b) + h1 * (w0 * cc + w1 * d);
+        }
+      }
+  }
+  // Crop offsets and flip from the random word.
+  int64_t oy = 0, ox = 0;
+  const int64_t P = t.crop_padding;
+  if (P > 0) {
+    oy = static_cast<int64_t>(random % static_cast<uint32_t>(2 * P + 1)) - P;
+    ox = static_cast<int64_t>((random >> 8) % static_cast<uint32_t>(2 * P + 1)) - P;
+  }
+  const bool flip = t.random_flip && ((random >> 31) & 1u);
+  for (int64_t c = 0; c < C; ++c) {
+    const size_t k = t.mean.size() == 1 ? 0 : static_cast<size_t>(c);
+    const float mean = t.mean[k], sd = t.std[k];
+    for (int64_t y = 0; y < S; ++y)
+      for (int64_t x = 0; x < SW; ++x) {
+        const int64_t sy = y + oy, sx0 = flip ? SW - 1 - x : x, sx = sx0 + ox;
+        const float v = (sy >= 0 && sy < S && sx >= 0 && sx < SW)
+                            ? img[static_cast<size_t>((c * S + sy) * SW + sx)]
+                            : 0.0f;
+        dst[(c * S + y) * SW + x] = (v - mean) / sd;
+      }
+  }
+}
+
+Loader::Loader(const Dataset& data, const LoaderConfig& config) : data_(data), config_(config) {
+  MANTISSA_CHECK(config.batch_size > 0,
+                 "batch size " + std::to_string(config.batch_size) + " is not positive",
+                 "use --batch-size 1 or more");
+  MANTISSA_CHECK(data.size() > 0, "dataset " + data.name + " is empty", "");
+  MANTISSA_CHECK(!config.drop_last || data.size() >= config.batch_size,
+                 "dataset " + data.name + " has " + std::to_string(data.size()) +
+                     " examples, fewer than one batch of " + std::to_string(config.batch_size),
+                 "lower --batch-size or raise --train-limit");
+  MANTISSA_CHECK(config.transform.crop_padding >= 0, "crop padding must be non-negative", "");
+  out_size_ = config.transform.image_size > 0 ? config.transform.image_size : data.height();
+  MANTISSA_CHECK(config.transform.image_size > 0 || data.height() == data.width(),
+                 "dataset images are not square", "set an image size");
+}
+
+Loader::~Loader() { stop(); }
+
+int64_t Loader::batches_per_epoch() const {
+  const int64_t n = data_.size(), b = config_.batch_size;
+  return config_.drop_last ? n / b : (n + b - 1) / b;
+}
+
+std::vector<int64_t> Loader::batch_indices(int64_t epoch, int64_t b) const {
+  const int64_t n = data_.size();
+  const int64_t begin = b * config_.batch_size, end = std::min(n, begin + config_.batch_size);
+  std::vector<int64_t> idx;
+  if (!config_.shuffle) {
+    for (int64_t i = begin; i < end; ++i) idx.push_back(i);
+    return idx;
+  }
+  // Fisher-Yates over the whole epoch from (seed, epoch), cached for the epoch.
+  std::lock_guard<std::mutex> lock(perm_mu_);
+  std::vector<int64_t>& perm = perm_;
+  if (perm_epoch_ != epoch) {
+    const uint64_t stream = kShuffleStream + static_cast<uint64_t>(epoch);
+    perm.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) perm[static_cast<size_t>(i)] = i;
+    for (int64_t i = n - 1; i > 0; --i) {
+      const uint64_t k = 2 * static_cast<uint64_t>(i);
+      const uint64_t r = (static_cast<uint64_t>(philox_bits(config_.seed, stream, k)) << 32) |
+                         philox_bits(config_.seed, stream, k + 1);
+      const int64_t j = static_cast<int64_t>(r % static_cast<uint64_t>(i + 1));
+      std::swap(perm[static_cast<size_t>(i)], perm[static_cast<size_t>(j)]);
+    }
+    perm_epoch_ = epoch;
+  }
+  for (int64_t i = begin; i < end; ++i) idx.push_back(perm[static_cast<size_t>(i)]);
+  return idx;
+}
+
+Batch Loader::make_batch(int64_t epoch, int64_t b) const {
+  MANTISSA_CHECK(b >= 0 && b < batches_per_epoch(),
+                 "batch " + std::to_string(b) + " is out of range", "");
+  const std::vector<int64_t> idx = batch_indices(epoch, b);
+  const int64_t B = static_cast<int64_t>(idx.size()), C = data_.channels(), H = data_.height(),
+                W = data_.width();
+  const int64_t S = out_size_;
+  Batch out;
+  out.epoch = epoch;
+  out.index = b;
+  out.labels = Tensor::empty({B}, DType::i64, charged_to(MemoryCategory::input_data));
+  out.images = Tensor::empty({B, C, S, S}, config_.dtype, charged_to(MemoryCategory::input_data));
+  const uint8_t* src = static_cast<const uint8_t*>(data_.images.contiguous().data_ptr());
+  const int64_t* labels = data_.labels.data<int64_t>();
+  std::vector<float> buf(static_cast<size_t>(C * S * S));
+  const size_t elem = dtype_size(config_.dtype);
+  char* dst = static_cast<char*>(out.images.data_ptr());
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t k = idx[static_cast<size_t>(i)];
+    out.labels.data<int64_t>()[i] = labels[k];
+    const uint32_t random = philox_bits(config_.seed, kAugmentStream + static_cast<uint64_t>(epoch),
+                                        static_cast<uint64_t>(k));
+    transform_image(src + k * C * H * W, C, H, W, config_.transform, random, buf.data());
+    kernels::store_f32(buf.data(), C * S * S, dst + static_cast<size_t>(i * C * S * S) * elem,
+                       config_.dtype, 1);
+  }
+  return out;
+}
+
+void Loader::start(int64_t epoch, int64_t first_batch) {
+  stop();
+  epoch_ = epoch;
+  next_batch_ = first_batch;
+  end_batch_ = batches_per_epoch();
+  ready_.clear();
+  error_ = nullptr;
+  stopping_ = false;
+  produce_next_ = first_batch;
+  if (config_.prefetch > 0) thread_ = std::thread([this] { worker(); });
+}
+
+void Loader::worker() {
+  for (;;) {
+    int64_t b;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock,
+               [&] { return stopping_ || static_cast<int>(ready_.size()) < config_.prefetch; });
+      if (stopping_ || produce_next_ >= end_batch_) return;
+      b = produce_next_++;
+    }
+    try {
+      Batch batch = make_batch(epoch_, b);
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_.push_back(std::move(batch));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      error_ = std::current_exception();
+      cv_.notify_all();
+      return;
+    }
+    cv_.notify_all();
+  }
+}
+
+std::optional<Batch> Loader::next() {
+  if (next_batch_ >= end_batch_) return std::nullopt;
+  if (config_.prefetch <= 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Batch b = make_batch(epoch_, next_batch_++);
+    wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return b;
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto t0 = std::chrono::steady_clock::now();
+  cv_.wait(lock, [&] { return !ready_.empty() || error_ != nullptr; });
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (error_) std::rethrow_exception(error_);
+  Batch b = std::move(ready_.front());
+  ready_.pop_front();
+  ++next_batch_;
+  cv_.notify_all();
+  return b;
+}
+
+void Loader::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace mantissa::data

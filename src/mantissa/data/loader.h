@@ -1,0 +1,93 @@
+// From 8-bit images to training batches: transforms (bilinear resize with PyTorch's
+// F.interpolate(mode="bilinear", align_corners=False) arithmetic, random crop with zero padding,
+// random horizontal flip, per-channel normalization, conversion to the input dtype), seeded
+// shuffling, batching with drop-last, and a background thread that prepares the next batches.
+//
+// Every random choice is a function of (seed, epoch, position), so batch b of epoch e is the same
+// whether it is made in order, by another thread, or after resuming from a checkpoint.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "mantissa/data/datasets.h"
+
+namespace mantissa::data {
+
+struct Transform {
+  int64_t image_size = 0;    // output height and width (0: the dataset's); bilinear resize
+  int64_t crop_padding = 0;  // > 0: random crop of image_size after zero-padding by this much
+  bool random_flip = false;  // horizontal, probability 1/2
+  std::vector<float> mean = {0.5f};  // per channel (one value: all channels), on [0, 1] pixels
+  std::vector<float> std = {0.5f};
+};
+
+// One image: u8 (C, H, W) -> (C, S, S) floats, S = t.image_size. `random` drives crop and flip.
+void transform_image(const uint8_t* src, int64_t C, int64_t H, int64_t W, const Transform& t,
+                     uint32_t random, float* dst);
+
+struct LoaderConfig {
+  int64_t batch_size = 12;
+  bool shuffle = true;
+  bool drop_last = true;
+  uint64_t seed = 0;
+  Transform transform;
+  DType dtype = DType::f32;  // of the image batches
+  int prefetch = 2;          // batches prepared ahead by a background thread (0: synchronous)
+};
+
+struct Batch {
+  Tensor images;  // (B, C, S, S) in LoaderConfig::dtype
+  Tensor labels;  // i64 (B)
+  int64_t epoch = 0, index = 0;
+};
+
+class Loader {
+ public:
+  Loader(const Dataset& data, const LoaderConfig& config);
+  ~Loader();
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
+
+  int64_t batches_per_epoch() const;
+  const Dataset& dataset() const { return data_; }
+  // The dataset positions of the examples of batch b of `epoch` (shuffled when configured).
+  std::vector<int64_t> batch_indices(int64_t epoch, int64_t b) const;
+  // Makes batch b of `epoch` on the calling thread.
+  Batch make_batch(int64_t epoch, int64_t b) const;
+
+  // Iteration with prefetching: start(epoch, first) then next() until it returns nothing at the
+  // end of the epoch. Seconds next() spent waiting for a batch that was not ready: wait_seconds().
+  void start(int64_t epoch, int64_t first_batch = 0);
+  std::optional<Batch> next();
+  double wait_seconds() const { return wait_seconds_; }
+
+ private:
+  void stop();
+  void worker();
+
+  Dataset data_;
+  LoaderConfig config_;
+  int64_t out_size_;
+  // Iteration state.
+  int64_t epoch_ = 0, next_batch_ = 0, end_batch_ = 0;
+  double wait_seconds_ = 0;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Batch> ready_;
+  int64_t produce_next_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  // The shuffled order of the current epoch.
+  mutable std::mutex perm_mu_;
+  mutable std::vector<int64_t> perm_;
+  mutable int64_t perm_epoch_ = -1;
+};
+
+}  // namespace mantissa::data

@@ -1,0 +1,245 @@
+#include "mantissa/nn/module.h"
+
+#include <cstdio>
+#include <set>
+#include <sstream>
+
+#include "mantissa/core/error.h"
+
+namespace mantissa::nn {
+namespace {
+
+bool is_float(DType t) { return is_floating(t); }
+
+bool keeps_f32(const std::string& buffer_name) {
+  return buffer_name == "running_mean" || buffer_name == "running_var";
+}
+
+std::string join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+}  // namespace
+
+Tensor Module::forward(const Tensor&) {
+  throw Error(type_ + " has no forward of its own",
+              "call the layers inside it, or a container (Sequential, a model) that chains them");
+}
+
+Tensor& Module::register_parameter(const std::string& name, Tensor t) {
+  MANTISSA_CHECK(t.defined(), type_ + ": parameter '" + name + "' is undefined", "");
+  for (auto& p : params_)
+    MANTISSA_CHECK(p.first != name, type_ + ": parameter '" + name + "' registered twice", "");
+  if (t.storage()) t.storage()->recharge(MemoryCategory::parameters, name);
+  t.set_requires_grad(true);
+  params_.emplace_back(name, std::make_unique<Tensor>(std::move(t)));
+  return *params_.back().second;
+}
+
+Tensor& Module::register_buffer(const std::string& name, Tensor t) {
+  MANTISSA_CHECK(t.defined(), type_ + ": buffer '" + name + "' is undefined", "");
+  if (t.storage()) t.storage()->recharge(MemoryCategory::parameters, name);
+  buffers_.emplace_back(name, std::make_unique<Tensor>(std::move(t)));
+  return *buffers_.back().second;
+}
+
+void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
+  MANTISSA_CHECK(m != nullptr, type_ + ": sub-module '" + name + "' is null", "");
+  for (auto& c : children_)
+    MANTISSA_CHECK(c.first != name, type_ + ": sub-module '" + name + "' registered twice", "");
+  children_.emplace_back(name, std::move(m));
+}
+
+template <class F>
+void Module::visit(const std::string& prefix, F&& f) {
+  f(prefix, *this);
+  for (auto& [name, child] : children_) child->visit(join(prefix, name), f);
+}
+
+std::vector<Module::NamedTensor> Module::named_parameters() {
+  std::vector<NamedTensor> out;
+  visit("", [&](const std::string& prefix, Module& m) {
+    for (auto& [name, t] : m.params_) out.push_back({join(prefix, name), t.get()});
+  });
+  return out;
+}
+
+std::vector<Module::NamedTensor> Module::named_buffers() {
+  std::vector<NamedTensor> out;
+  visit("", [&](const std::string& prefix, Module& m) {
+    for (auto& [name, t] : m.buffers_) out.push_back({join(prefix, name), t.get()});
+  });
+  return out;
+}
+
+std::vector<Tensor*> Module::parameters() {
+  std::vector<Tensor*> out;
+  for (auto& p : named_parameters()) out.push_back(p.tensor);
+  return out;
+}
+
+std::vector<std::pair<std::string, Module*>> Module::named_modules() {
+  std::vector<std::pair<std::string, Module*>> out;
+  visit("", [&](const std::string& prefix, Module& m) { out.emplace_back(prefix, &m); });
+  return out;
+}
+
+Module& Module::submodule(const std::string& path) {
+  if (path.empty()) return *this;
+  const size_t dot = path.find('.');
+  const std::string head = path.substr(0, dot);
+  for (auto& [name, child] : children_)
+    if (name == head)
+      return dot == std::string::npos ? *child : child->submodule(path.substr(dot + 1));
+  std::string names;
+  for (auto& [name, child] : named_modules())
+    if (!name.empty()) names += (names.empty() ? "" : ", ") + name;
+  throw Error(type_ + " has no sub-module '" + path + "'",
+              "sub-modules are: " + (names.empty() ? std::string("(none)") : names));
+}
+
+int64_t Module::num_parameters() {
+  int64_t n = 0;
+  for (auto& p : named_parameters()) n += p.tensor->numel();
+  return n;
+}
+
+void Module::train(bool on) {
+  visit("", [&](const std::string&, Module& m) { m.training_ = on; });
+}
+
+Module& Module::to(DType dtype) {
+  MANTISSA_CHECK(is_float(dtype), "cannot cast a module to " + std::string(dtype_name(dtype)),
+                 "parameters are floating point: use f32, f16, bf16 (or e4m3/e5m2 storage)");
+  visit("", [&](const std::string&, Module& m) {
+    for (auto& [name, t] : m.params_) {
+      if (t->dtype() == dtype) continue;
+      Tensor cast = t->detach().to(dtype);
+      cast.set_requires_grad(true);
+      *t = std::move(cast);
+    }
+    for (auto& [name, t] : m.buffers_)
+      if (is_float(t->dtype()) && t->dtype() != dtype && !keeps_f32(name)) *t = t->to(dtype);
+  });
+  return *this;
+}
+
+void Module::zero_grad() {
+  for (auto& p : named_parameters()) p.tensor->zero_grad();
+}
+
+Tensor& Module::param(const std::string& name) {
+  for (auto& [n, t] : params_)
+    if (n == name) return *t;
+  throw Error(type_ + " has no parameter '" + name + "'", "");
+}
+
+bool Module::has_param(const std::string& name) const {
+  for (auto& [n, t] : params_)
+    if (n == name) return true;
+  return false;
+}
+
+Tensor& Module::buffer(const std::string& name) {
+  for (auto& [n, t] : buffers_)
+    if (n == name) return *t;
+  throw Error(type_ + " has no buffer '" + name + "'", "");
+}
+
+std::string Module::repr(int indent) const {
+  std::string s = type_ + "(" + extra_repr();
+  if (children_.empty()) return s + ")";
+  const std::string pad(static_cast<size_t>(indent + 2), ' ');
+  s += "\n";
+  for (auto& [name, child] : children_)
+    s += pad + "(" + name + "): " + child->repr(indent + 2) + "\n";
+  return s + std::string(static_cast<size_t>(indent), ' ') + ")";
+}
+
+std::string Module::summary() {
+  std::ostringstream os;
+  os << repr() << "\n\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "%-40s %-22s %-6s %12s\n", "name", "shape", "dtype", "elements");
+  os << line;
+  int64_t total = 0, trainable_bytes = 0, buffers = 0;
+  for (auto& p : named_parameters()) {
+    std::snprintf(line, sizeof line, "%-40s %-22s %-6s %12lld\n", p.name.c_str(),
+                  shape_str(p.tensor->shape()).c_str(),
+                  std::string(dtype_name(p.tensor->dtype())).c_str(),
+                  static_cast<long long>(p.tensor->numel()));
+    os << line;
+    total += p.tensor->numel();
+    trainable_bytes += static_cast<int64_t>(p.tensor->nbytes());
+  }
+  for (auto& b : named_buffers()) {
+    std::snprintf(line, sizeof line, "%-40s %-22s %-6s %12lld  (buffer)\n", b.name.c_str(),
+                  shape_str(b.tensor->shape()).c_str(),
+                  std::string(dtype_name(b.tensor->dtype())).c_str(),
+                  static_cast<long long>(b.tensor->numel()));
+    os << line;
+    buffers += b.tensor->numel();
+  }
+  os << "parameters: " << total << " (" << format_bytes(static_cast<size_t>(trainable_bytes))
+     << "), buffer elements: " << buffers << "\n";
+  return os.str();
+}
+
+std::vector<std::pair<std::string, Tensor>> Module::state_dict() {
+  std::vector<std::pair<std::string, Tensor>> out;
+  visit("", [&](const std::string& prefix, Module& m) {
+    for (auto& [name, t] : m.params_) out.emplace_back(join(prefix, name), t->detach());
+    for (auto& [name, t] : m.buffers_) out.emplace_back(join(prefix, name), t->detach());
+  });
+  return out;
+}
+
+void Module::load_state_dict(const std::map<std::string, Tensor>& tensors,
+                             const std::string& source, bool strict) {
+  std::set<std::string> used;
+  auto load_into = [&](const std::string& name, Tensor& dst, bool is_param) {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) {
+      // Files from older PyTorch versions lack the batch counter; it only feeds momentum=None.
+      if (name.ends_with("num_batches_tracked")) return;
+      MANTISSA_CHECK(!strict, source + " has no tensor '" + name + "' that " + type_ + " needs",
+                     "the file holds the weights of another model (or was saved before this "
+                     "layer existed); check --model against the file");
+      return;
+    }
+    used.insert(name);
+    const Tensor& src = it->second;
+    MANTISSA_CHECK(src.shape() == dst.shape(),
+                   source + ": tensor '" + name + "' has shape " + shape_str(src.shape()) +
+                       " but the model's is " + shape_str(dst.shape()),
+                   "the file holds the weights of another model or another configuration "
+                   "(image size, classes); check --model and --image-size");
+    const bool src_float = is_float(src.dtype()), dst_float = is_float(dst.dtype());
+    MANTISSA_CHECK(src_float == dst_float,
+                   source + ": tensor '" + name + "' is " + std::string(dtype_name(src.dtype())) +
+                       " where the model holds " + std::string(dtype_name(dst.dtype())),
+                   "");
+    Tensor d = dst.detach();
+    d.copy_from(src);
+    if (is_param) dst.zero_grad();
+  };
+  for (auto& p : named_parameters()) load_into(p.name, *p.tensor, true);
+  for (auto& b : named_buffers()) load_into(b.name, *b.tensor, false);
+  if (strict) {
+    for (auto& [name, t] : tensors)
+      MANTISSA_CHECK(used.count(name) != 0,
+                     source + " holds tensor '" + name + "' that " + type_ + " does not have",
+                     "the file holds the weights of another model; check --model against the file");
+  }
+}
+
+void Module::name_storage(const std::string& prefix) {
+  visit(prefix, [&](const std::string& p, Module& m) {
+    for (auto& [name, t] : m.params_)
+      if (t->storage()) t->storage()->recharge(MemoryCategory::parameters, join(p, name));
+    for (auto& [name, t] : m.buffers_)
+      if (t->storage()) t->storage()->recharge(MemoryCategory::parameters, join(p, name));
+  });
+}
+
+}  // namespace mantissa::nn

@@ -1,0 +1,142 @@
+// Training and evaluation of a classifier end to end: the model by name, the dataset and its
+// loader, the optimizer and schedule, the loop with progress and per-epoch figures, test accuracy,
+// checkpoints (safetensors with PyTorch parameter names plus optimizer and RNG state, written
+// atomically) that resume bit-exactly, and a metrics JSON. The `mantissa train` and `mantissa
+// eval` commands are thin wrappers over this.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mantissa/data/loader.h"
+#include "mantissa/nn/models.h"
+#include "mantissa/optim/optim.h"
+
+namespace mantissa::train {
+
+struct TrainConfig {
+  std::string model = "tutorial-cnn";
+  std::string dataset = "fashion-mnist";
+  std::string data_dir;        // empty: the dataset's default
+  int64_t image_size = 0;      // 0: the model's default (tutorial-cnn 128, others 32)
+  bool imagenet_stem = false;  // ResNets
+  int64_t batch_size = 12;
+  int64_t eval_batch_size = 32;
+  int64_t epochs = 1;
+  int64_t max_steps = 0;    // total optimizer steps, counted from the start of the run; 0: none
+  int64_t train_limit = 0;  // first N training examples (0: all)
+  int64_t test_limit = 0;
+  bool shuffle = true;
+  bool augment = false;           // random crop (padding 4) and horizontal flip
+  int64_t synthetic_size = 2048;  // training examples of --dataset synthetic (test: a quarter)
+  std::string optimizer = "adamw";
+  double lr = 1e-3;
+  std::optional<double> weight_decay;  // default: 0.01 for AdamW, 0 otherwise (PyTorch's)
+  double momentum = 0;
+  bool nesterov = false;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double max_grad_norm = 0;  // 0: no clipping
+  std::string lr_schedule = "constant";
+  int64_t warmup_steps = 0;
+  int64_t lr_step_size = 1000;
+  double lr_gamma = 0.1;
+  uint64_t seed = 0;
+  int threads = 0;  // 0: all hardware threads
+  std::string init_from, save, resume, metrics_json;
+  bool progress = true;  // progress bar on the progress stream
+  bool evaluate = true;  // test accuracy after training
+  int prefetch = 2;      // batches the loader prepares ahead
+
+  double effective_weight_decay() const {
+    return weight_decay ? *weight_decay : (optimizer == "adamw" ? 0.01 : 0.0);
+  }
+  int64_t effective_image_size() const {
+    return image_size > 0 ? image_size : nn::default_image_size(model);
+  }
+};
+
+// Throws mantissa::Error naming the first bad setting and how to fix it.
+void validate(const TrainConfig& c);
+
+struct EpochStats {
+  int64_t epoch = 0;  // 1-based
+  double loss = 0;    // mean over the epoch's steps in this run
+  double train_accuracy = 0;
+  double seconds = 0;
+  double images_per_second = 0;
+  int64_t steps = 0;
+};
+
+struct TrainResult {
+  std::vector<float> step_losses;  // every optimizer step since the start of the run (resumes too)
+  std::vector<EpochStats> epochs;
+  std::optional<double> test_accuracy;
+  int64_t test_examples = 0;
+  double images_per_second = 0;  // over all training steps of this process
+  double train_seconds = 0;
+  double data_wait_seconds = 0;  // time the loop waited for the loader
+  int64_t steps = 0;             // global step count at the end
+  MemoryStats memory;            // peaks over training
+};
+
+// Where the trainer writes: the result lines (stdout) and the progress bar (stderr).
+struct TrainStreams {
+  std::ostream* out = nullptr;
+  std::ostream* progress = nullptr;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(const TrainConfig& config, TrainStreams streams = {});
+  ~Trainer();
+
+  // Trains as configured (resuming and initialising as asked), evaluates, saves, writes metrics.
+  TrainResult run();
+  // Accuracy of the current model on the test split (first test_limit examples).
+  double evaluate(int64_t* examples = nullptr);
+
+  nn::Classifier& model() { return *model_; }
+  optim::Optimizer& optimizer() { return *optimizer_; }
+  const TrainConfig& config() const { return config_; }
+  int64_t step() const { return step_; }
+
+  void save_checkpoint(const std::string& path) const;
+  // Restores weights, buffers, optimizer state, step and loss history; checks the model matches.
+  void load_checkpoint(const std::string& path);
+  // Weights only (PyTorch names; extra optimizer entries are ignored).
+  void init_from(const std::string& path);
+
+ private:
+  void train_steps(TrainResult& result);
+
+  TrainConfig config_;
+  TrainStreams streams_;
+  std::shared_ptr<nn::Classifier> model_;
+  std::unique_ptr<optim::Optimizer> optimizer_;
+  optim::LrSchedule schedule_;
+  data::Dataset train_data_;
+  std::unique_ptr<data::Loader> loader_;
+  int64_t step_ = 0;
+  std::vector<float> step_losses_;
+};
+
+// The metrics file's JSON text.
+std::string metrics_json(const TrainConfig& c, const TrainResult& r);
+// Writes a file atomically: a temporary file in the same directory, then a rename.
+void write_file_atomic(const std::string& path, const std::string& text);
+
+// Evaluates a checkpoint (the model is rebuilt from its metadata) on a dataset's test split.
+struct EvalResult {
+  double accuracy = 0;
+  int64_t examples = 0;
+  double loss = 0;
+  std::string model;
+};
+EvalResult evaluate_checkpoint(const std::string& path, const std::string& dataset,
+                               const std::string& data_dir, int64_t test_limit, int64_t batch_size);
+
+}  // namespace mantissa::train
