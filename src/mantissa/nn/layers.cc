@@ -14,10 +14,7 @@ RandomContext g_random_context;
 std::string num(double v) {  // as Python prints a float: 1e-05, 0.1
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", v);
-  std::string s = buf;
-  const size_t e = s.find("e-0");
-  if (e != std::string::npos) s.erase(e + 2, 1);  // %g writes 1e-005 on some systems
-  return s;
+  return buf;
 }
 
 std::string pair(int64_t a, int64_t b) {

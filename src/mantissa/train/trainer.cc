@@ -235,8 +235,9 @@ Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
   loader_ = std::make_unique<data::Loader>(train_data_,
                                            loader_config(config_, true, train_data_.channels()));
   const int64_t bpe = loader_->batches_per_epoch();
-  schedule_.total_steps = config_.max_steps > 0 ? std::min(config_.max_steps, config_.epochs * bpe)
-                                                : config_.epochs * bpe;
+  // The schedule spans --epochs; --max-steps only stops early, so a run stopped and resumed
+  // follows the same learning rates as one that was not.
+  schedule_.total_steps = config_.epochs * bpe;
   if (!config_.resume.empty()) load_checkpoint(config_.resume);
 }
 
@@ -267,6 +268,7 @@ void Trainer::save_checkpoint(const std::string& path) const {
       {"optimizer_steps", std::to_string(optimizer_->steps())},
       {"seed", std::to_string(config_.seed)},
       {"batch_size", std::to_string(config_.batch_size)},
+      {"synthetic_size", std::to_string(config_.synthetic_size)},
       {"step_losses", losses.dump()},
   };
   io::save_safetensors(path, tensors, m);
@@ -314,7 +316,8 @@ void Trainer::load_checkpoint(const std::string& path) {
 
 void Trainer::train_steps(TrainResult& result) {
   const int64_t bpe = loader_->batches_per_epoch();
-  const int64_t total = schedule_.total_steps;
+  const int64_t total = config_.max_steps > 0 ? std::min(config_.max_steps, schedule_.total_steps)
+                                              : schedule_.total_steps;
   const int64_t epochs = (total + bpe - 1) / bpe;
   const auto params = model_->named_parameters();
   ProgressBar bar(streams_.progress, config_.progress);
@@ -503,6 +506,9 @@ EvalResult evaluate_checkpoint(const std::string& path, const std::string& datas
   c.image_size = mc.image_size;
   c.test_limit = test_limit;
   c.eval_batch_size = batch_size;
+  // The synthetic dataset is made from the run's seed and size.
+  if (f.metadata.count("seed")) c.seed = static_cast<uint64_t>(meta_int(f, "seed", path));
+  if (f.metadata.count("synthetic_size")) c.synthetic_size = meta_int(f, "synthetic_size", path);
   data::Dataset test = load_split(c, false);
   MANTISSA_CHECK(test.channels() == mc.in_channels,
                  "dataset " + test.name + " has " + std::to_string(test.channels()) +

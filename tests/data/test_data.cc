@@ -1,0 +1,283 @@
+// Datasets and the loader: IDX and CIFAR-10 readers (and their errors), the synthetic dataset,
+// the transforms against PyTorch's F.interpolate, shuffling, batching, prefetching and resuming.
+#include <gtest/gtest.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "mantissa/io/safetensors.h"
+#include "mantissa/mantissa.h"
+#include "support/compare.h"
+#include "support/errors.h"
+
+#ifndef MANTISSA_GOLDEN_DIR
+#error "MANTISSA_GOLDEN_DIR must name tests/golden"
+#endif
+
+namespace mantissa {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+
+class TempDir {
+ public:
+  TempDir()
+      : path_(fs::temp_directory_path() /
+              (std::string("mantissa_data_") + std::to_string(::getpid()) + "_" +
+               std::to_string(counter_++))) {
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+  static inline int counter_ = 0;
+};
+
+std::string idx_bytes(const std::vector<uint32_t>& shape, const std::vector<uint8_t>& data,
+                      uint8_t type = 8) {
+  std::string b = {0, 0, static_cast<char>(type), static_cast<char>(shape.size())};
+  for (uint32_t s : shape)
+    for (int k = 3; k >= 0; --k) b.push_back(static_cast<char>((s >> (8 * k)) & 0xff));
+  b.append(data.begin(), data.end());
+  return b;
+}
+
+void write_raw(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+void write_gz(const std::string& path, const std::string& bytes) {
+  gzFile f = gzopen(path.c_str(), "wb");
+  gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size()));
+  gzclose(f);
+}
+
+std::vector<uint8_t> iota_bytes(size_t n) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(i * 7);
+  return v;
+}
+
+TEST(Idx, ReadsRawAndGzipFiles) {
+  TempDir d;
+  const std::string bytes = idx_bytes({3, 2, 4}, iota_bytes(24));
+  write_raw(d.file("a.idx"), bytes);
+  write_gz(d.file("a.idx.gz"), bytes);
+  for (const std::string f : {"a.idx", "a.idx.gz"}) {
+    Tensor t = data::read_idx(d.file(f));
+    EXPECT_EQ(t.shape(), (Shape{3, 2, 4}));
+    EXPECT_EQ(t.dtype(), DType::u8);
+    EXPECT_EQ(static_cast<const uint8_t*>(t.data_ptr())[5], 35);
+  }
+}
+
+TEST(Idx, BadFilesAreNamedWithTheFault) {
+  TempDir d;
+  write_raw(d.file("magic"), "\x01\x02\x08\x01\0\0\0\x01x");
+  EXPECT_NE(error_of([&] { data::read_idx(d.file("magic")); }).find("bad magic number"),
+            std::string::npos);
+  write_raw(d.file("type"), idx_bytes({2}, {1, 2}, 0x0d));
+  EXPECT_NE(error_of([&] { data::read_idx(d.file("type")); }).find("type code 13"),
+            std::string::npos);
+  std::string truncated = idx_bytes({10, 28, 28}, iota_bytes(100));
+  write_raw(d.file("short"), truncated);
+  const std::string e = error_of([&] { data::read_idx(d.file("short")); });
+  EXPECT_NE(
+      e.find(d.file("short") + " holds 100 data bytes but its header declares (10, 28, 28) = 7840"),
+      std::string::npos)
+      << e;
+  EXPECT_NE(e.find("truncated"), std::string::npos);
+  std::string gz_broken;
+  {
+    write_gz(d.file("full.gz"), idx_bytes({100, 28, 28}, iota_bytes(78400)));
+    std::ifstream in(d.file("full.gz"), std::ios::binary);
+    gz_broken.assign(std::istreambuf_iterator<char>(in), {});
+    gz_broken.resize(gz_broken.size() / 2);
+    write_raw(d.file("broken.gz"), gz_broken);
+  }
+  EXPECT_NE(error_of([&] { data::read_idx(d.file("broken.gz")); }), "");
+  EXPECT_NE(error_of([&] {
+              data::read_idx(d.file("absent"));
+            }).find("cannot find data file " + d.file("absent")),
+            std::string::npos);
+}
+
+TEST(Idx, ImageAndLabelCountsMustAgree) {
+  TempDir d;
+  write_raw(d.file("train-images-idx3-ubyte"), idx_bytes({3, 2, 2}, iota_bytes(12)));
+  write_raw(d.file("train-labels-idx1-ubyte"), idx_bytes({2}, {1, 2}));
+  EXPECT_NE(
+      error_of([&] { data::load_mnist_dir(d.file(""), true, "x"); }).find("holds 3 images but"),
+      std::string::npos);
+  write_raw(d.file("train-labels-idx1-ubyte"), idx_bytes({3}, {1, 2, 10}));
+  EXPECT_NE(
+      error_of([&] { data::load_mnist_dir(d.file(""), true, "x"); }).find("label 10 of example 2"),
+      std::string::npos);
+  write_raw(d.file("train-labels-idx1-ubyte"), idx_bytes({3}, {1, 2, 9}));
+  data::Dataset ds = data::load_mnist_dir(d.file(""), true, "x");
+  EXPECT_EQ(ds.images.shape(), (Shape{3, 1, 2, 2}));
+  EXPECT_EQ(ds.labels.data<int64_t>()[2], 9);
+  EXPECT_EQ(ds.head(2).size(), 2);
+}
+
+TEST(Cifar10, ReadsRecordsAndRejectsPartialOnes) {
+  TempDir d;
+  std::string bytes;
+  for (int r = 0; r < 2; ++r) {
+    bytes.push_back(static_cast<char>(3 + r));
+    for (int i = 0; i < 3072; ++i) bytes.push_back(static_cast<char>((i + r) & 0xff));
+  }
+  write_raw(d.file("test_batch.bin"), bytes);
+  data::Dataset ds = data::load_cifar10(d.file(""), false);
+  EXPECT_EQ(ds.images.shape(), (Shape{2, 3, 32, 32}));
+  EXPECT_EQ(ds.labels.data<int64_t>()[1], 4);
+  EXPECT_EQ(static_cast<const uint8_t*>(ds.images.data_ptr())[3072 + 1024], (1024 + 1) & 0xff);
+  write_raw(d.file("test_batch.bin"), bytes.substr(0, 4000));
+  EXPECT_NE(error_of([&] {
+              data::load_cifar10(d.file(""), false);
+            }).find("not a whole number of 3073-byte records"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { data::load_cifar10(d.file(""), true); }).find("data_batch_1.bin"),
+            std::string::npos);
+}
+
+TEST(Datasets, UnknownNamesAndMissingDirectoriesAreExplained) {
+  EXPECT_NE(error_of([] {
+              data::load_dataset("imagenet", "", true);
+            }).find("choose one of: fashion-mnist"),
+            std::string::npos);
+  const std::string e =
+      error_of([] { data::load_dataset("fashion-mnist", "/nonexistent/dir", true); });
+  EXPECT_NE(e.find("/nonexistent/dir"), std::string::npos) << e;
+  EXPECT_NE(e.find("dataset-fashion-mnist"), std::string::npos) << e;
+}
+
+TEST(Synthetic, IsReproducibleBalancedAndSplit) {
+  data::SyntheticConfig c;
+  c.size = 500;
+  c.channels = 3;
+  c.image_size = 12;
+  data::Dataset a = data::synthetic(c, true), b = data::synthetic(c, true),
+                t = data::synthetic(c, false);
+  EXPECT_EQ(a.images.shape(), (Shape{500, 3, 12, 12}));
+  EXPECT_EQ(a.images.to_float_vector(), b.images.to_float_vector());
+  EXPECT_NE(a.images.to_float_vector(), t.images.to_float_vector());
+  std::vector<int> count(10);
+  for (int64_t i = 0; i < 500; ++i) ++count[static_cast<size_t>(a.labels.data<int64_t>()[i])];
+  for (int k : count) EXPECT_GT(k, 25);
+}
+
+TEST(Transform, BilinearResizeMatchesPyTorchInterpolate) {
+  const io::SafetensorsFile g =
+      io::load_safetensors(std::string(MANTISSA_GOLDEN_DIR) + "/training.safetensors");
+  const Tensor& in = g.at("resize/in");     // u8 (3, 5, 7)
+  const Tensor& want = g.at("resize/out");  // F.interpolate(in / 255, (11, 11)), normalized by 0.5
+  data::Transform t;
+  t.image_size = 11;
+  std::vector<float> out(3 * 11 * 11);
+  data::transform_image(static_cast<const uint8_t*>(in.data_ptr()), 3, 5, 7, t, 0, out.data());
+  std::vector<double> got(out.begin(), out.end());
+  std::vector<double> w;
+  for (float v : want.to_float_vector()) w.push_back(v);
+  testing::expect_close("resize", got, w, 0, 0, 2e-6, "mantissa", "pytorch");
+}
+
+TEST(Transform, FlipAndPaddedCrop) {
+  std::vector<uint8_t> img(4 * 4);
+  for (int i = 0; i < 16; ++i) img[static_cast<size_t>(i)] = static_cast<uint8_t>(i * 10);
+  data::Transform t;
+  t.mean = {0};
+  t.std = {1};
+  std::vector<float> plain(16), flipped(16), cropped(16);
+  data::transform_image(img.data(), 1, 4, 4, t, 0, plain.data());
+  t.random_flip = true;
+  data::transform_image(img.data(), 1, 4, 4, t, 0x80000000u, flipped.data());
+  for (int y = 0; y < 4; ++y)
+    for (int x = 0; x < 4; ++x)
+      EXPECT_EQ(flipped[static_cast<size_t>(y * 4 + x)], plain[static_cast<size_t>(y * 4 + 3 - x)]);
+  t.random_flip = false;
+  t.crop_padding = 1;
+  // random % 3 = 0 -> row offset -1; (random >> 8) % 3 = 2 -> column offset +1.
+  data::transform_image(img.data(), 1, 4, 4, t, 0x201u, cropped.data());
+  for (int x = 0; x < 4; ++x) EXPECT_EQ(cropped[static_cast<size_t>(x)], 0.0f);  // padding row
+  EXPECT_EQ(cropped[4 + 0], plain[1]);
+  EXPECT_EQ(cropped[4 + 3], 0.0f);  // padding column
+}
+
+data::Dataset tiny(int64_t n) {
+  data::SyntheticConfig c;
+  c.size = n;
+  c.image_size = 8;
+  return data::synthetic(c, true);
+}
+
+TEST(Loader, DropLastShuffleAndOrder) {
+  data::Dataset ds = tiny(50);
+  data::LoaderConfig c;
+  c.batch_size = 8;
+  c.shuffle = false;
+  data::Loader plain(ds, c);
+  EXPECT_EQ(plain.batches_per_epoch(), 6);
+  EXPECT_EQ(plain.batch_indices(0, 1), (std::vector<int64_t>{8, 9, 10, 11, 12, 13, 14, 15}));
+  c.shuffle = true;
+  data::Loader shuffled(ds, c);
+  std::set<int64_t> seen;
+  for (int64_t b = 0; b < 6; ++b)
+    for (int64_t i : shuffled.batch_indices(0, b)) seen.insert(i);
+  EXPECT_EQ(seen.size(), 48u);  // a permutation, less the dropped remainder
+  EXPECT_NE(shuffled.batch_indices(0, 0), shuffled.batch_indices(1, 0));  // reshuffled per epoch
+  data::Loader again(ds, c);
+  EXPECT_EQ(again.batch_indices(1, 3), shuffled.batch_indices(1, 3));
+  c.seed = 1;
+  data::Loader other(ds, c);
+  EXPECT_NE(other.batch_indices(0, 0), shuffled.batch_indices(0, 0));
+  c.drop_last = false;
+  EXPECT_EQ(data::Loader(ds, c).batches_per_epoch(), 7);
+  c.batch_size = 51;
+  c.drop_last = true;
+  EXPECT_NE(error_of([&] { data::Loader l(ds, c); }).find("fewer than one batch"),
+            std::string::npos);
+}
+
+TEST(Loader, PrefetchingGivesTheSameBatchesAndResumesMidEpoch) {
+  data::Dataset ds = tiny(64);
+  data::LoaderConfig c;
+  c.batch_size = 8;
+  c.transform.image_size = 12;
+  c.transform.random_flip = true;
+  c.transform.crop_padding = 2;
+  c.dtype = DType::bf16;
+  c.prefetch = 3;
+  data::Loader async(ds, c);
+  c.prefetch = 0;
+  data::Loader sync(ds, c);
+  async.start(2);
+  sync.start(2, 5);
+  int64_t b = 0;
+  while (auto batch = async.next()) {
+    EXPECT_EQ(batch->images.shape(), (Shape{8, 1, 12, 12}));
+    EXPECT_EQ(batch->images.dtype(), DType::bf16);
+    if (b >= 5) {
+      auto s = sync.next();
+      ASSERT_TRUE(s.has_value());
+      EXPECT_EQ(s->index, b);
+      EXPECT_EQ(batch->images.to_float_vector(), s->images.to_float_vector());
+      EXPECT_EQ(batch->labels.to_float_vector(), s->labels.to_float_vector());
+    }
+    ++b;
+  }
+  EXPECT_EQ(b, 8);
+  EXPECT_FALSE(sync.next().has_value());
+  EXPECT_GE(async.wait_seconds(), 0.0);
+}
+
+}  // namespace
+}  // namespace mantissa

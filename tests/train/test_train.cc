@@ -1,0 +1,235 @@
+// The trainer end to end on the synthetic dataset: learning, bit-exact resume, checkpoints that
+// PyTorch names and Mantissa validates, metrics, and errors for bad settings.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "mantissa/io/safetensors.h"
+#include "mantissa/mantissa.h"
+#include "support/errors.h"
+
+namespace mantissa {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+
+std::string temp(const std::string& name) {
+  return (fs::temp_directory_path() /
+          (std::string("mantissa_train_") + std::to_string(::getpid()) + "_" + name))
+      .string();
+}
+
+train::TrainConfig small(const std::string& model = "lenet5") {
+  train::TrainConfig c;
+  c.model = model;
+  c.dataset = "synthetic";
+  c.synthetic_size = 256;
+  c.batch_size = 16;
+  c.image_size = model == "tutorial-cnn" ? 24 : 16;
+  c.progress = false;
+  c.evaluate = false;
+  return c;
+}
+
+std::vector<float> all_values(const std::string& checkpoint) {
+  std::vector<float> v;
+  for (auto& [name, t] : io::load_safetensors(checkpoint).tensors) {
+    const std::vector<float> x = t.to_float_vector();
+    v.insert(v.end(), x.begin(), x.end());
+  }
+  return v;
+}
+
+TEST(Trainer, LearnsTheSyntheticDataset) {
+  train::TrainConfig c = small();
+  c.epochs = 3;
+  c.synthetic_size = 1024;
+  c.evaluate = true;
+  c.lr = 3e-3;
+  train::Trainer t(c);
+  const train::TrainResult r = t.run();
+  ASSERT_EQ(r.step_losses.size(), 3u * 64);
+  EXPECT_LT(r.epochs.back().loss, r.epochs.front().loss);
+  ASSERT_TRUE(r.test_accuracy.has_value());
+  EXPECT_GT(*r.test_accuracy, 0.8) << "a learnable dataset must be learned";
+  EXPECT_EQ(r.test_examples, 256);
+}
+
+TEST(Trainer, ResumeContinuesBitExactly) {
+  for (const std::string opt : {"adamw", "sgd"}) {
+    train::TrainConfig c = small("tutorial-cnn");
+    c.optimizer = opt;
+    if (opt == "sgd") c.momentum = 0.9, c.lr = 0.01;
+    c.max_grad_norm = 1.0;
+    c.lr_schedule = "cosine";
+    c.warmup_steps = 2;
+    // 16 batches per epoch: the resume point (step 11) is mid-epoch and the run crosses an epoch.
+    c.epochs = 2;
+    c.max_steps = 20;
+    c.save = temp("straight.safetensors");
+    const train::TrainResult straight = train::Trainer(c).run();
+
+    c.max_steps = 11;
+    c.save = temp("first.safetensors");
+    train::Trainer(c).run();
+    c.max_steps = 20;
+    c.resume = temp("first.safetensors");
+    c.save = temp("resumed.safetensors");
+    const train::TrainResult resumed = train::Trainer(c).run();
+
+    EXPECT_EQ(resumed.step_losses, straight.step_losses) << opt;
+    EXPECT_EQ(resumed.steps, 20);
+    EXPECT_EQ(all_values(temp("resumed.safetensors")), all_values(temp("straight.safetensors")))
+        << opt;
+    for (auto f : {"straight", "first", "resumed"})
+      fs::remove(temp(std::string(f) + ".safetensors"));
+  }
+}
+
+TEST(Trainer, CheckpointsHoldPyTorchNamesAndOptimizerState) {
+  train::TrainConfig c = small("resnet18");
+  c.image_size = 8;
+  c.synthetic_size = 32;
+  c.max_steps = 1;
+  c.save = temp("r18.safetensors");
+  train::Trainer(c).run();
+  const io::SafetensorsFile f = io::load_safetensors(c.save);
+  EXPECT_TRUE(f.contains("layer1.0.conv1.weight"));
+  EXPECT_TRUE(f.contains("layer4.1.bn2.running_var"));
+  EXPECT_EQ(f.at("bn1.num_batches_tracked").dtype(), DType::i64);
+  EXPECT_EQ(static_cast<const int64_t*>(f.at("bn1.num_batches_tracked").data_ptr())[0], 1);
+  EXPECT_TRUE(f.contains("optimizer.fc.weight.exp_avg_sq"));
+  EXPECT_EQ(f.metadata.at("model"), "resnet18");
+  EXPECT_EQ(f.metadata.at("step"), "1");
+
+  // The checkpoint evaluates, and it cannot be resumed as another model or optimizer.
+  const train::EvalResult e = train::evaluate_checkpoint(c.save, "", "", 0, 8);
+  EXPECT_EQ(e.model, "resnet18");
+  EXPECT_EQ(e.examples, 8);
+  train::TrainConfig other = small("lenet5");
+  other.resume = c.save;
+  EXPECT_NE(
+      error_of([&] { train::Trainer t(other); }).find("is a checkpoint of resnet18, not of lenet5"),
+      std::string::npos);
+  train::TrainConfig sgd = c;
+  sgd.save.clear();
+  sgd.resume = c.save;
+  sgd.optimizer = "sgd";
+  EXPECT_NE(error_of([&] { train::Trainer t(sgd); }).find("pass --optimizer adamw"),
+            std::string::npos);
+  train::TrainConfig bigger = c;
+  bigger.save.clear();
+  bigger.resume = c.save;
+  bigger.image_size = 16;
+  EXPECT_NE(error_of([&] { train::Trainer t(bigger); }).find("--image-size"), std::string::npos);
+  fs::remove(c.save);
+}
+
+TEST(Trainer, InitFromRejectsWrongShapesAndLoadsPyTorchNames) {
+  train::TrainConfig c = small();
+  const std::string path = temp("init.safetensors");
+  nn::ModelConfig mc;
+  mc.image_size = 16;
+  mc.seed = 42;
+  auto source = nn::make_model("lenet5", mc);
+  io::save_safetensors(path, source->state_dict());
+  c.init_from = path;
+  train::Trainer t(c);
+  EXPECT_EQ(t.model().state_dict()[0].second.to_float_vector(),
+            source->state_dict()[0].second.to_float_vector());
+  c.image_size = 20;  // fc1 has another input size
+  const std::string e = error_of([&] { train::Trainer bad(c); });
+  EXPECT_NE(e.find("'fc1.weight' has shape (120, 16) but the model's is (120, 64)"),
+            std::string::npos)
+      << e;
+  fs::remove(path);
+}
+
+TEST(Trainer, MetricsJsonHasEveryField) {
+  train::TrainConfig c = small();
+  c.max_steps = 3;
+  c.evaluate = true;
+  c.test_limit = 20;
+  c.metrics_json = temp("metrics.json");
+  train::Trainer(c).run();
+  std::ifstream in(c.metrics_json);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["config"]["model"], "lenet5");
+  EXPECT_EQ(j["step_losses"].size(), 3u);
+  ASSERT_EQ(j["epochs"].size(), 1u);
+  for (auto k : {"epoch", "loss", "train_accuracy", "seconds", "images_per_second"})
+    EXPECT_TRUE(j["epochs"][0].contains(k)) << k;
+  EXPECT_TRUE(j["test_accuracy"].is_number());
+  EXPECT_TRUE(j["images_per_second"].is_number());
+  EXPECT_TRUE(j["data_wait_seconds"].is_number());
+  for (auto k : {"total", "parameters", "gradients", "optimizer_state", "master_weights",
+                 "activations", "workspace", "input_data"})
+    EXPECT_TRUE(j["peak_memory_bytes"][k].is_number()) << k;
+  EXPECT_GT(j["peak_memory_bytes"]["optimizer_state"].get<double>(), 0);
+  EXPECT_FALSE(fs::exists(c.metrics_json + ".tmp." + std::to_string(::getpid())));
+  fs::remove(c.metrics_json);
+  c.metrics_json = "/nonexistent-dir/m.json";
+  EXPECT_NE(
+      error_of([&] { train::Trainer(c).run(); }).find("directory /nonexistent-dir does not exist"),
+      std::string::npos);
+}
+
+TEST(Trainer, BadSettingsAreExplained) {
+  auto check = [](auto edit, const std::string& want) {
+    train::TrainConfig c = small();
+    edit(c);
+    const std::string e = error_of([&] { train::validate(c); });
+    EXPECT_NE(e.find(want), std::string::npos) << e;
+  };
+  check([](auto& c) { c.model = "alexnet"; }, "choose --model from");
+  check([](auto& c) { c.optimizer = "lamb"; }, "choose --optimizer sgd, adam or adamw");
+  check([](auto& c) { c.lr = -1; }, "--lr must be a positive number");
+  check([](auto& c) { c.momentum = 0.9; }, "--momentum applies to SGD only");
+  check([](auto& c) { c.lr_schedule = "linear"; }, "use constant, step or cosine");
+  check(
+      [](auto& c) {
+        c.init_from = "a";
+        c.resume = "b";
+      },
+      "cannot be used together");
+  train::TrainConfig c = small();
+  c.resume = temp("absent.safetensors");
+  EXPECT_NE(error_of([&] { train::Trainer t(c); }), "");
+}
+
+TEST(Trainer, ScheduleDrivesTheLearningRate) {
+  optim::LrSchedule s;
+  s.warmup_steps = 4;
+  EXPECT_DOUBLE_EQ(s.lr_at(1.0, 0), 0.25);
+  EXPECT_DOUBLE_EQ(s.lr_at(1.0, 3), 1.0);
+  EXPECT_DOUBLE_EQ(s.lr_at(1.0, 100), 1.0);
+  s.kind = optim::LrSchedule::Kind::kCosine;
+  s.total_steps = 14;
+  EXPECT_DOUBLE_EQ(s.lr_at(1.0, 4), 1.0);
+  EXPECT_NEAR(s.lr_at(1.0, 9), 0.5, 1e-12);
+  EXPECT_NEAR(s.lr_at(1.0, 14), 0.0, 1e-12);
+}
+
+TEST(Optimizer, SixteenBitStateAndParameters) {
+  // f16 state and bf16 parameters: the update runs in FP32 and rounds once per store.
+  Tensor p = Tensor::full({1000}, 1.0, DType::bf16);
+  p.set_requires_grad(true);
+  p.set_grad(Tensor::full({1000}, 0.5, DType::bf16));
+  optim::AdamOptions o;
+  o.lr = 0.01;
+  optim::StateTypes st{DType::f16, DType::f16};
+  optim::Adam adam({{"p", &p}}, o, true, st);
+  adam.step();
+  EXPECT_EQ(adam.state_tensors()[0].second.dtype(), DType::f16);
+  EXPECT_NEAR(p.to_float_vector()[0], 1.0 * (1 - 0.01 * 0.01) - 0.01, 4e-3);  // bf16 spacing near 1
+  EXPECT_EQ(adam.state_bytes(), 2u * 1000 * 2);
+}
+
+}  // namespace
+}  // namespace mantissa
