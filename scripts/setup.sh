@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian packages Mantissa needs to build and test, only those that are missing.
+# Installs the Debian packages Mantissa needs to build, test and train on Fashion-MNIST (the data
+# comes from Debian's dataset-fashion-mnist), only those that are missing.
 # Safe to run repeatedly; needs root (or sudo) only when something is missing.
 #
 #   bash scripts/setup.sh            # build + test dependencies
@@ -7,7 +8,7 @@
 #                                    # and Debian's PyTorch (regenerates tests/golden)
 set -euo pipefail
 
-packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev)
+packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist)
 for arg in "$@"; do
   case "$arg" in
     --bench) packages+=(libopenblas0-pthread libblis4-pthread python3-torch) ;;
