@@ -3,6 +3,8 @@
 // FP64 reference forward, so this is also the finite-difference gradient check of every op.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <cmath>
 #include <functional>
 #include <random>
@@ -449,6 +451,31 @@ TEST(OpTable, EveryOpIsTested) {
     bool found = false;
     for (const OpCase& c : cases) found = found || c.name.rfind(name, 0) == 0;
     EXPECT_TRUE(found) << "op '" << name << "' has no test case";
+  }
+}
+
+}  // namespace
+}  // namespace mantissa
+
+namespace mantissa {
+namespace {
+
+// The 2x2/stride-2 fast path and the general loop agree on NaN: the first NaN of a window wins,
+// with its index (PyTorch propagates NaN through max pooling).
+TEST(MaxPool, NanPropagatesFromTheFirstNanOfTheWindow) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (bool general : {false, true}) {
+    kernels::Pool2dParams p;  // 2x2, stride 2: the fast path
+    if (general) p.pad_h = p.pad_w = 1, p.kernel_h = p.kernel_w = 3;  // 3x3/2, padded: the loop
+    Tensor x = Tensor::from_floats({1, nan, 3, 4, nan, 2, 8, 1}, {1, 1, 2, 4});
+    auto [y, idx] = kernels::max_pool2d(x, p, DType::f32);
+    const std::vector<float> v = y.to_float_vector();
+    EXPECT_TRUE(std::isnan(v[0])) << general;
+    EXPECT_EQ(idx.data<int32_t>()[0], 1) << general;  // the NaN at (0, 1), not the one at (1, 0)
+    if (!general) {
+      EXPECT_EQ(v[1], 8.0f);
+      EXPECT_EQ(idx.data<int32_t>()[1], 6);
+    }
   }
 }
 

@@ -59,8 +59,10 @@ void accumulate(Tensor& into, const Tensor& g) {
   into = kernels::add(into, g, into.dtype(), MemoryCategory::gradients);
 }
 
-void accumulate_leaf(AutogradMeta& meta, const Tensor& g, DType dtype) {
-  Tensor converted = g.dtype() == dtype ? g : g.to(dtype);
+// Takes g by value: callers move their handle in, so a gradient nobody else holds is adopted
+// without a copy.
+void accumulate_leaf(AutogradMeta& meta, Tensor g, DType dtype) {
+  Tensor converted = g.dtype() == dtype ? std::move(g) : g.to(dtype);
   if (!meta.grad) {
     // Own the gradient's memory: a gradient that is a view of something else would alias.
     Tensor own = converted.storage().use_count() > 1 || !converted.is_contiguous()
@@ -142,7 +144,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
       if (in.fn)
         accumulate(pending[in.fn.get()], grads[i]);
       else
-        accumulate_leaf(*in.leaf, grads[i], in.dtype);
+        accumulate_leaf(*in.leaf, std::move(grads[i]), in.dtype);
     }
   }
 }

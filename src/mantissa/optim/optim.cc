@@ -5,9 +5,11 @@
 #include <numbers>
 
 #include "mantissa/autograd/autograd.h"
+#include "mantissa/core/cpu_features.h"
 #include "mantissa/core/error.h"
 #include "mantissa/core/parallel.h"
 #include "mantissa/kernels/elementwise.h"
+#include "mantissa/optim/optim_kernels.h"
 
 namespace mantissa::optim {
 namespace {
@@ -220,34 +222,33 @@ void Adam::update(size_t i, Tensor& p, const Tensor& g) {
   const double bc1 = o_.bias_correction ? 1 - std::pow(o_.beta1, t) : 1.0;
   const double bc2 = o_.bias_correction ? 1 - std::pow(o_.beta2, t) : 1.0;
   // The scalars PyTorch passes to its float kernels.
-  const float b1 = static_cast<float>(o_.beta1), b2 = static_cast<float>(o_.beta2);
-  const float one_minus_b1 = static_cast<float>(1 - o_.beta1);
-  const float one_minus_b2 = static_cast<float>(1 - o_.beta2);
-  const float step_size = static_cast<float>(lr_ / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  const float eps = static_cast<float>(o_.eps);
-  const float wd = static_cast<float>(o_.weight_decay);
-  const float decay = static_cast<float>(1 - lr_ * o_.weight_decay);
-  const bool decoupled = decoupled_;
+  detail::AdamScalars sc;
+  sc.b1 = static_cast<float>(o_.beta1);
+  sc.b2 = static_cast<float>(o_.beta2);
+  sc.one_minus_b1 = static_cast<float>(1 - o_.beta1);
+  sc.one_minus_b2 = static_cast<float>(1 - o_.beta2);
+  sc.step_size = static_cast<float>(lr_ / bc1);
+  sc.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  sc.eps = static_cast<float>(o_.eps);
+  sc.wd = static_cast<float>(o_.weight_decay);
+  sc.decay = static_cast<float>(1 - lr_ * o_.weight_decay);
+  sc.decoupled = decoupled_;
   for_chunks(p.numel(), [&](int64_t b, int64_t n) {
     Staged ps(p, b, n), gs(g, b, n), ms(m, b, n), vs(v, b, n);
-    for (int64_t j = 0; j < n; ++j) {
-      float grad = gs[j], param = ps[j];
-      if (decoupled)
-        param = param * decay;
-      else if (wd != 0)
-        grad = grad + wd * param;
-      const float mj = ms[j] * b1 + one_minus_b1 * grad;
-      const float vj = vs[j] * b2 + one_minus_b2 * grad * grad;
-      const float denom = std::sqrt(vj) / bc2_sqrt + eps;
-      ms[j] = mj;
-      vs[j] = vj;
-      ps[j] = param + (-step_size) * (mj / denom);
-    }
+    detail::adam_update(ps.data(), gs.data(), ms.data(), vs.data(), n, sc);
     ms.store();
     vs.store();
     ps.store();
   });
+}
+
+void detail::adam_update(float* p, const float* g, float* m, float* v, int64_t n,
+                         const detail::AdamScalars& s) {
+#if MANTISSA_HAVE_X86_SIMD
+  static const bool avx2 = cpu_features().avx2 && active_simd_path() == SimdPath::kAvx2;
+  if (avx2) return adam_update_avx2(p, g, m, v, n, s);
+#endif
+  for (int64_t j = 0; j < n; ++j) adam_element(p[j], g[j], m[j], v[j], s);
 }
 
 // ---- Clipping ----

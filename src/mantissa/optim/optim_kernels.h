@@ -1,0 +1,44 @@
+// Internal: the optimizers' inner loops over FP32 arrays, written once per element as inline
+// functions (the scalar path and the tails of the SIMD path), with an AVX2 version chosen at run
+// time. Both do the same IEEE operations in the same order (no fused multiply-add), so they give
+// identical bits and a run does not depend on the machine's SIMD width.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace mantissa::optim::detail {
+
+struct AdamScalars {
+  float b1, b2, one_minus_b1, one_minus_b2;
+  float step_size;  // lr / bias_correction1
+  float bc2_sqrt;   // sqrt(bias_correction2)
+  float eps;
+  float wd;     // Adam: L2 added to the gradient
+  float decay;  // AdamW: 1 - lr * weight_decay
+  bool decoupled;
+};
+
+// PyTorch 1.13's single-tensor Adam/AdamW, one element.
+inline void adam_element(float& p, float g, float& m, float& v, const AdamScalars& s) {
+  float grad = g, param = p;
+  if (s.decoupled)
+    param = param * s.decay;
+  else if (s.wd != 0)
+    grad = grad + s.wd * param;
+  const float mj = m * s.b1 + s.one_minus_b1 * grad;
+  const float vj = v * s.b2 + s.one_minus_b2 * grad * grad;
+  const float denom = std::sqrt(vj) / s.bc2_sqrt + s.eps;
+  m = mj;
+  v = vj;
+  p = param + (-s.step_size) * (mj / denom);
+}
+
+// Adam over n contiguous elements; the AVX2 path when the CPU has it (optim.cc dispatches).
+void adam_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamScalars& s);
+#if MANTISSA_HAVE_X86_SIMD
+void adam_update_avx2(float* p, const float* g, float* m, float* v, int64_t n,
+                      const AdamScalars& s);  // optim_avx2.cc
+#endif
+
+}  // namespace mantissa::optim::detail
