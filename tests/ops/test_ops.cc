@@ -195,6 +195,11 @@ std::vector<OpCase> all_cases() {
   conv_case("conv2d_pad1", {2, 3, 7, 6}, {4, 3, 3, 3}, true, {1, 1, 1, 1, 1, 1, 1});
   conv_case("conv2d_stride2", {2, 3, 7, 7}, {5, 3, 3, 2}, true, {2, 2, 0, 0, 1, 1, 1});
   conv_case("conv2d_dilation2_no_bias", {1, 2, 8, 8}, {3, 2, 3, 3}, false, {1, 1, 2, 1, 2, 2, 1});
+  // Small filter banks take the direct path, larger ones im2col + GEMM: both with stride and
+  // padding.
+  conv_case("conv2d_direct_stride2x1_pad1x0", {2, 2, 8, 9}, {3, 2, 2, 3}, true,
+            {2, 1, 1, 0, 1, 1, 1});
+  conv_case("conv2d_gemm_stride2_pad1", {2, 6, 9, 9}, {4, 6, 3, 3}, true, {2, 2, 1, 1, 1, 1, 1});
   conv_case("conv2d_groups2", {2, 4, 6, 5}, {6, 2, 3, 3}, true, {1, 2, 1, 1, 1, 1, 2});
   conv_case("conv2d_5x5", {2, 5, 9, 9}, {12, 5, 5, 5}, true, {});
 

@@ -11,6 +11,7 @@
 #include "mantissa/core/parallel.h"
 #include "mantissa/core/philox.h"
 #include "mantissa/kernels/elementwise.h"
+#include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels {
 namespace {
@@ -302,6 +303,128 @@ Tensor byte_workspace(int64_t elements, DType t) {
 
 }  // namespace
 
+// ---- Direct convolution for small filter banks ----
+// When the whole filter bank is tiny (the tutorial CNN's conv1: 5 x 1 x 3 x 3) im2col and GEMM
+// spend their time copying and packing; adding each tap's shifted input rows into an FP32 output
+// plane is several times faster. Used for groups 1, dilation 1 and FP32 partials; the tests run
+// both paths against the FP64 reference.
+bool use_direct_conv(const ConvGeometry& g, Partials partials) {
+  return g.G == 1 && g.p.dilation_h == 1 && g.p.dilation_w == 1 && partials == Partials::kF32 &&
+         g.CKK <= 32 && g.O * g.CKK <= 512;
+}
+
+// The output columns [lo, hi) whose input column ow * stride - pad + k lies in [0, W).
+std::pair<int64_t, int64_t> valid_columns(int64_t Wo, int64_t W, int64_t stride, int64_t pad,
+                                          int64_t k) {
+  const int64_t lo = std::min(Wo, pad > k ? (pad - k + stride - 1) / stride : int64_t{0});
+  const int64_t last = W - 1 + pad - k;  // ow * stride <= last
+  const int64_t hi = last < 0 ? lo : std::clamp<int64_t>(last / stride + 1, lo, Wo);
+  return {lo, hi};
+}
+
+// Calls fn(o, c, kh, kw, oh, ih, lo, n_cols, x_offset) for every tap and output row whose input
+// row exists; x_offset is the input element (within the image's plane c) of output column lo.
+template <class Fn>
+void for_each_tap_row(const ConvGeometry& g, int64_t o, Fn&& fn) {
+  for (int64_t c = 0; c < g.C; ++c)
+    for (int64_t kh = 0; kh < g.KH; ++kh)
+      for (int64_t kw = 0; kw < g.KW; ++kw) {
+        const auto [lo, hi] = valid_columns(g.Wo, g.W, g.p.stride_w, g.p.pad_w, kw);
+        if (lo >= hi) continue;
+        for (int64_t oh = 0; oh < g.Ho; ++oh) {
+          const int64_t ih = oh * g.p.stride_h - g.p.pad_h + kh;
+          if (ih < 0 || ih >= g.H) continue;
+          fn(o, c, kh, kw, oh, lo, hi - lo,
+             (c * g.H + ih) * g.W + lo * g.p.stride_w - g.p.pad_w + kw);
+        }
+      }
+}
+
+Tensor conv2d_direct(const Tensor& x_in, const Tensor& w_in, const std::vector<float>& bias,
+                     const ConvGeometry& g, DType out) {
+  const Tensor x = x_in.to(DType::f32), w = w_in.to(DType::f32);
+  const float* xd = x.data<float>();
+  const float* wd = w.data<float>();
+  Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
+  const int64_t sw = g.p.stride_w, plane = g.C * g.H * g.W;
+  parallel_for(static_cast<size_t>(g.N * g.O), 1,
+               g.N * g.O * g.HW * g.CKK >= kParallelElements ? default_num_threads() : 1,
+               [&](size_t p0, size_t p1) {
+                 std::vector<float> acc(static_cast<size_t>(g.HW));
+                 for (size_t pl = p0; pl < p1; ++pl) {
+                   const int64_t n = static_cast<int64_t>(pl) / g.O,
+                                 o = static_cast<int64_t>(pl) % g.O;
+                   std::fill(acc.begin(), acc.end(), bias[static_cast<size_t>(o)]);
+                   const float* xn = xd + n * plane;
+                   for_each_tap_row(g, o,
+                                    [&](int64_t, int64_t c, int64_t kh, int64_t kw, int64_t oh,
+                                        int64_t lo, int64_t cols, int64_t xo) {
+                                      const float wv = wd[((o * g.C + c) * g.KH + kh) * g.KW + kw];
+                                      float* a = acc.data() + oh * g.Wo + lo;
+                                      const float* xr = xn + xo;
+                                      detail::axpy_f32(a, xr, sw, wv, cols);
+                                    });
+                   store_f32(acc.data(), g.HW,
+                             bytes(y) + static_cast<int64_t>(pl) * g.HW * esize(out), out, 1);
+                 }
+               });
+  return y;
+}
+
+// dW[o, c, kh, kw] = sum over images and output positions of dy * x: per image, each tap's
+// products are added lane-wise into a row of partial sums, summed once; images are summed in
+// order, so the result does not depend on the thread count.
+Tensor conv2d_direct_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Shape& w_shape,
+                                     const ConvGeometry& g, DType out) {
+  const Tensor x = x_in.to(DType::f32), dy = dy_in.to(DType::f32);
+  const float* xd = x.data<float>();
+  const float* dyd = dy.data<float>();
+  const int64_t taps = g.O * g.CKK, sw = g.p.stride_w, plane = g.C * g.H * g.W;
+  std::vector<float> per_image(static_cast<size_t>(g.N * taps), 0.0f);
+  parallel_for(static_cast<size_t>(g.N), 1,
+               g.N * g.HW * taps >= kParallelElements ? default_num_threads() : 1,
+               [&](size_t n0, size_t n1) {
+                 std::vector<float> lanes(static_cast<size_t>(g.Wo));
+                 for (size_t n = n0; n < n1; ++n) {
+                   const float* xn = xd + static_cast<int64_t>(n) * plane;
+                   float* dw = per_image.data() + static_cast<int64_t>(n) * taps;
+                   for (int64_t o = 0; o < g.O; ++o) {
+                     const float* dyo = dyd + (static_cast<int64_t>(n) * g.O + o) * g.HW;
+                     // Taps in (c, kh, kw) order; for_each_tap_row visits each tap's rows together.
+                     int64_t current = -1;
+                     auto flush = [&]() {
+                       if (current < 0) return;
+                       float s = 0;
+                       for (float v : lanes) s += v;
+                       dw[o * g.CKK + current] = s;
+                     };
+                     for_each_tap_row(g, o,
+                                      [&](int64_t, int64_t c, int64_t kh, int64_t kw, int64_t oh,
+                                          int64_t lo, int64_t cols, int64_t xo) {
+                                        const int64_t tap = (c * g.KH + kh) * g.KW + kw;
+                                        if (tap != current) {
+                                          flush();
+                                          current = tap;
+                                          std::fill(lanes.begin(), lanes.end(), 0.0f);
+                                        }
+                                        const float* d = dyo + oh * g.Wo + lo;
+                                        const float* xr = xn + xo;
+                                        float* l = lanes.data();
+                                        detail::mul_acc_f32(l, d, xr, sw, cols);
+                                      });
+                     flush();
+                   }
+                 }
+               });
+  std::vector<float> total(static_cast<size_t>(taps), 0.0f);
+  for (int64_t n = 0; n < g.N; ++n)
+    for (int64_t i = 0; i < taps; ++i)
+      total[static_cast<size_t>(i)] += per_image[static_cast<size_t>(n * taps + i)];
+  Tensor dw = Tensor::empty(w_shape, out, charged_to(MemoryCategory::gradients));
+  store_f32(total.data(), taps, dw.data_ptr(), out, 1);
+  return dw;
+}
+
 Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Conv2dParams& p,
               DType out, Partials partials) {
   require_float(x_in, "conv2d", "input");
@@ -312,12 +435,13 @@ Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Con
                    "conv2d: bias " + shape_str(b.shape()) + " for " + str(g.O) + " channels",
                    "the bias has one value per output channel");
   const Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
   std::vector<float> bias(static_cast<size_t>(g.O), 0.0f);
   if (b.defined()) {
     const Tensor bc = b.contiguous();
     convert(bc.data_ptr(), bc.dtype(), bias.data(), DType::f32, bias.size());
   }
+  if (use_direct_conv(g, partials)) return conv2d_direct(x, w, bias, g, out);
+  Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
   GemmOptions go;
   go.partials = partials;
   const int64_t chunk = g.chunk();
@@ -387,6 +511,7 @@ Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Sha
                               const Conv2dParams& p, DType out, Partials partials) {
   const ConvGeometry g(x_in.shape(), w_shape, p);
   const Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
+  if (use_direct_conv(g, partials)) return conv2d_direct_backward_weight(dy, x, w_shape, g, out);
   // dW_g (Og, CKK) = sum over images of dy_g (Og, L) x cols^T (L, CKK): a GEMM whose output is
   // small and whose depth is the whole batch. When the output is too small to split across
   // threads (the tutorial CNN's conv1: 5 x 9), threads take groups of images instead, each with

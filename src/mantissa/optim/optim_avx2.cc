@@ -29,7 +29,8 @@ __attribute__((target("avx2"))) void adam_avx2(float* __restrict p, const float*
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vj), bc2), eps);
     _mm256_storeu_ps(m + j, mj);
     _mm256_storeu_ps(v + j, vj);
-    _mm256_storeu_ps(p + j, _mm256_add_ps(param, _mm256_mul_ps(neg_step, _mm256_div_ps(mj, denom))));
+    _mm256_storeu_ps(p + j,
+                     _mm256_add_ps(param, _mm256_mul_ps(neg_step, _mm256_div_ps(mj, denom))));
   }
   for (; j < n; ++j) adam_element(p[j], g[j], m[j], v[j], s);
 }
