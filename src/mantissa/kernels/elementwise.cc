@@ -163,7 +163,7 @@ float apply_unary(UnaryOp op, float x) {
 }
 
 // d op(x) / dx, from x and y = op(x).
-float unary_derivative(UnaryOp op, float x, float y) {
+inline float unary_derivative(UnaryOp op, float x, float y) {
   switch (op) {
     case UnaryOp::kRelu:
       return y > 0.0f ? 1.0f : 0.0f;
@@ -306,7 +306,13 @@ Tensor unary(UnaryOp op, const Tensor& x, DType out, MemoryCategory cat) {
 namespace {
 template <UnaryOp kOp>
 void backward_loop(const float* g, const float* x, const float* y, float* dx, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dx[i] = g[i] * unary_derivative(kOp, x[i], y[i]);
+  if constexpr (kOp == UnaryOp::kRelu) {
+    // A selection, as PyTorch's threshold_backward: where the output is 0 the gradient is 0 even
+    // if the incoming one is inf or nan. A branch-free loop the compiler vectorizes.
+    for (int64_t i = 0; i < n; ++i) dx[i] = y[i] > 0.0f ? g[i] : 0.0f;
+  } else {
+    for (int64_t i = 0; i < n; ++i) dx[i] = g[i] * unary_derivative(kOp, x[i], y[i]);
+  }
 }
 void backward_apply(UnaryOp op, const float* g, const float* x, const float* y, float* dx,
                     int64_t n) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -182,6 +183,17 @@ Shape conv2d_output_shape(const Shape& x, const Shape& w, const Conv2dParams& p)
 
 namespace {
 
+// Elements of the im2col buffer per chunk of images (env MANTISSA_CONV_COLUMNS overrides, for
+// tuning): small enough that the columns are still in cache when the GEMM packs them.
+int64_t column_budget() {
+  static const int64_t v = [] {
+    if (const char* e = std::getenv("MANTISSA_CONV_COLUMNS"))
+      return std::max<int64_t>(std::atoll(e), 1024);
+    return int64_t{1} << 20;
+  }();
+  return v;
+}
+
 struct ConvGeometry {
   int64_t N, C, H, W, O, KH, KW, Ho, Wo, G, Cg, Og, CKK, HW;
   Conv2dParams p;
@@ -190,9 +202,9 @@ struct ConvGeometry {
     N = x[0], C = x[1], H = x[2], W = x[3], O = w[0], KH = w[2], KW = w[3], Ho = y[2], Wo = y[3];
     G = prm.groups, Cg = C / G, Og = O / G, CKK = Cg * KH * KW, HW = Ho * Wo;
   }
-  // Images per chunk: the column buffer (CKK x images*HW) stays within ~8M elements.
+  // Images per chunk: the column buffer (CKK x images*HW) stays within column_budget().
   int64_t chunk() const {
-    return std::clamp<int64_t>((int64_t{8} << 20) / std::max<int64_t>(CKK * HW, 1), 1, N);
+    return std::clamp<int64_t>(column_budget() / std::max<int64_t>(CKK * HW, 1), 1, N);
   }
 };
 
