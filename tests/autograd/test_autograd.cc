@@ -190,3 +190,22 @@ TEST(Ops, PartialsTypeReachesMatrixOps) {
 
 }  // namespace
 }  // namespace mantissa
+
+namespace mantissa {
+namespace {
+
+// ReLU's gradient is a selection, as PyTorch's threshold_backward: where the output is 0 the input
+// gradient is 0 even when the incoming gradient is inf or nan.
+TEST(Autograd, ReluGradientSelectsInsteadOfMultiplying) {
+  Tensor x = Tensor::from_floats({-1.0f, 0.0f, 2.0f}, {3});
+  x.set_requires_grad(true);
+  Tensor y = ops::relu(x);
+  autograd::backward(y, Tensor::from_floats({INFINITY, NAN, 3.0f}, {3}));
+  const std::vector<float> g = x.grad().to_float_vector();
+  EXPECT_EQ(g[0], 0.0f);
+  EXPECT_EQ(g[1], 0.0f);
+  EXPECT_EQ(g[2], 3.0f);
+}
+
+}  // namespace
+}  // namespace mantissa
