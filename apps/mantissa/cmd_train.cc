@@ -41,6 +41,7 @@ constexpr const char* kTrainUsage =
     "  --weight-decay X      (default: 0.01 for adamw, 0 for sgd and adam)\n"
     "  --momentum X          SGD momentum (default 0)   --nesterov   Nesterov momentum\n"
     "  --beta1 X --beta2 X --eps X   Adam/AdamW (defaults 0.9, 0.999, 1e-8)\n"
+    "  --no-bias-correction  Adam/AdamW without the 1 - beta^t bias corrections\n"
     "  --max-grad-norm X     clip gradients to this global 2-norm (default: no clipping)\n"
     "  --lr-schedule NAME    constant (default), step, cosine\n"
     "  --warmup-steps N      linear warm-up    --lr-step-size N --lr-gamma X  (step schedule)\n"
@@ -158,6 +159,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--beta1", dbl("--beta1", c.beta1)},
       {"--beta2", dbl("--beta2", c.beta2)},
       {"--eps", dbl("--eps", c.eps)},
+      {"--no-bias-correction", on(c.bias_correction, false)},
       {"--max-grad-norm", dbl("--max-grad-norm", c.max_grad_norm)},
       {"--lr-schedule", str(c.lr_schedule)},
       {"--warmup-steps", i64("--warmup-steps", c.warmup_steps, 0)},

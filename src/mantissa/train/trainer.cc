@@ -225,6 +225,7 @@ Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
     o.beta1 = config_.beta1;
     o.beta2 = config_.beta2;
     o.eps = config_.eps;
+    o.bias_correction = config_.bias_correction;
     o.weight_decay = wd;
     optimizer_ = std::make_unique<optim::Adam>(params, o, config_.optimizer == "adamw");
   }
@@ -438,6 +439,7 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
                  {"weight_decay", c.effective_weight_decay()},
                  {"momentum", c.momentum},
                  {"max_grad_norm", c.max_grad_norm},
+                 {"bias_correction", c.bias_correction},
                  {"seed", c.seed},
                  {"threads", c.threads > 0 ? c.threads : default_num_threads()},
                  {"init_from", c.init_from},

@@ -39,7 +39,8 @@ struct TrainConfig {
   double momentum = 0;
   bool nesterov = false;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-  double max_grad_norm = 0;  // 0: no clipping
+  bool bias_correction = true;  // Adam and AdamW
+  double max_grad_norm = 0;     // 0: no clipping
   std::string lr_schedule = "constant";
   int64_t warmup_steps = 0;
   int64_t lr_step_size = 1000;
