@@ -208,6 +208,15 @@ struct ConvGeometry {
   }
 };
 
+// The output columns [lo, hi) whose input column ow * stride - pad + k lies in [0, W).
+std::pair<int64_t, int64_t> valid_columns(int64_t Wo, int64_t W, int64_t stride, int64_t pad,
+                                          int64_t k) {
+  const int64_t lo = std::min(Wo, pad > k ? (pad - k + stride - 1) / stride : int64_t{0});
+  const int64_t last = W - 1 + pad - k;  // ow * stride <= last
+  const int64_t hi = last < 0 ? lo : std::clamp<int64_t>(last / stride + 1, lo, Wo);
+  return {lo, hi};
+}
+
 template <typename Word>
 void copy_strided(const char* in_row, int64_t off, int64_t stride, int64_t lo, int64_t hi,
                   char* out) {
@@ -270,29 +279,34 @@ void im2col(const Tensor& x, const ConvGeometry& g, int64_t grp, int64_t n0, int
 // W).
 void col2im(const float* dcols, const ConvGeometry& g, int64_t grp, int64_t nb, float* dx) {
   const int64_t L = nb * g.HW;
-  // Parallel over input channels: each writes its own planes.
-  parallel_for(static_cast<size_t>(g.Cg), 1,
-               g.CKK * L >= kParallelElements ? default_num_threads() : 1,
-               [&](size_t c0, size_t c1) {
-                 for (int64_t c = static_cast<int64_t>(c0); c < static_cast<int64_t>(c1); ++c)
-                   for (int64_t ki = 0; ki < g.KH; ++ki)
-                     for (int64_t kj = 0; kj < g.KW; ++kj) {
-                       const float* row = dcols + ((c * g.KH + ki) * g.KW + kj) * L;
-                       for (int64_t nl = 0; nl < nb; ++nl) {
-                         float* plane = dx + (nl * g.C + grp * g.Cg + c) * g.H * g.W;
-                         for (int64_t oh = 0; oh < g.Ho; ++oh) {
-                           const int64_t ih = oh * g.p.stride_h - g.p.pad_h + ki * g.p.dilation_h;
-                           if (ih < 0 || ih >= g.H) continue;
-                           const float* src = row + nl * g.HW + oh * g.Wo;
-                           float* dst = plane + ih * g.W;
-                           for (int64_t ow = 0; ow < g.Wo; ++ow) {
-                             const int64_t iw = ow * g.p.stride_w - g.p.pad_w + kj * g.p.dilation_w;
-                             if (iw >= 0 && iw < g.W) dst[iw] += src[ow];
-                           }
-                         }
-                       }
-                     }
-               });
+  // Parallel over (image, input channel) planes: each task writes its own plane, adding the taps
+  // in a fixed order, so the result does not depend on the thread count.
+  parallel_for(
+      static_cast<size_t>(g.Cg * nb), 1, g.CKK * L >= kParallelElements ? default_num_threads() : 1,
+      [&](size_t t0, size_t t1) {
+        for (size_t t = t0; t < t1; ++t) {
+          const int64_t c = static_cast<int64_t>(t) / nb, nl = static_cast<int64_t>(t) % nb;
+          float* plane = dx + (nl * g.C + grp * g.Cg + c) * g.H * g.W;
+          for (int64_t ki = 0; ki < g.KH; ++ki)
+            for (int64_t kj = 0; kj < g.KW; ++kj) {
+              const float* row = dcols + ((c * g.KH + ki) * g.KW + kj) * L + nl * g.HW;
+              const int64_t k = kj * g.p.dilation_w, sw = g.p.stride_w;
+              const auto [lo, hi] = valid_columns(g.Wo, g.W, sw, g.p.pad_w, k);
+              if (lo >= hi) continue;
+              for (int64_t oh = 0; oh < g.Ho; ++oh) {
+                const int64_t ih = oh * g.p.stride_h - g.p.pad_h + ki * g.p.dilation_h;
+                if (ih < 0 || ih >= g.H) continue;
+                const float* src = row + oh * g.Wo + lo;
+                float* dst = plane + ih * g.W + lo * sw - g.p.pad_w + k;
+                if (sw == 1) {
+                  detail::axpy_f32(dst, src, 1, 1.0f, hi - lo);  // dst += 1 * src: exact adds
+                } else {
+                  for (int64_t j = 0; j < hi - lo; ++j) dst[j * sw] += src[j];
+                }
+              }
+            }
+        }
+      });
 }
 
 // dy of group grp for images [n0, n0+nb) as a matrix (Og, nb*HW), in dy's dtype.
@@ -323,15 +337,6 @@ Tensor byte_workspace(int64_t elements, DType t) {
 bool use_direct_conv(const ConvGeometry& g, Partials partials) {
   return g.G == 1 && g.p.dilation_h == 1 && g.p.dilation_w == 1 && partials == Partials::kF32 &&
          g.CKK <= 32 && g.O * g.CKK <= 512;
-}
-
-// The output columns [lo, hi) whose input column ow * stride - pad + k lies in [0, W).
-std::pair<int64_t, int64_t> valid_columns(int64_t Wo, int64_t W, int64_t stride, int64_t pad,
-                                          int64_t k) {
-  const int64_t lo = std::min(Wo, pad > k ? (pad - k + stride - 1) / stride : int64_t{0});
-  const int64_t last = W - 1 + pad - k;  // ow * stride <= last
-  const int64_t hi = last < 0 ? lo : std::clamp<int64_t>(last / stride + 1, lo, Wo);
-  return {lo, hi};
 }
 
 // Calls fn(o, c, kh, kw, oh, ih, lo, n_cols, x_offset) for every tap and output row whose input
