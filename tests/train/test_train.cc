@@ -92,6 +92,25 @@ TEST(Trainer, ResumeContinuesBitExactly) {
   }
 }
 
+TEST(Trainer, ResultsDoNotDependOnTheThreadCount) {
+  for (const std::string model : {"tutorial-cnn", "resnet18"}) {
+    std::vector<float> first;
+    for (int threads : {1, 2, 3}) {
+      train::TrainConfig c = small(model);
+      if (model == "resnet18") c.image_size = 8, c.synthetic_size = 48;
+      c.epochs = 3;
+      c.max_steps = 8;
+      c.threads = threads;
+      const train::TrainResult r = train::Trainer(c).run();
+      if (first.empty())
+        first = r.step_losses;
+      else
+        EXPECT_EQ(r.step_losses, first) << model << " with " << threads << " threads";
+    }
+  }
+  set_num_threads(0);
+}
+
 TEST(Trainer, CheckpointsHoldPyTorchNamesAndOptimizerState) {
   train::TrainConfig c = small("resnet18");
   c.image_size = 8;

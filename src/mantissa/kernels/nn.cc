@@ -334,6 +334,9 @@ Tensor byte_workspace(int64_t elements, DType t) {
 // spend their time copying and packing; adding each tap's shifted input rows into an FP32 output
 // plane is several times faster. Used for groups 1, dilation 1 and FP32 partials; the tests run
 // both paths against the FP64 reference.
+// Image groups of a small weight gradient (see conv2d_backward_weight).
+constexpr int64_t kWeightGradParts = 4;
+
 bool use_direct_conv(const ConvGeometry& g, Partials partials) {
   return g.G == 1 && g.p.dilation_h == 1 && g.p.dilation_w == 1 && partials == Partials::kF32 &&
          g.CKK <= 32 && g.O * g.CKK <= 512;
@@ -531,19 +534,19 @@ Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Sha
   if (use_direct_conv(g, partials)) return conv2d_direct_backward_weight(dy, x, w_shape, g, out);
   // dW_g (Og, CKK) = sum over images of dy_g (Og, L) x cols^T (L, CKK): a GEMM whose output is
   // small and whose depth is the whole batch. When the output is too small to split across
-  // threads (the tutorial CNN's conv1: 5 x 9), threads take groups of images instead, each with
-  // its own FP32 accumulator, summed at the end.
-  const int threads = default_num_threads();
-  const int64_t parts =
-      (g.Og * g.CKK < 64 * 64 && threads > 1) ? std::min<int64_t>(threads, g.N) : 1;
+  // threads (the tutorial CNN's conv2: 12 x 125), the images are cut into a fixed number of
+  // parts, each with its own FP32 accumulator, summed in order at the end; the parts do not depend
+  // on the thread count, so neither do the results.
+  const int64_t parts = g.Og * g.CKK < 64 * 64 ? std::min<int64_t>(kWeightGradParts, g.N) : 1;
+  const int threads = static_cast<int>(std::min<int64_t>(default_num_threads(), parts));
   std::vector<Tensor> partial(static_cast<size_t>(parts));
-  parallel_for(static_cast<size_t>(parts), 1, static_cast<int>(parts), [&](size_t p0, size_t p1) {
+  parallel_for(static_cast<size_t>(parts), 1, threads, [&](size_t p0, size_t p1) {
     for (size_t part = p0; part < p1; ++part) {
       const int64_t i0 = g.N * static_cast<int64_t>(part) / parts,
                     i1 = g.N * static_cast<int64_t>(part + 1) / parts;
       GemmOptions go;
       go.partials = partials;
-      go.threads = parts > 1 ? 1 : 0;
+      go.threads = parts > 1 ? 1 : 0;  // the parts are the parallelism
       const int64_t chunk = g.chunk();
       Tensor cols = byte_workspace(g.CKK * chunk * g.HW, x.dtype());
       Tensor dyg = byte_workspace(g.Og * chunk * g.HW, dy.dtype());
