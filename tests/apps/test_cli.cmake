@@ -107,6 +107,8 @@ if(NOT nobc MATCHES "\"bias_correction\": false" OR NOT nobc MATCHES "\"optimize
   message(SEND_ERROR "FAILED train_no_bias_correction_metrics:\n${nobc}")
   math(EXPR failures "${failures} + 1")
 endif()
+# Output paths are checked before training: nothing printed, nothing trained.
+expect(train_bad_save_dir 2 "^$" "--save /nonexistent-dir/c.safetensors: directory /nonexistent-dir does not exist" train --model lenet5 ${TRAIN_SMALL} --save /nonexistent-dir/c.safetensors)
 file(READ ${WORK}/m.json metrics)
 if(NOT metrics MATCHES "\"step_losses\": \\[" OR NOT metrics MATCHES "\"peak_memory_bytes\"" OR NOT metrics MATCHES "\"test_accuracy\": 0\.")
   message(SEND_ERROR "FAILED train_metrics_json:\n${metrics}")

@@ -97,7 +97,7 @@ Loader::Loader(const Dataset& data, const LoaderConfig& config) : data_(data), c
   MANTISSA_CHECK(!config.drop_last || data.size() >= config.batch_size,
                  "dataset " + data.name + " has " + std::to_string(data.size()) +
                      " examples, fewer than one batch of " + std::to_string(config.batch_size),
-                 "lower --batch-size or raise --train-limit");
+                 "lower --batch-size, or use more examples (--train-limit, --synthetic-size)");
   MANTISSA_CHECK(config.transform.crop_padding >= 0, "crop padding must be non-negative", "");
   out_size_ = config.transform.image_size > 0 ? config.transform.image_size : data.height();
   MANTISSA_CHECK(config.transform.image_size > 0 || data.height() == data.width(),

@@ -158,6 +158,24 @@ class ProgressBar {
   Clock::time_point last_{};
 };
 
+// Output files are checked before training starts, so a run does not end in a write error.
+void check_output_path(const std::string& path, const char* flag) {
+  if (path.empty()) return;
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  std::error_code ec;
+  MANTISSA_CHECK(fs::is_directory(dir, ec),
+                 std::string(flag) + " " + path + ": directory " + dir.string() + " does not exist",
+                 "create the directory first, or choose another path");
+  MANTISSA_CHECK(
+      ::access(dir.c_str(), W_OK) == 0,
+      std::string(flag) + " " + path + ": directory " + dir.string() + " is not writable",
+      "choose a directory you can write to");
+  MANTISSA_CHECK(!fs::is_directory(p, ec), std::string(flag) + " " + path + " is a directory",
+                 "give a file name");
+}
+
 }  // namespace
 
 void validate(const TrainConfig& c) {
@@ -190,6 +208,8 @@ void validate(const TrainConfig& c) {
   MANTISSA_CHECK(c.max_grad_norm >= 0, "--max-grad-norm must not be negative", "");
   MANTISSA_CHECK(c.threads >= 0, "--threads must not be negative", "");
   MANTISSA_CHECK(c.synthetic_size > 0, "--synthetic-size must be positive", "");
+  check_output_path(c.save, "--save");
+  check_output_path(c.metrics_json, "--metrics-json");
   MANTISSA_CHECK(c.init_from.empty() || c.resume.empty(),
                  "--init-from and --resume cannot be used together",
                  "--resume restores the weights itself; use one of them");
