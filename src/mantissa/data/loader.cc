@@ -151,7 +151,8 @@ Batch Loader::make_batch(int64_t epoch, int64_t b) const {
   out.index = b;
   out.labels = Tensor::empty({B}, DType::i64, charged_to(MemoryCategory::input_data));
   out.images = Tensor::empty({B, C, S, S}, config_.dtype, charged_to(MemoryCategory::input_data));
-  const uint8_t* src = static_cast<const uint8_t*>(data_.images.contiguous().data_ptr());
+  const Tensor images = data_.images.contiguous();  // held: src must outlive a copy
+  const uint8_t* src = static_cast<const uint8_t*>(images.data_ptr());
   const int64_t* labels = data_.labels.data<int64_t>();
   std::vector<float> buf(static_cast<size_t>(C * S * S));
   const size_t elem = dtype_size(config_.dtype);
