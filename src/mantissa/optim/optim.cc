@@ -94,15 +94,15 @@ void Optimizer::zero_grad() {
   for (auto& p : params_) p.tensor->zero_grad();
 }
 
-Tensor& Optimizer::state(size_t i, size_t k, DType dtype) {
+Tensor& Optimizer::state(size_t i, size_t k) {
   auto& s = state_[i];
+  if (k < s.size() && s[k].defined()) return s[k];
+  const std::vector<std::string> names = state_names();
   // Sized once for every buffer, so references returned earlier stay valid.
-  if (s.size() < state_names().size()) s.resize(state_names().size());
-  if (!s[k].defined()) {
-    TensorOptions o = charged_to(MemoryCategory::optimizer_state);
-    o.owner = params_[i].name + "." + state_names()[k];
-    s[k] = Tensor::zeros(params_[i].tensor->shape(), dtype, o);
-  }
+  if (s.size() < names.size()) s.resize(names.size());
+  TensorOptions o = charged_to(MemoryCategory::optimizer_state);
+  o.owner = params_[i].name + "." + names[k];
+  s[k] = Tensor::zeros(params_[i].tensor->shape(), state_dtype(k), o);
   return s[k];
 }
 
@@ -177,7 +177,7 @@ void Sgd::update(size_t i, Tensor& p, const Tensor& g) {
   const float wd = static_cast<float>(o_.weight_decay), lr = static_cast<float>(lr_);
   const float mom = static_cast<float>(o_.momentum), damp = static_cast<float>(1 - o_.dampening);
   const bool use_mom = o_.momentum != 0, first = use_mom && !has_state(i, 0);
-  Tensor buf = use_mom ? state(i, 0, state_dtype(0)) : Tensor();
+  Tensor buf = use_mom ? state(i, 0) : Tensor();
   const bool nesterov = o_.nesterov;
   for_chunks(p.numel(), [&](int64_t b, int64_t n) {
     Staged ps(p, b, n), gs(g, b, n);
@@ -216,8 +216,8 @@ Adam::Adam(ParamList params, const AdamOptions& o, bool decoupled, StateTypes ty
 }
 
 void Adam::update(size_t i, Tensor& p, const Tensor& g) {
-  Tensor& m = state(i, 0, state_dtype(0));
-  Tensor& v = state(i, 1, state_dtype(1));
+  Tensor& m = state(i, 0);
+  Tensor& v = state(i, 1);
   const double t = static_cast<double>(steps_);
   const double bc1 = o_.bias_correction ? 1 - std::pow(o_.beta1, t) : 1.0;
   const double bc2 = o_.bias_correction ? 1 - std::pow(o_.beta2, t) : 1.0;

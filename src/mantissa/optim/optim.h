@@ -49,8 +49,8 @@ class Optimizer {
   // Updates parameter i (contiguous p and g) given its state buffers; called with steps_ already
   // incremented.
   virtual void update(size_t i, Tensor& p, const Tensor& g) = 0;
-  // The state buffer `k` of parameter i (created as zeros of `dtype` on first use).
-  Tensor& state(size_t i, size_t k, DType dtype);
+  // The state buffer `k` of parameter i (created as zeros of state_dtype(k) on first use).
+  Tensor& state(size_t i, size_t k);
   bool has_state(size_t i, size_t k) const;
   virtual std::vector<std::string> state_names() const = 0;
   virtual DType state_dtype(size_t k) const = 0;
