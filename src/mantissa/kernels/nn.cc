@@ -342,48 +342,43 @@ bool use_direct_conv(const ConvGeometry& g, Partials partials) {
          g.CKK <= 32 && g.O * g.CKK <= 512;
 }
 
-// Calls fn(o, c, kh, kw, oh, ih, lo, n_cols, x_offset) for every tap and output row whose input
-// row exists; x_offset is the input element (within the image's plane c) of output column lo.
+// Calls fn(oh, lo, n_cols, x_offset) for every output row of tap t = (c * KH + kh) * KW + kw whose
+// input row exists: output columns [lo, lo + n_cols) read the input from element x_offset of the
+// image (stepping by the stride).
 template <class Fn>
-void for_each_tap_row(const ConvGeometry& g, int64_t o, Fn&& fn) {
-  for (int64_t c = 0; c < g.C; ++c)
-    for (int64_t kh = 0; kh < g.KH; ++kh)
-      for (int64_t kw = 0; kw < g.KW; ++kw) {
-        const auto [lo, hi] = valid_columns(g.Wo, g.W, g.p.stride_w, g.p.pad_w, kw);
-        if (lo >= hi) continue;
-        for (int64_t oh = 0; oh < g.Ho; ++oh) {
-          const int64_t ih = oh * g.p.stride_h - g.p.pad_h + kh;
-          if (ih < 0 || ih >= g.H) continue;
-          fn(o, c, kh, kw, oh, lo, hi - lo,
-             (c * g.H + ih) * g.W + lo * g.p.stride_w - g.p.pad_w + kw);
-        }
-      }
+void for_each_tap_row(const ConvGeometry& g, int64_t t, Fn&& fn) {
+  const int64_t c = t / (g.KH * g.KW), kh = (t / g.KW) % g.KH, kw = t % g.KW;
+  const auto [lo, hi] = valid_columns(g.Wo, g.W, g.p.stride_w, g.p.pad_w, kw);
+  if (lo >= hi) return;
+  for (int64_t oh = 0; oh < g.Ho; ++oh) {
+    const int64_t ih = oh * g.p.stride_h - g.p.pad_h + kh;
+    if (ih < 0 || ih >= g.H) continue;
+    fn(oh, lo, hi - lo, (c * g.H + ih) * g.W + lo * g.p.stride_w - g.p.pad_w + kw);
+  }
 }
 
 Tensor conv2d_direct(const Tensor& x_in, const Tensor& w_in, const std::vector<float>& bias,
                      const ConvGeometry& g, DType out) {
   const Tensor x = x_in.to(DType::f32), w = w_in.to(DType::f32);
   const float* xd = x.data<float>();
-  const float* wd = w.data<float>();
+  const float* wd = w.data<float>();  // (O, CKK)
   Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
   const int64_t sw = g.p.stride_w, plane = g.C * g.H * g.W;
   parallel_for(static_cast<size_t>(g.N * g.O), 1,
                g.N * g.O * g.HW * g.CKK >= kParallelElements ? default_num_threads() : 1,
                [&](size_t p0, size_t p1) {
-                 std::vector<float> acc(static_cast<size_t>(g.HW));
+                 std::vector<float> acc(static_cast<size_t>(g.HW));  // (Ho, Wo)
                  for (size_t pl = p0; pl < p1; ++pl) {
                    const int64_t n = static_cast<int64_t>(pl) / g.O,
                                  o = static_cast<int64_t>(pl) % g.O;
                    std::fill(acc.begin(), acc.end(), bias[static_cast<size_t>(o)]);
                    const float* xn = xd + n * plane;
-                   for_each_tap_row(g, o,
-                                    [&](int64_t, int64_t c, int64_t kh, int64_t kw, int64_t oh,
-                                        int64_t lo, int64_t cols, int64_t xo) {
-                                      const float wv = wd[((o * g.C + c) * g.KH + kh) * g.KW + kw];
-                                      float* a = acc.data() + oh * g.Wo + lo;
-                                      const float* xr = xn + xo;
-                                      detail::axpy_f32(a, xr, sw, wv, cols);
-                                    });
+                   for (int64_t t = 0; t < g.CKK; ++t) {
+                     const float wv = wd[o * g.CKK + t];
+                     for_each_tap_row(g, t, [&](int64_t oh, int64_t lo, int64_t cols, int64_t xo) {
+                       detail::axpy_f32(acc.data() + oh * g.Wo + lo, xn + xo, sw, wv, cols);
+                     });
+                   }
                    store_f32(acc.data(), g.HW,
                              bytes(y) + static_cast<int64_t>(pl) * g.HW * esize(out), out, 1);
                  }
@@ -400,42 +395,29 @@ Tensor conv2d_direct_backward_weight(const Tensor& dy_in, const Tensor& x_in, co
   const float* xd = x.data<float>();
   const float* dyd = dy.data<float>();
   const int64_t taps = g.O * g.CKK, sw = g.p.stride_w, plane = g.C * g.H * g.W;
-  std::vector<float> per_image(static_cast<size_t>(g.N * taps), 0.0f);
-  parallel_for(static_cast<size_t>(g.N), 1,
-               g.N * g.HW * taps >= kParallelElements ? default_num_threads() : 1,
-               [&](size_t n0, size_t n1) {
-                 std::vector<float> lanes(static_cast<size_t>(g.Wo));
-                 for (size_t n = n0; n < n1; ++n) {
-                   const float* xn = xd + static_cast<int64_t>(n) * plane;
-                   float* dw = per_image.data() + static_cast<int64_t>(n) * taps;
-                   for (int64_t o = 0; o < g.O; ++o) {
-                     const float* dyo = dyd + (static_cast<int64_t>(n) * g.O + o) * g.HW;
-                     // Taps in (c, kh, kw) order; for_each_tap_row visits each tap's rows together.
-                     int64_t current = -1;
-                     auto flush = [&]() {
-                       if (current < 0) return;
-                       float s = 0;
-                       for (float v : lanes) s += v;
-                       dw[o * g.CKK + current] = s;
-                     };
-                     for_each_tap_row(g, o,
-                                      [&](int64_t, int64_t c, int64_t kh, int64_t kw, int64_t oh,
-                                          int64_t lo, int64_t cols, int64_t xo) {
-                                        const int64_t tap = (c * g.KH + kh) * g.KW + kw;
-                                        if (tap != current) {
-                                          flush();
-                                          current = tap;
-                                          std::fill(lanes.begin(), lanes.end(), 0.0f);
-                                        }
-                                        const float* d = dyo + oh * g.Wo + lo;
-                                        const float* xr = xn + xo;
-                                        float* l = lanes.data();
-                                        detail::mul_acc_f32(l, d, xr, sw, cols);
-                                      });
-                     flush();
-                   }
-                 }
-               });
+  std::vector<float> per_image(static_cast<size_t>(g.N * taps), 0.0f);  // (N, O, CKK)
+  parallel_for(
+      static_cast<size_t>(g.N), 1,
+      g.N * g.HW * taps >= kParallelElements ? default_num_threads() : 1,
+      [&](size_t n0, size_t n1) {
+        std::vector<float> lanes(static_cast<size_t>(g.Wo));
+        for (size_t n = n0; n < n1; ++n) {
+          const float* xn = xd + static_cast<int64_t>(n) * plane;
+          float* dw = per_image.data() + static_cast<int64_t>(n) * taps;
+          for (int64_t o = 0; o < g.O; ++o) {
+            const float* dyo = dyd + (static_cast<int64_t>(n) * g.O + o) * g.HW;
+            for (int64_t t = 0; t < g.CKK; ++t) {
+              std::fill(lanes.begin(), lanes.end(), 0.0f);
+              for_each_tap_row(g, t, [&](int64_t oh, int64_t lo, int64_t cols, int64_t xo) {
+                detail::mul_acc_f32(lanes.data(), dyo + oh * g.Wo + lo, xn + xo, sw, cols);
+              });
+              float s = 0;
+              for (float v : lanes) s += v;
+              dw[o * g.CKK + t] = s;
+            }
+          }
+        }
+      });
   std::vector<float> total(static_cast<size_t>(taps), 0.0f);
   for (int64_t n = 0; n < g.N; ++n)
     for (int64_t i = 0; i < taps; ++i)
