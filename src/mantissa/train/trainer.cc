@@ -122,6 +122,38 @@ nn::ModelConfig model_config_from(const io::SafetensorsFile& f, const std::strin
   return mc;
 }
 
+// Accuracy and mean loss of `m` on the test split that `c` names (first test_limit examples),
+// in evaluation mode, without recording; the model's mode is restored afterwards. `source` names
+// the weights in the error for a dataset of another channel count.
+EvalResult evaluate_split(nn::Classifier& m, const TrainConfig& c,
+                          const std::string& source = "the model") {
+  data::Dataset test = load_split(c, false);
+  MANTISSA_CHECK(test.channels() == m.config().in_channels,
+                 "dataset " + test.name + " has " + std::to_string(test.channels()) +
+                     " channels but " + source + " expects " +
+                     std::to_string(m.config().in_channels),
+                 "evaluate on the dataset the model was trained on");
+  data::Loader loader(test, loader_config(c, false, test.channels()));
+  autograd::NoGradGuard no_grad;
+  const bool was_training = m.is_training();
+  m.eval();
+  EvalResult r;
+  r.model = c.model;
+  double loss_sum = 0;
+  int64_t correct = 0;
+  loader.start(0);
+  while (auto batch = loader.next()) {
+    Tensor out = m.forward(batch->images);
+    loss_sum += m.loss(out, batch->labels).item() * static_cast<double>(batch->labels.size(0));
+    correct += count_correct(out, batch->labels);
+    r.examples += batch->labels.size(0);
+  }
+  m.train(was_training);
+  r.accuracy = r.examples > 0 ? static_cast<double>(correct) / static_cast<double>(r.examples) : 0;
+  r.loss = r.examples > 0 ? loss_sum / static_cast<double>(r.examples) : 0;
+  return r;
+}
+
 class ProgressBar {
  public:
   ProgressBar(std::ostream* os, bool enabled) : os_(os), enabled_(enabled && os != nullptr) {
@@ -424,19 +456,9 @@ TrainResult Trainer::run() {
 }
 
 double Trainer::evaluate(int64_t* examples) {
-  data::Dataset test = load_split(config_, false);
-  data::Loader loader(test, loader_config(config_, false, test.channels()));
-  autograd::NoGradGuard no_grad;
-  model_->eval();
-  int64_t correct = 0, seen = 0;
-  loader.start(0);
-  while (auto batch = loader.next()) {
-    correct += count_correct(model_->forward(batch->images), batch->labels);
-    seen += batch->labels.size(0);
-  }
-  model_->train();
-  if (examples) *examples = seen;
-  return seen > 0 ? static_cast<double>(correct) / static_cast<double>(seen) : 0;
+  const EvalResult r = evaluate_split(*model_, config_);
+  if (examples) *examples = r.examples;
+  return r.accuracy;
 }
 
 std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
@@ -531,28 +553,7 @@ EvalResult evaluate_checkpoint(const std::string& path, const std::string& datas
   // The synthetic dataset is made from the run's seed and size.
   if (f.metadata.count("seed")) c.seed = static_cast<uint64_t>(meta_int(f, "seed", path));
   if (f.metadata.count("synthetic_size")) c.synthetic_size = meta_int(f, "synthetic_size", path);
-  data::Dataset test = load_split(c, false);
-  MANTISSA_CHECK(test.channels() == mc.in_channels,
-                 "dataset " + test.name + " has " + std::to_string(test.channels()) +
-                     " channels but " + path + " expects " + std::to_string(mc.in_channels),
-                 "evaluate on the dataset the model was trained on");
-  data::Loader loader(test, loader_config(c, false, test.channels()));
-  autograd::NoGradGuard no_grad;
-  m->eval();
-  EvalResult r;
-  r.model = model;
-  double loss_sum = 0;
-  int64_t correct = 0;
-  loader.start(0);
-  while (auto batch = loader.next()) {
-    Tensor out = m->forward(batch->images);
-    loss_sum += m->loss(out, batch->labels).item() * static_cast<double>(batch->labels.size(0));
-    correct += count_correct(out, batch->labels);
-    r.examples += batch->labels.size(0);
-  }
-  r.accuracy = r.examples > 0 ? static_cast<double>(correct) / static_cast<double>(r.examples) : 0;
-  r.loss = r.examples > 0 ? loss_sum / static_cast<double>(r.examples) : 0;
-  return r;
+  return evaluate_split(*m, c, path);
 }
 
 }  // namespace mantissa::train
