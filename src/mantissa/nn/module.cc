@@ -162,22 +162,21 @@ std::string Module::summary() {
   char line[256];
   std::snprintf(line, sizeof line, "%-40s %-22s %-6s %12s\n", "name", "shape", "dtype", "elements");
   os << line;
+  auto row = [&](const NamedTensor& t, const char* suffix) {
+    std::snprintf(line, sizeof line, "%-40s %-22s %-6s %12lld%s\n", t.name.c_str(),
+                  shape_str(t.tensor->shape()).c_str(),
+                  std::string(dtype_name(t.tensor->dtype())).c_str(),
+                  static_cast<long long>(t.tensor->numel()), suffix);
+    os << line;
+  };
   int64_t total = 0, trainable_bytes = 0, buffers = 0;
   for (auto& p : named_parameters()) {
-    std::snprintf(line, sizeof line, "%-40s %-22s %-6s %12lld\n", p.name.c_str(),
-                  shape_str(p.tensor->shape()).c_str(),
-                  std::string(dtype_name(p.tensor->dtype())).c_str(),
-                  static_cast<long long>(p.tensor->numel()));
-    os << line;
+    row(p, "");
     total += p.tensor->numel();
     trainable_bytes += static_cast<int64_t>(p.tensor->nbytes());
   }
   for (auto& b : named_buffers()) {
-    std::snprintf(line, sizeof line, "%-40s %-22s %-6s %12lld  (buffer)\n", b.name.c_str(),
-                  shape_str(b.tensor->shape()).c_str(),
-                  std::string(dtype_name(b.tensor->dtype())).c_str(),
-                  static_cast<long long>(b.tensor->numel()));
-    os << line;
+    row(b, "  (buffer)");
     buffers += b.tensor->numel();
   }
   os << "parameters: " << total << " (" << format_bytes(static_cast<size_t>(trainable_bytes))
