@@ -21,6 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_models import BasicBlock, TutorialCnn  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT_DIR = os.path.join(HERE, "..", "tests", "golden")
 
@@ -159,43 +162,6 @@ def batch_norm_train(dtype, out):
                 f"{tag}/running_mean": rm, f"{tag}/running_var": rv})
 
 
-class TutorialCNN(nn.Module):
-    """The PopTorch half-precision tutorial's model (log-softmax over the class dimension)."""
-
-    def __init__(self, image=20):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 5, 3)
-        self.conv2 = nn.Conv2d(5, 12, 5)
-        self.norm = nn.GroupNorm(3, 12)
-        side = ((image - 2) // 2) - 4
-        self.fc1 = nn.Linear(12 * side * side, 100)
-        self.fc2 = nn.Linear(100, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = self.norm(F.relu(self.conv2(x)))
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        return F.log_softmax(self.fc2(x), dim=1)
-
-
-class BasicBlock(nn.Module):
-    """torchvision's ResNet BasicBlock with a downsampling shortcut."""
-
-    def __init__(self, cin=8, cout=16, stride=2):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + self.downsample(x))
-
-
 def network(name, model, x, loss_fn, dtype, out, skipped):
     tag = f"{name}/{'f32' if dtype == torch.float32 else 'bf16'}"
     model = model.to(dtype) if dtype != torch.float32 else model
@@ -240,13 +206,13 @@ def main():
     nets, skipped_nets = {}, []
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(1)
-        cnn = TutorialCNN(20)
+        cnn = TutorialCnn(20)
         x = torch.rand(2, 1, 20, 20) * 2 - 1
         labels = torch.tensor([3, 7])
         nets[f"tutorial_cnn/{'f32' if dtype == torch.float32 else 'bf16'}/target"] = labels
         network("tutorial_cnn", cnn, x, lambda y: F.nll_loss(y.float(), labels), dtype, nets, skipped_nets)
         torch.manual_seed(2)
-        block = BasicBlock()
+        block = BasicBlock(8, 16, 2)
         x = torch.randn(2, 8, 6, 6)
         r = torch.randn(2, 16, 3, 3)
         nets[f"resnet_block/{'f32' if dtype == torch.float32 else 'bf16'}/R"] = r

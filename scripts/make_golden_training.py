@@ -22,11 +22,11 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_golden import OUT_DIR, save  # noqa: E402
+from torch_models import TutorialCnn  # noqa: E402
 
 PHI = 0.6180339887498949
 PLASTIC = 0.3247179572447460
@@ -98,30 +98,6 @@ def schedule_cases(out):
         out[f"sched/{name}"] = torch.tensor(lrs, dtype=torch.float64).float()
 
 
-class TutorialCnn(nn.Module):
-    """The seed's model, with log-softmax over the classes (dim=1)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 5, 3)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(5, 12, 5)
-        self.norm = nn.GroupNorm(3, 12)
-        self.fc1 = nn.Linear(41772, 100)
-        self.relu = nn.ReLU()
-        self.fc2 = nn.Linear(100, 10)
-        self.log_softmax = nn.LogSoftmax(dim=1)
-        self.loss = nn.NLLLoss()
-
-    def forward(self, x, labels):
-        x = self.pool(self.relu(self.conv1(x)))
-        x = self.norm(self.relu(self.conv2(x)))
-        x = torch.flatten(x, start_dim=1)
-        x = self.relu(self.fc1(x))
-        x = self.log_softmax(self.fc2(x))
-        return self.loss(x, labels)
-
-
 def read_idx(path):
     with gzip.open(path, "rb") as f:
         data = f.read()
@@ -154,7 +130,7 @@ def cnn_case(out, steps=20, batch=12):
         x = x.sub(0.5).div(0.5)
         y = torch.from_numpy(labels[s * batch:(s + 1) * batch])
         opt.zero_grad()
-        loss = model(x, y)
+        loss = F.nll_loss(model(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
