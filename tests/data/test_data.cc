@@ -1,8 +1,6 @@
 // Datasets and the loader: IDX and CIFAR-10 readers (and their errors), the synthetic dataset,
 // the transforms against PyTorch's F.interpolate, shuffling, batching, prefetching and resuming.
 #include <gtest/gtest.h>
-#include <unistd.h>
-#include <zlib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -14,51 +12,18 @@
 #include "mantissa/mantissa.h"
 #include "support/compare.h"
 #include "support/errors.h"
-
-#ifndef MANTISSA_GOLDEN_DIR
-#error "MANTISSA_GOLDEN_DIR must name tests/golden"
-#endif
+#include "support/files.h"
+#include "support/golden.h"
 
 namespace mantissa {
 namespace {
 
 namespace fs = std::filesystem;
 using testing::error_of;
-
-class TempDir {
- public:
-  TempDir()
-      : path_(fs::temp_directory_path() /
-              (std::string("mantissa_data_") + std::to_string(::getpid()) + "_" +
-               std::to_string(counter_++))) {
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-  static inline int counter_ = 0;
-};
-
-std::string idx_bytes(const std::vector<uint32_t>& shape, const std::vector<uint8_t>& data,
-                      uint8_t type = 8) {
-  std::string b = {0, 0, static_cast<char>(type), static_cast<char>(shape.size())};
-  for (uint32_t s : shape)
-    for (int k = 3; k >= 0; --k) b.push_back(static_cast<char>((s >> (8 * k)) & 0xff));
-  b.append(data.begin(), data.end());
-  return b;
-}
-
-void write_raw(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
-
-void write_gz(const std::string& path, const std::string& bytes) {
-  gzFile f = gzopen(path.c_str(), "wb");
-  gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size()));
-  gzclose(f);
-}
+using testing::idx_bytes;
+using testing::TempDir;
+using testing::write_gz;
+using testing::write_raw;
 
 std::vector<uint8_t> iota_bytes(size_t n) {
   std::vector<uint8_t> v(n);
@@ -176,8 +141,7 @@ TEST(Synthetic, IsReproducibleBalancedAndSplit) {
 }
 
 TEST(Transform, BilinearResizeMatchesPyTorchInterpolate) {
-  const io::SafetensorsFile g =
-      io::load_safetensors(std::string(MANTISSA_GOLDEN_DIR) + "/training.safetensors");
+  const io::SafetensorsFile& g = testing::golden_file("training.safetensors");
   const Tensor& in = g.at("resize/in");     // u8 (3, 5, 7)
   const Tensor& want = g.at("resize/out");  // F.interpolate(in / 255, (11, 11)), normalized by 0.5
   data::Transform t;

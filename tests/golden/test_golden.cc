@@ -15,23 +15,13 @@
 #include "mantissa/mantissa.h"
 #include "mantissa/ops/ops.h"
 #include "support/compare.h"
+#include "support/golden.h"
 #include "support/tolerances.h"
-
-#ifndef MANTISSA_GOLDEN_DIR
-#error "MANTISSA_GOLDEN_DIR must name tests/golden"
-#endif
 
 namespace mantissa {
 namespace {
 
-const io::SafetensorsFile& golden(const std::string& file) {
-  static std::map<std::string, io::SafetensorsFile> cache;
-  auto it = cache.find(file);
-  if (it == cache.end())
-    it = cache.emplace(file, io::load_safetensors(std::string(MANTISSA_GOLDEN_DIR) + "/" + file))
-             .first;
-  return it->second;
-}
+using testing::golden_file;
 
 // Fails naming the tensor, the worst element, its index and both values.
 void expect_matches(const std::string& what, const Tensor& got, const Tensor& want, double rtol,
@@ -117,7 +107,7 @@ class GoldenOp : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenOp, MatchesPyTorch) {
   const std::string name = GetParam();
-  const io::SafetensorsFile& f = golden("ops.safetensors");
+  const io::SafetensorsFile& f = golden_file("ops.safetensors");
   const OpFn fn = op_cases().at(name);
   int dtypes_run = 0;
   for (const char* dt : {"f32", "bf16"}) {
@@ -159,7 +149,7 @@ INSTANTIATE_TEST_SUITE_P(PyTorch, GoldenOp, ::testing::ValuesIn(op_names()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 TEST(Golden, BatchNormTrainingAndRunningStatistics) {
-  const io::SafetensorsFile& f = golden("ops.safetensors");
+  const io::SafetensorsFile& f = golden_file("ops.safetensors");
   const std::string tag = "batch_norm_train/f32/";
   Tensor x = f.at(tag + "in0").clone(), w = f.at(tag + "in1").clone(),
          b = f.at(tag + "in2").clone();
@@ -219,7 +209,7 @@ std::pair<Tensor, Tensor> tutorial_cnn(Params& P, const Tensor& x, const Tensor&
 }
 
 TEST(Golden, TutorialCnnFp32MatchesPyTorch) {
-  const io::SafetensorsFile& f = golden("networks.safetensors");
+  const io::SafetensorsFile& f = golden_file("networks.safetensors");
   const std::string tag = "tutorial_cnn/f32/";
   Params P(f, tag);
   Tensor x = f.at(tag + "input").clone();
@@ -235,7 +225,7 @@ TEST(Golden, TutorialCnnFp32MatchesPyTorch) {
 // the BF16 parameters and input is their FP32 computation (Mantissa's FP32 path, checked against
 // PyTorch above). Mantissa's BF16 must be at least about as accurate as PyTorch's.
 TEST(Golden, TutorialCnnBf16IsAsAccurateAsPyTorch) {
-  const io::SafetensorsFile& f = golden("networks.safetensors");
+  const io::SafetensorsFile& f = golden_file("networks.safetensors");
   const std::string tag = "tutorial_cnn/bf16/";
   ASSERT_TRUE(f.contains(tag + "out"));
   const Tensor target = f.at(tag + "target");
@@ -263,7 +253,7 @@ TEST(Golden, TutorialCnnBf16IsAsAccurateAsPyTorch) {
 }
 
 TEST(Golden, ResNetBasicBlockForwardAndBackward) {
-  const io::SafetensorsFile& f = golden("networks.safetensors");
+  const io::SafetensorsFile& f = golden_file("networks.safetensors");
   int run = 0;
   for (const char* dt : {"f32", "bf16"}) {
     const std::string tag = std::string("resnet_block/") + dt + "/";

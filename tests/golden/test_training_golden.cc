@@ -1,8 +1,6 @@
 // Optimizers, schedules and the first 20 training steps of the tutorial CNN against PyTorch 1.13
 // (tests/golden/training.safetensors, from scripts/make_golden_training.py).
 #include <gtest/gtest.h>
-#include <unistd.h>
-#include <zlib.h>
 
 #include <cmath>
 #include <filesystem>
@@ -15,21 +13,15 @@
 #include "mantissa/kernels/reference.h"
 #include "mantissa/mantissa.h"
 #include "support/compare.h"
-
-#ifndef MANTISSA_GOLDEN_DIR
-#error "MANTISSA_GOLDEN_DIR must name tests/golden"
-#endif
+#include "support/files.h"
+#include "support/golden.h"
 
 namespace mantissa {
 namespace {
 
 namespace fs = std::filesystem;
 
-const io::SafetensorsFile& golden() {
-  static const io::SafetensorsFile f =
-      io::load_safetensors(std::string(MANTISSA_GOLDEN_DIR) + "/training.safetensors");
-  return f;
-}
+const io::SafetensorsFile& golden() { return testing::golden_file("training.safetensors"); }
 
 std::vector<double> values(const Tensor& t) { return reference::from_tensor(t).v; }
 
@@ -166,24 +158,17 @@ Tensor formula(int k, const Shape& shape, double bound) {
   return t;
 }
 
+// An IDX file (gzip) holding a u8 tensor, as the Fashion-MNIST package ships them.
 void write_idx_gz(const std::string& path, const Tensor& data) {
-  std::string bytes = {0, 0, 8, static_cast<char>(data.dim())};
-  for (int64_t d = 0; d < data.dim(); ++d) {
-    const uint32_t s = static_cast<uint32_t>(data.size(d));
-    for (int b = 3; b >= 0; --b) bytes.push_back(static_cast<char>((s >> (8 * b)) & 0xff));
-  }
-  bytes.append(static_cast<const char*>(data.data_ptr()), data.nbytes());
-  gzFile f = gzopen(path.c_str(), "wb");
-  ASSERT_NE(f, nullptr);
-  ASSERT_EQ(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())),
-            static_cast<int>(bytes.size()));
-  gzclose(f);
+  std::vector<uint32_t> shape;
+  for (int64_t d : data.shape()) shape.push_back(static_cast<uint32_t>(d));
+  ASSERT_TRUE(testing::write_gz(path, testing::idx_bytes(shape, data.data_ptr(), data.nbytes())))
+      << path;
 }
 
 TEST(TrainingGolden, TutorialCnnFirst20LossesMatchPyTorch) {
-  const fs::path dir = fs::temp_directory_path() /
-                       (std::string("mantissa_golden_cnn_") + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const testing::TempDir tmp;
+  const fs::path dir = tmp.path();
   // The 240 images as an IDX pair, read back through the dataset reader.
   Tensor labels_u8 = Tensor::empty({240}, DType::u8);
   const Tensor& labels = golden().at("cnn/labels");
@@ -213,7 +198,6 @@ TEST(TrainingGolden, TutorialCnnFirst20LossesMatchPyTorch) {
   c.progress = false;
   train::Trainer trainer(c);
   const train::TrainResult r = trainer.run();
-  fs::remove_all(dir);
 
   const std::vector<double> want = values(golden().at("cnn/losses"));
   ASSERT_EQ(r.step_losses.size(), want.size());

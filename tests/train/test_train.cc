@@ -12,18 +12,13 @@
 #include "mantissa/io/safetensors.h"
 #include "mantissa/mantissa.h"
 #include "support/errors.h"
+#include "support/files.h"
 
 namespace mantissa {
 namespace {
 
 namespace fs = std::filesystem;
 using testing::error_of;
-
-std::string temp(const std::string& name) {
-  return (fs::temp_directory_path() /
-          (std::string("mantissa_train_") + std::to_string(::getpid()) + "_" + name))
-      .string();
-}
 
 train::TrainConfig small(const std::string& model = "lenet5") {
   train::TrainConfig c;
@@ -63,6 +58,7 @@ TEST(Trainer, LearnsTheSyntheticDataset) {
 
 TEST(Trainer, ResumeContinuesBitExactly) {
   for (const std::string opt : {"adamw", "sgd"}) {
+    const testing::TempDir dir;
     train::TrainConfig c = small("tutorial-cnn");
     c.optimizer = opt;
     if (opt == "sgd") c.momentum = 0.9, c.lr = 0.01;
@@ -72,23 +68,22 @@ TEST(Trainer, ResumeContinuesBitExactly) {
     // 16 batches per epoch: the resume point (step 11) is mid-epoch and the run crosses an epoch.
     c.epochs = 2;
     c.max_steps = 20;
-    c.save = temp("straight.safetensors");
+    c.save = dir.file("straight.safetensors");
     const train::TrainResult straight = train::Trainer(c).run();
 
     c.max_steps = 11;
-    c.save = temp("first.safetensors");
+    c.save = dir.file("first.safetensors");
     train::Trainer(c).run();
     c.max_steps = 20;
-    c.resume = temp("first.safetensors");
-    c.save = temp("resumed.safetensors");
+    c.resume = dir.file("first.safetensors");
+    c.save = dir.file("resumed.safetensors");
     const train::TrainResult resumed = train::Trainer(c).run();
 
     EXPECT_EQ(resumed.step_losses, straight.step_losses) << opt;
     EXPECT_EQ(resumed.steps, 20);
-    EXPECT_EQ(all_values(temp("resumed.safetensors")), all_values(temp("straight.safetensors")))
+    EXPECT_EQ(all_values(dir.file("resumed.safetensors")),
+              all_values(dir.file("straight.safetensors")))
         << opt;
-    for (auto f : {"straight", "first", "resumed"})
-      fs::remove(temp(std::string(f) + ".safetensors"));
   }
 }
 
@@ -112,11 +107,12 @@ TEST(Trainer, ResultsDoNotDependOnTheThreadCount) {
 }
 
 TEST(Trainer, CheckpointsHoldPyTorchNamesAndOptimizerState) {
+  const testing::TempDir dir;
   train::TrainConfig c = small("resnet18");
   c.image_size = 8;
   c.synthetic_size = 32;
   c.max_steps = 1;
-  c.save = temp("r18.safetensors");
+  c.save = dir.file("r18.safetensors");
   train::Trainer(c).run();
   const io::SafetensorsFile f = io::load_safetensors(c.save);
   EXPECT_TRUE(f.contains("layer1.0.conv1.weight"));
@@ -147,12 +143,12 @@ TEST(Trainer, CheckpointsHoldPyTorchNamesAndOptimizerState) {
   bigger.resume = c.save;
   bigger.image_size = 16;
   EXPECT_NE(error_of([&] { train::Trainer t(bigger); }).find("--image-size"), std::string::npos);
-  fs::remove(c.save);
 }
 
 TEST(Trainer, InitFromRejectsWrongShapesAndLoadsPyTorchNames) {
+  const testing::TempDir dir;
   train::TrainConfig c = small();
-  const std::string path = temp("init.safetensors");
+  const std::string path = dir.file("init.safetensors");
   nn::ModelConfig mc;
   mc.image_size = 16;
   mc.seed = 42;
@@ -167,15 +163,15 @@ TEST(Trainer, InitFromRejectsWrongShapesAndLoadsPyTorchNames) {
   EXPECT_NE(e.find("'fc1.weight' has shape (120, 16) but the model's is (120, 64)"),
             std::string::npos)
       << e;
-  fs::remove(path);
 }
 
 TEST(Trainer, MetricsJsonHasEveryField) {
+  const testing::TempDir dir;
   train::TrainConfig c = small();
   c.max_steps = 3;
   c.evaluate = true;
   c.test_limit = 20;
-  c.metrics_json = temp("metrics.json");
+  c.metrics_json = dir.file("metrics.json");
   train::Trainer(c).run();
   std::ifstream in(c.metrics_json);
   const nlohmann::json j = nlohmann::json::parse(in);
@@ -192,7 +188,6 @@ TEST(Trainer, MetricsJsonHasEveryField) {
     EXPECT_TRUE(j["peak_memory_bytes"][k].is_number()) << k;
   EXPECT_GT(j["peak_memory_bytes"]["optimizer_state"].get<double>(), 0);
   EXPECT_FALSE(fs::exists(c.metrics_json + ".tmp." + std::to_string(::getpid())));
-  fs::remove(c.metrics_json);
   c.metrics_json = "/nonexistent-dir/m.json";
   EXPECT_NE(
       error_of([&] { train::Trainer(c).run(); }).find("directory /nonexistent-dir does not exist"),
@@ -217,8 +212,9 @@ TEST(Trainer, BadSettingsAreExplained) {
         c.resume = "b";
       },
       "cannot be used together");
+  const testing::TempDir dir;
   train::TrainConfig c = small();
-  c.resume = temp("absent.safetensors");
+  c.resume = dir.file("absent.safetensors");
   EXPECT_NE(error_of([&] { train::Trainer t(c); }), "");
 }
 
