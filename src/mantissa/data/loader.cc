@@ -46,27 +46,28 @@ void transform_image(const uint8_t* src, int64_t C, int64_t H, int64_t W, const 
                  "give one mean per channel, or one for all");
   MANTISSA_CHECK(t.std.size() == t.mean.size(), "normalization needs as many std values as means",
                  "");
+  // The source in [0, 1] (C, H, W), each pixel divided once.
+  std::vector<float> unit(static_cast<size_t>(C * H * W));
+  for (int64_t i = 0; i < C * H * W; ++i) unit[static_cast<size_t>(i)] = src[i] / 255.0f;
   // Resized image in [0, 1] (C, S, SW).
-  std::vector<float> img(static_cast<size_t>(C * S * SW));
-  if (S == H && SW == W) {
-    for (int64_t i = 0; i < C * H * W; ++i) img[static_cast<size_t>(i)] = src[i] / 255.0f;
-  } else {
+  std::vector<float> resized;
+  if (S != H || SW != W) {
+    resized.resize(static_cast<size_t>(C * S * SW));
     const Taps th = bilinear_taps(H, S), tw = bilinear_taps(W, SW);
     for (int64_t c = 0; c < C; ++c)
       for (int64_t y = 0; y < S; ++y) {
-        const uint8_t* r0 = src + (c * H + th.i0[static_cast<size_t>(y)]) * W;
-        const uint8_t* r1 = r0 + th.step[static_cast<size_t>(y)] * W;
+        const float* r0 = unit.data() + (c * H + th.i0[static_cast<size_t>(y)]) * W;
+        const float* r1 = r0 + th.step[static_cast<size_t>(y)] * W;
         const float h1 = th.lambda[static_cast<size_t>(y)], h0 = 1.0f - h1;
         for (int64_t x = 0; x < SW; ++x) {
           const int64_t x0 = tw.i0[static_cast<size_t>(x)], xs = tw.step[static_cast<size_t>(x)];
           const float w1 = tw.lambda[static_cast<size_t>(x)], w0 = 1.0f - w1;
-          const float a = r0[x0] / 255.0f, b = r0[x0 + xs] / 255.0f;
-          const float cc = r1[x0] / 255.0f, d = r1[x0 + xs] / 255.0f;
-          img[static_cast<size_t>((c * S + y) * SW + x)] =
-              h0 * (w0 * a + w1 * b) + h1 * (w0 * cc + w1 * d);
+          resized[static_cast<size_t>((c * S + y) * SW + x)] =
+              h0 * (w0 * r0[x0] + w1 * r0[x0 + xs]) + h1 * (w0 * r1[x0] + w1 * r1[x0 + xs]);
         }
       }
   }
+  const std::vector<float>& img = resized.empty() ? unit : resized;
   // Crop offsets and flip from the random word.
   int64_t oy = 0, ox = 0;
   const int64_t P = t.crop_padding;
