@@ -24,6 +24,20 @@ std::string pair(int64_t a, int64_t b) {
   return buf;
 }
 
+// "weight" of `shape` (out, in, k...) and, when asked, "bias" (out), with nn.Linear's and
+// nn.Conv2d's default initialisation, drawing from the next streams of `init` in that order.
+void register_weight_and_bias(Module& m, const Shape& shape, bool bias, InitStreams& init) {
+  Tensor w = Tensor::empty(shape, DType::f32, charged_to(MemoryCategory::parameters));
+  init::default_weight_(w, init.seed(), init.next());
+  const int64_t fan = init::fan_in(w);
+  m.register_parameter("weight", w);
+  if (bias) {
+    Tensor b = Tensor::empty({shape[0]}, DType::f32, charged_to(MemoryCategory::parameters));
+    init::default_bias_(b, fan, init.seed(), init.next());
+    m.register_parameter("bias", b);
+  }
+}
+
 }  // namespace
 
 void set_random_context(const RandomContext& c) { g_random_context = c; }
@@ -46,16 +60,7 @@ Conv2d::Conv2d(int64_t in, int64_t out, int64_t kernel, InitStreams& init, int64
   p_.pad_h = p_.pad_w = padding;
   p_.dilation_h = p_.dilation_w = dilation;
   p_.groups = groups;
-  Tensor w = Tensor::empty({out, in / groups, kernel, kernel}, DType::f32,
-                           charged_to(MemoryCategory::parameters));
-  init::default_weight_(w, init.seed(), init.next());
-  const int64_t fan = init::fan_in(w);
-  register_parameter("weight", w);
-  if (bias) {
-    Tensor b = Tensor::empty({out}, DType::f32, charged_to(MemoryCategory::parameters));
-    init::default_bias_(b, fan, init.seed(), init.next());
-    register_parameter("bias", b);
-  }
+  register_weight_and_bias(*this, {out, in / groups, kernel, kernel}, bias, init);
 }
 
 Tensor Conv2d::forward(const Tensor& x) {
@@ -80,14 +85,7 @@ Linear::Linear(int64_t in, int64_t out, InitStreams& init, bool bias)
       in > 0 && out > 0,
       "Linear(" + std::to_string(in) + ", " + std::to_string(out) + "): sizes must be positive",
       "");
-  Tensor w = Tensor::empty({out, in}, DType::f32, charged_to(MemoryCategory::parameters));
-  init::default_weight_(w, init.seed(), init.next());
-  register_parameter("weight", w);
-  if (bias) {
-    Tensor b = Tensor::empty({out}, DType::f32, charged_to(MemoryCategory::parameters));
-    init::default_bias_(b, in, init.seed(), init.next());
-    register_parameter("bias", b);
-  }
+  register_weight_and_bias(*this, {out, in}, bias, init);
 }
 
 Tensor Linear::forward(const Tensor& x) {
