@@ -1,7 +1,8 @@
 // Training from C++: the tutorial CNN on Fashion-MNIST, as `mantissa train` does, in a few lines;
 // then the same model driven by hand (modules, optimizer, loader) for one more step.
 //
-//   build/example_train_fashion_mnist [DATASET]     (default fashion-mnist; "synthetic" needs no files)
+//   build/example_train_fashion_mnist [DATASET]     (default fashion-mnist; "synthetic" needs no
+//   files)
 #include <iostream>
 #include <string>
 
@@ -28,7 +29,7 @@ int main(int argc, char** argv) {
     lc.shuffle = false;
     data::Loader loader(test.head(12), lc);
     data::Batch batch = loader.make_batch(0, 0);
-    Tensor loss = model.loss(model.forward(batch.images), batch.labels);
+    Tensor loss = model.loss(model(batch.images), batch.labels);
     autograd::backward(loss);
     trainer.optimizer().step();
     trainer.optimizer().zero_grad();

@@ -254,7 +254,7 @@ Sequential& Sequential::add(std::shared_ptr<Module> m) {
 
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
-  for (auto& [name, m] : children()) y = m->forward(y);
+  for (auto& [name, m] : children()) y = (*m)(y);
   return y;
 }
 

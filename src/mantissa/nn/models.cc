@@ -41,11 +41,11 @@ class TutorialCnn : public Classifier {
     log_softmax = register_module("log_softmax", std::make_shared<LogSoftmax>(1));
   }
   Tensor forward(const Tensor& x) override {
-    Tensor y = pool->forward(ops::relu(conv1->forward(x)));
-    y = norm->forward(ops::relu(conv2->forward(y)));
+    Tensor y = (*pool)(ops::relu((*conv1)(x)));
+    y = (*norm)(ops::relu((*conv2)(y)));
     y = ops::flatten(y, 1);
-    y = ops::relu(fc1->forward(y));
-    return log_softmax->forward(fc2->forward(y));
+    y = ops::relu((*fc1)(y));
+    return (*log_softmax)((*fc2)(y));
   }
   bool outputs_log_probs() const override { return true; }
 
@@ -80,12 +80,12 @@ class LeNet5 : public Classifier {
     flatten = register_module("flatten", std::make_shared<Flatten>());
   }
   Tensor forward(const Tensor& x) override {
-    Tensor y = max_pool2d->forward(ops::relu(conv1->forward(x)));
-    y = max_pool2d->forward(ops::relu(conv2->forward(y)));
-    y = flatten->forward(y);
-    y = ops::relu(fc1->forward(y));
-    y = ops::relu(fc2->forward(y));
-    return fc3->forward(y);
+    Tensor y = (*max_pool2d)(ops::relu((*conv1)(x)));
+    y = (*max_pool2d)(ops::relu((*conv2)(y)));
+    y = (*flatten)(y);
+    y = ops::relu((*fc1)(y));
+    y = ops::relu((*fc2)(y));
+    return (*fc3)(y);
   }
 
  private:
@@ -116,9 +116,9 @@ class BasicBlock : public Module {
     }
   }
   Tensor forward(const Tensor& x) override {
-    Tensor y = ops::relu(bn1->forward(conv1->forward(x)));
-    y = bn2->forward(conv2->forward(y));
-    return ops::relu(ops::add(y, downsample ? downsample->forward(x) : x));
+    Tensor y = ops::relu((*bn1)((*conv1)(x)));
+    y = (*bn2)((*conv2)(y));
+    return ops::relu(ops::add(y, downsample ? (*downsample)(x) : x));
   }
 
  private:
@@ -144,10 +144,10 @@ class Bottleneck : public Module {
     }
   }
   Tensor forward(const Tensor& x) override {
-    Tensor y = ops::relu(bn1->forward(conv1->forward(x)));
-    y = ops::relu(bn2->forward(conv2->forward(y)));
-    y = bn3->forward(conv3->forward(y));
-    return ops::relu(ops::add(y, downsample ? downsample->forward(x) : x));
+    Tensor y = ops::relu((*bn1)((*conv1)(x)));
+    y = ops::relu((*bn2)((*conv2)(y)));
+    y = (*bn3)((*conv3)(y));
+    return ops::relu(ops::add(y, downsample ? (*downsample)(x) : x));
   }
 
  private:
@@ -213,11 +213,11 @@ class ResNet : public Classifier {
     fc = register_module("fc", std::make_shared<Linear>(512 * expansion, c.num_classes, init));
   }
   Tensor forward(const Tensor& x) override {
-    Tensor y = ops::relu(bn1->forward(conv1->forward(x)));
-    if (maxpool) y = maxpool->forward(y);
-    for (auto& l : layers) y = l->forward(y);
-    y = ops::flatten(avgpool->forward(y), 1);
-    return fc->forward(y);
+    Tensor y = ops::relu((*bn1)((*conv1)(x)));
+    if (maxpool) y = (*maxpool)(y);
+    for (auto& l : layers) y = (*l)(y);
+    y = ops::flatten((*avgpool)(y), 1);
+    return (*fc)(y);
   }
 
  private:

@@ -5,6 +5,8 @@
 #include <sstream>
 
 #include "mantissa/core/error.h"
+#include "mantissa/ops/autocast.h"
+#include "mantissa/ops/ops.h"
 
 namespace mantissa::nn {
 namespace {
@@ -47,7 +49,22 @@ void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
   MANTISSA_CHECK(m != nullptr, type_ + ": sub-module '" + name + "' is null", "");
   for (auto& c : children_)
     MANTISSA_CHECK(c.first != name, type_ + ": sub-module '" + name + "' registered twice", "");
+  m->set_path(join(path_, name));
   children_.emplace_back(name, std::move(m));
+}
+
+void Module::set_path(const std::string& path) {
+  path_ = path;
+  for (auto& [name, child] : children_) child->set_path(join(path_, name));
+}
+
+Tensor Module::operator()(const Tensor& x) {
+  ops::ModulePathScope scope(&path_);
+  if (!precision_) return forward(x);
+  ops::AutocastDisabled no_autocast;
+  if (x.defined() && is_float(x.dtype()) && x.dtype() != *precision_)
+    return forward(ops::cast(x, *precision_));
+  return forward(x);
 }
 
 template <class F>
@@ -111,15 +128,28 @@ void Module::train(bool on) {
 Module& Module::to(DType dtype) {
   MANTISSA_CHECK(is_float(dtype), "cannot cast a module to " + std::string(dtype_name(dtype)),
                  "parameters are floating point: use f32, f16, bf16 (or e4m3/e5m2 storage)");
+  cast_parameters(dtype);
+  visit("", [&](const std::string&, Module& m) { m.precision_ = dtype; });
+  return *this;
+}
+
+Module& Module::cast_parameters(DType dtype) {
+  MANTISSA_CHECK(is_float(dtype), "cannot cast a module to " + std::string(dtype_name(dtype)),
+                 "parameters are floating point: use f32, f16, bf16 (or e4m3/e5m2 storage)");
+  // The copies are charged as the originals were (parameters, under the tensor's name).
+  auto cast_into = [&](Tensor& t, bool requires_grad) {
+    const std::string owner = t.storage() ? t.storage()->owner() : std::string();
+    Tensor cast = t.detach().to(dtype);
+    if (cast.storage()) cast.storage()->recharge(MemoryCategory::parameters, owner);
+    if (requires_grad) cast.set_requires_grad(true);
+    t = std::move(cast);
+  };
   visit("", [&](const std::string&, Module& m) {
-    for (auto& [name, t] : m.params_) {
-      if (t->dtype() == dtype) continue;
-      Tensor cast = t->detach().to(dtype);
-      cast.set_requires_grad(true);
-      *t = std::move(cast);
-    }
+    m.precision_.reset();
+    for (auto& [name, t] : m.params_)
+      if (t->dtype() != dtype) cast_into(*t, true);
     for (auto& [name, t] : m.buffers_)
-      if (is_float(t->dtype()) && t->dtype() != dtype && !keeps_f32(name)) *t = t->to(dtype);
+      if (is_float(t->dtype()) && t->dtype() != dtype && !keeps_f32(name)) cast_into(*t, false);
   });
   return *this;
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,7 +26,9 @@ class Module {
   // The layer's computation. Containers (Sequential, models) override it; a module without one
   // throws naming its type.
   virtual Tensor forward(const Tensor& x);
-  Tensor operator()(const Tensor& x) { return forward(x); }
+  // How a module is called: forward() with the module's path as the ops' context (autocast log,
+  // anomaly reports), and with its precision applied when one is set (see set_precision()).
+  Tensor operator()(const Tensor& x);
 
   // "Conv2d", "Sequential", ...; and the arguments shown in the printout ("1, 5, kernel_size=3").
   const std::string& type() const { return type_; }
@@ -67,10 +70,22 @@ class Module {
   // Casts every parameter of this module and its sub-modules to `dtype` (gradients are dropped).
   // Normalization statistics (running_mean, running_var) stay FP32: the kernels update them in
   // FP32 whatever the activations' dtype, as cuDNN does.
+  // It also sets that precision on every module of the subtree (set_precision()): a module cast
+  // with half() runs in 16 bits and one cast back with float_() in FP32, whatever automatic
+  // casting would choose, as the seeds' per-layer model.conv1.half() / model.norm.float() do.
   Module& to(DType dtype);
   Module& half() { return to(DType::f16); }
   Module& bfloat16() { return to(DType::bf16); }
   Module& float_() { return to(DType::f32); }
+  // Casts the parameters of the subtree without setting a precision: inputs keep their type (the
+  // O2 level's normalization layers: FP32 weights, 16-bit activations in and out).
+  Module& cast_parameters(DType dtype);
+  // A precision for this module alone: its floating input is cast to `dtype` and automatic
+  // casting is off inside it. std::nullopt: follow the input (the default).
+  void set_precision(std::optional<DType> dtype) { precision_ = dtype; }
+  std::optional<DType> precision() const { return precision_; }
+  // The module's dotted path from the root of the tree it belongs to ("" for the root).
+  const std::string& path() const { return path_; }
   void zero_grad();
 
   // ---- Printout and state ----
@@ -98,7 +113,11 @@ class Module {
   template <class F>
   void visit(const std::string& prefix, F&& f);
 
+  void set_path(const std::string& path);
+
   std::string type_;
+  std::string path_;
+  std::optional<DType> precision_;
   bool training_ = true;
   // unique_ptr: stable addresses for NamedTensor and the optimizers.
   std::vector<std::pair<std::string, std::unique_ptr<Tensor>>> params_;

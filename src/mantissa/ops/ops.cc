@@ -6,6 +6,7 @@
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
 #include "mantissa/kernels/elementwise.h"
+#include "mantissa/ops/autocast.h"
 
 namespace mantissa::ops {
 
@@ -60,6 +61,7 @@ Tensor recorded(Tensor out, const char* name, std::initializer_list<const Tensor
 }
 
 DType out_or(const OpOptions& opt, DType fallback) { return opt.out.value_or(fallback); }
+Partials partials_of(const OpOptions& opt) { return opt.partials.value_or(default_partials()); }
 
 // ReLU, sigmoid and tanh differentiate from their output, GELU from its input: the node keeps
 // only that one tensor.
@@ -151,10 +153,12 @@ Tensor expand_grad(const Tensor& g, const Shape& in_shape, const std::vector<int
 // ---- Matrix ops ----
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions& opt) {
+  detail::OpCall call(OpId::linear, opt, {&x, &w, &b});
+  if (call.active()) return call.finish(linear(call.in(0), call.in(1), call.in(2), call.options()));
   const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
-  Tensor y =
-      kernels::linear(xd, wd, bd, out_or(opt, promote_types(x.dtype(), w.dtype())), opt.partials);
-  const Partials p = opt.partials;
+  Tensor y = kernels::linear(xd, wd, bd, out_or(opt, promote_types(x.dtype(), w.dtype())),
+                             partials_of(opt));
+  const Partials p = partials_of(opt);
   return recorded(
       y, "linear", {&x, &w, &b},
       [xd, wd, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
@@ -175,10 +179,12 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  detail::OpCall call(OpId::matmul, opt, {&a, &b});
+  if (call.active()) return call.finish(matmul(call.in(0), call.in(1), call.options()));
   const Tensor ad = a.detach(), bd = b.detach();
   Tensor y =
-      kernels::matmul(ad, bd, out_or(opt, promote_types(a.dtype(), b.dtype())), opt.partials);
-  const Partials p = opt.partials;
+      kernels::matmul(ad, bd, out_or(opt, promote_types(a.dtype(), b.dtype())), partials_of(opt));
+  const Partials p = partials_of(opt);
   return recorded(
       y, "matmul", {&a, &b}, [ad, bd, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(2);
@@ -201,10 +207,13 @@ Tensor matmul(const Tensor& a, const Tensor& b, const OpOptions& opt) {
 
 Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dParams& prm,
               const OpOptions& opt) {
+  detail::OpCall call(OpId::conv2d, opt, {&x, &w, &b});
+  if (call.active())
+    return call.finish(conv2d(call.in(0), call.in(1), call.in(2), prm, call.options()));
   const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
   Tensor y = kernels::conv2d(xd, wd, bd, prm, out_or(opt, promote_types(x.dtype(), w.dtype())),
-                             opt.partials);
-  const Partials p = opt.partials;
+                             partials_of(opt));
+  const Partials p = partials_of(opt);
   return recorded(
       y, "conv2d", {&x, &w, &b},
       [xd, wd, prm, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
@@ -222,6 +231,8 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dPar
 // ---- Pooling ----
 
 Tensor max_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt) {
+  detail::OpCall call(OpId::max_pool2d, opt, {&x});
+  if (call.active()) return call.finish(max_pool2d(call.in(0), p, call.options()));
   auto [y, idx] = kernels::max_pool2d(x.detach(), p, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
   return recorded(y, "max_pool2d", {&x},
@@ -231,6 +242,8 @@ Tensor max_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt) 
 }
 
 Tensor avg_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt) {
+  detail::OpCall call(OpId::avg_pool2d, opt, {&x});
+  if (call.active()) return call.finish(avg_pool2d(call.in(0), p, call.options()));
   Tensor y = kernels::avg_pool2d(x.detach(), p, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
   return recorded(y, "avg_pool2d", {&x},
@@ -240,6 +253,9 @@ Tensor avg_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt) 
 }
 
 Tensor adaptive_avg_pool2d(const Tensor& x, int64_t out_h, int64_t out_w, const OpOptions& opt) {
+  detail::OpCall call(OpId::adaptive_avg_pool2d, opt, {&x});
+  if (call.active())
+    return call.finish(adaptive_avg_pool2d(call.in(0), out_h, out_w, call.options()));
   Tensor y = kernels::adaptive_avg_pool2d(x.detach(), out_h, out_w, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
   return recorded(y, "adaptive_avg_pool2d", {&x},
@@ -251,31 +267,49 @@ Tensor adaptive_avg_pool2d(const Tensor& x, int64_t out_h, int64_t out_w, const 
 // ---- Elementwise ----
 
 Tensor relu(const Tensor& x, const OpOptions& opt) {
+  detail::OpCall call(OpId::relu, opt, {&x});
+  if (call.active()) return call.finish(relu(call.in(0), call.options()));
   return unary_op("relu", UnaryOp::kRelu, x, opt, true);
 }
 Tensor gelu(const Tensor& x, const OpOptions& opt) {
+  detail::OpCall call(OpId::gelu, opt, {&x});
+  if (call.active()) return call.finish(gelu(call.in(0), call.options()));
   return unary_op("gelu", UnaryOp::kGelu, x, opt, false);
 }
 Tensor sigmoid(const Tensor& x, const OpOptions& opt) {
+  detail::OpCall call(OpId::sigmoid, opt, {&x});
+  if (call.active()) return call.finish(sigmoid(call.in(0), call.options()));
   return unary_op("sigmoid", UnaryOp::kSigmoid, x, opt, true);
 }
 Tensor tanh(const Tensor& x, const OpOptions& opt) {
+  detail::OpCall call(OpId::tanh, opt, {&x});
+  if (call.active()) return call.finish(tanh(call.in(0), call.options()));
   return unary_op("tanh", UnaryOp::kTanh, x, opt, true);
 }
 Tensor add(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  detail::OpCall call(OpId::add, opt, {&a, &b});
+  if (call.active()) return call.finish(add(call.in(0), call.in(1), call.options()));
   return binary_op("add", BinaryOp::kAdd, a, b, opt);
 }
 Tensor sub(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  detail::OpCall call(OpId::sub, opt, {&a, &b});
+  if (call.active()) return call.finish(sub(call.in(0), call.in(1), call.options()));
   return binary_op("sub", BinaryOp::kSub, a, b, opt);
 }
 Tensor mul(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  detail::OpCall call(OpId::mul, opt, {&a, &b});
+  if (call.active()) return call.finish(mul(call.in(0), call.in(1), call.options()));
   return binary_op("mul", BinaryOp::kMul, a, b, opt);
 }
 Tensor div(const Tensor& a, const Tensor& b, const OpOptions& opt) {
+  detail::OpCall call(OpId::div, opt, {&a, &b});
+  if (call.active()) return call.finish(div(call.in(0), call.in(1), call.options()));
   return binary_op("div", BinaryOp::kDiv, a, b, opt);
 }
 
 Tensor add_scalar(const Tensor& a, double s, const OpOptions& opt) {
+  detail::OpCall call(OpId::add_scalar, opt, {&a});
+  if (call.active()) return call.finish(add_scalar(call.in(0), s, call.options()));
   Tensor y = kernels::binary_scalar(BinaryOp::kAdd, a.detach(), s, false, out_or(opt, a.dtype()));
   return recorded(
       y, "add_scalar", {&a}, [](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
@@ -286,6 +320,8 @@ Tensor add_scalar(const Tensor& a, double s, const OpOptions& opt) {
 }
 
 Tensor mul_scalar(const Tensor& a, double s, const OpOptions& opt) {
+  detail::OpCall call(OpId::mul_scalar, opt, {&a});
+  if (call.active()) return call.finish(mul_scalar(call.in(0), s, call.options()));
   Tensor y = kernels::binary_scalar(BinaryOp::kMul, a.detach(), s, false, out_or(opt, a.dtype()));
   return recorded(y, "mul_scalar", {&a},
                   [s](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
@@ -299,6 +335,10 @@ Tensor mul_scalar(const Tensor& a, double s, const OpOptions& opt) {
 Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
                   const Tensor& running_mean, const Tensor& running_var, bool training,
                   double momentum, double eps, const OpOptions& opt) {
+  detail::OpCall call(OpId::batch_norm, opt, {&x, &weight, &bias});
+  if (call.active())
+    return call.finish(batch_norm(call.in(0), call.in(1), call.in(2), running_mean, running_var,
+                                  training, momentum, eps, call.options()));
   const Tensor xd = x.detach(), wd = weight.defined() ? weight.detach() : Tensor();
   auto [y, mean, rstd] =
       kernels::batch_norm(xd, wd, bias.defined() ? bias.detach() : Tensor(), running_mean.detach(),
@@ -316,6 +356,9 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
 
 Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight, const Tensor& bias,
                   double eps, const OpOptions& opt) {
+  detail::OpCall call(OpId::group_norm, opt, {&x, &weight, &bias});
+  if (call.active())
+    return call.finish(group_norm(call.in(0), groups, call.in(1), call.in(2), eps, call.options()));
   const Tensor xd = x.detach(), wd = weight.defined() ? weight.detach() : Tensor();
   auto [y, mean, rstd] = kernels::group_norm(
       xd, groups, wd, bias.defined() ? bias.detach() : Tensor(), eps, out_or(opt, x.dtype()));
@@ -332,6 +375,10 @@ Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight, const T
 
 Tensor layer_norm(const Tensor& x, int64_t normalized_dims, const Tensor& weight,
                   const Tensor& bias, double eps, const OpOptions& opt) {
+  detail::OpCall call(OpId::layer_norm, opt, {&x, &weight, &bias});
+  if (call.active())
+    return call.finish(
+        layer_norm(call.in(0), normalized_dims, call.in(1), call.in(2), eps, call.options()));
   const Tensor xd = x.detach(), wd = weight.defined() ? weight.detach() : Tensor();
   auto [y, mean, rstd] =
       kernels::layer_norm(xd, normalized_dims, wd, bias.defined() ? bias.detach() : Tensor(), eps,
@@ -349,6 +396,9 @@ Tensor layer_norm(const Tensor& x, int64_t normalized_dims, const Tensor& weight
 
 Tensor dropout(const Tensor& x, double p, bool training, uint64_t seed, uint64_t stream,
                const OpOptions& opt) {
+  detail::OpCall call(OpId::dropout, opt, {&x});
+  if (call.active())
+    return call.finish(dropout(call.in(0), p, training, seed, stream, call.options()));
   if (!training || p == 0.0) return opt.out && *opt.out != x.dtype() ? cast(x, *opt.out) : x;
   Tensor y = kernels::dropout(x.detach(), p, seed, stream, out_or(opt, x.dtype()));
   // The mask is recomputed from (seed, stream): nothing saved.
@@ -421,6 +471,8 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim, const OpOptions& opt) {
 // ---- Reductions and probabilities ----
 
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, const OpOptions& opt) {
+  detail::OpCall call(OpId::sum, opt, {&x});
+  if (call.active()) return call.finish(sum(call.in(0), dims, keepdim, call.options()));
   Tensor y = kernels::sum(x.detach(), dims, keepdim, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
   return recorded(y, "sum", {&x},
@@ -430,6 +482,8 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, cons
 }
 
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, const OpOptions& opt) {
+  detail::OpCall call(OpId::mean, opt, {&x});
+  if (call.active()) return call.finish(mean(call.in(0), dims, keepdim, call.options()));
   int64_t count = 1;
   if (dims.empty()) {
     count = x.numel();
@@ -448,6 +502,8 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, con
 }
 
 Tensor softmax(const Tensor& x, int64_t dim, const OpOptions& opt) {
+  detail::OpCall call(OpId::softmax, opt, {&x});
+  if (call.active()) return call.finish(softmax(call.in(0), dim, call.options()));
   Tensor y = kernels::softmax(x.detach(), dim, false, out_or(opt, x.dtype()));
   const Tensor yd = y.detach();
   return recorded(y, "softmax", {&x},
@@ -457,6 +513,8 @@ Tensor softmax(const Tensor& x, int64_t dim, const OpOptions& opt) {
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim, const OpOptions& opt) {
+  detail::OpCall call(OpId::log_softmax, opt, {&x});
+  if (call.active()) return call.finish(log_softmax(call.in(0), dim, call.options()));
   Tensor y = kernels::softmax(x.detach(), dim, true, out_or(opt, x.dtype()));
   const Tensor yd = y.detach();
   return recorded(y, "log_softmax", {&x},

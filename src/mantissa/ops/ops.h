@@ -19,8 +19,10 @@ using kernels::Partials;
 using kernels::Pool2dParams;
 
 struct OpOptions {
-  std::optional<DType> out;            // output dtype
-  Partials partials = Partials::kF32;  // accumulation type of linear, matmul, conv2d
+  std::optional<DType> out;  // output dtype
+  // Accumulation type of linear, matmul, conv2d; default: the op context's (FP32 unless a
+  // PartialsScope says otherwise, see autocast.h).
+  std::optional<Partials> partials = std::nullopt;
 };
 
 // ---- Matrix ops ----

@@ -143,7 +143,7 @@ EvalResult evaluate_split(nn::Classifier& m, const TrainConfig& c,
   int64_t correct = 0;
   loader.start(0);
   while (auto batch = loader.next()) {
-    Tensor out = m.forward(batch->images);
+    Tensor out = m(batch->images);
     loss_sum += m.loss(out, batch->labels).item() * static_cast<double>(batch->labels.size(0));
     correct += count_correct(out, batch->labels);
     r.examples += batch->labels.size(0);
@@ -392,7 +392,7 @@ void Trainer::train_steps(TrainResult& result) {
       if (!batch) break;
       nn::set_random_context({config_.seed, static_cast<uint64_t>(step_)});
       optimizer_->set_lr(schedule_.lr_at(config_.lr, step_));
-      Tensor out = model_->forward(batch->images);
+      Tensor out = (*model_)(batch->images);
       Tensor loss = model_->loss(out, batch->labels);
       autograd::backward(loss);
       if (config_.max_grad_norm > 0) optim::clip_grad_norm(params, config_.max_grad_norm);

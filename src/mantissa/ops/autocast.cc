@@ -1,0 +1,307 @@
+#include "mantissa/ops/autocast.h"
+
+#include <fstream>
+#include <set>
+
+#include "mantissa/core/error.h"
+#include "mantissa/ops/ops.h"
+
+namespace mantissa::ops {
+namespace {
+
+// The cast cache of the outermost scope: the 16-bit copy of each weight (a leaf that requires
+// grad), keyed by its storage and the target type. The copies keep their autograd link, so the
+// gradient reaches the FP32 weight.
+struct CastCache {
+  std::map<std::pair<const void*, DType>, std::pair<Tensor, Tensor>> entries;  // (source, copy)
+  size_t hits = 0, misses = 0;
+};
+
+struct Context {
+  bool autocast = false;
+  DType lower = DType::f16;
+  const AutocastPolicy* policy = nullptr;
+  AutocastLog* log = nullptr;
+  CastCache* cache = nullptr;
+  const std::string* module_path = nullptr;
+  kernels::Partials partials = kernels::Partials::kF32;
+  bool stochastic = false;
+  uint64_t sr_seed = 0, sr_stream = 0;
+  bool in_op = false;  // an OpCall is active: nested ops run as called
+};
+
+thread_local Context ctx;
+const std::string kNoPath;
+
+bool is_float(DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; }
+
+bool is_16bit(DType t) { return t == DType::f16 || t == DType::bf16; }
+
+std::vector<OpId> parse_list(const std::vector<std::string>& names, const char* which,
+                             std::set<OpId>& seen_here) {
+  std::vector<OpId> out;
+  for (const std::string& n : names) {
+    const auto id = op_from_name(n);
+    if (!id) {
+      std::string all;
+      for (const OpInfo& info : kOpInfo)
+        if (info.category != AutocastCategory::kNever)
+          all += (all.empty() ? "" : ", ") + std::string(info.name);
+      throw Error(std::string("unknown op '") + n + "' in the " + which + " list",
+                  "op names are: " + all);
+    }
+    MANTISSA_CHECK(op_info(*id).category != AutocastCategory::kNever,
+                   std::string("op '") + n + "' in the " + which + " list is never cast",
+                   "remove it from the list");
+    MANTISSA_CHECK(seen_here.insert(*id).second,
+                   std::string("op '") + n + "' is named twice in the " + which + " list",
+                   "name each op once");
+    out.push_back(*id);
+  }
+  return out;
+}
+
+}  // namespace
+
+// ---- Policy ----
+
+AutocastPolicy::AutocastPolicy() {
+  for (int i = 0; i < kNumOps; ++i) categories_[static_cast<size_t>(i)] = kOpInfo[i].category;
+}
+
+void AutocastPolicy::set(OpId op, AutocastCategory c) {
+  MANTISSA_CHECK(op_info(op).category != AutocastCategory::kNever || c == AutocastCategory::kNever,
+                 std::string("op '") + std::string(op_info(op).name) + "' is never cast",
+                 "leave its category as it is");
+  MANTISSA_CHECK(
+      c != AutocastCategory::kNever || op_info(op).category == AutocastCategory::kNever,
+      std::string("op '") + std::string(op_info(op).name) + "' cannot be made a never-cast op",
+      "choose lower precision, fp32, promote or follow input");
+  categories_[static_cast<size_t>(op)] = c;
+}
+
+std::vector<OpId> AutocastPolicy::list(AutocastCategory c) const {
+  std::vector<OpId> out;
+  for (int i = 0; i < kNumOps; ++i)
+    if (categories_[static_cast<size_t>(i)] == c) out.push_back(static_cast<OpId>(i));
+  return out;
+}
+
+void AutocastPolicy::replace_lists(const std::optional<std::vector<std::string>>& lower,
+                                   const std::optional<std::vector<std::string>>& fp32) {
+  std::set<OpId> in_lower, in_fp32;
+  const std::vector<OpId> lo =
+      lower ? parse_list(*lower, "lower-precision", in_lower) : std::vector<OpId>{};
+  const std::vector<OpId> hi = fp32 ? parse_list(*fp32, "FP32", in_fp32) : std::vector<OpId>{};
+  for (OpId id : lo)
+    MANTISSA_CHECK(!in_fp32.count(id),
+                   std::string("op '") + std::string(op_info(id).name) +
+                       "' is in both the lower-precision and the FP32 list",
+                   "keep it in one of them");
+  auto replace = [&](AutocastCategory c, const std::vector<OpId>& ids) {
+    for (OpId id : list(c)) categories_[static_cast<size_t>(id)] = AutocastCategory::kFollowInput;
+    for (OpId id : ids) categories_[static_cast<size_t>(id)] = c;
+  };
+  if (lower) replace(AutocastCategory::kLowerPrecision, lo);
+  if (fp32) replace(AutocastCategory::kFp32, hi);
+}
+
+std::vector<std::string> read_op_list(const std::string& path) {
+  std::ifstream f(path);
+  MANTISSA_CHECK(f.good(), "cannot read op list " + path, "check the file name");
+  std::vector<std::string> out;
+  std::string line;
+  int number = 0;
+  while (std::getline(f, line)) {
+    ++number;
+    const size_t hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    const size_t b = line.find_first_not_of(" \t\r");
+    if (b == std::string::npos) continue;
+    const size_t e = line.find_last_not_of(" \t\r");
+    const std::string name = line.substr(b, e - b + 1);
+    MANTISSA_CHECK(name.find_first_of(" \t,") == std::string::npos,
+                   path + " line " + std::to_string(number) + ": '" + name + "' is not one op name",
+                   "write one op name per line");
+    out.push_back(name);
+  }
+  return out;
+}
+
+// ---- Log ----
+
+std::string to_string(const AutocastDecision& d) {
+  return "autocast: " + d.op + " in " + (d.module.empty() ? "<top level>" : d.module) + ": " +
+         std::string(dtype_name(d.from)) + " -> " + std::string(dtype_name(d.to)) + " (" +
+         std::string(autocast_category_name(d.category)) + ")";
+}
+
+void AutocastLog::record(const AutocastDecision& d) {
+  const std::string key = d.op + '\n' + d.module + '\n' + std::string(dtype_name(d.from)) + '\n' +
+                          std::string(dtype_name(d.to));
+  if (!seen_.emplace(key, decisions_.size()).second) return;
+  decisions_.push_back(d);
+  if (sink_) sink_(to_string(d));
+}
+
+// ---- Scopes ----
+
+struct AutocastScope::Saved {
+  Context previous;
+  std::unique_ptr<CastCache> cache;  // owned by the outermost scope
+};
+
+AutocastScope::AutocastScope(DType lower, const AutocastPolicy& policy, AutocastLog* log)
+    : saved_(std::make_unique<Saved>()) {
+  MANTISSA_CHECK(is_16bit(lower),
+                 std::string("autocast to ") + std::string(dtype_name(lower)) + " is not supported",
+                 "use f16 or bf16");
+  saved_->previous = ctx;
+  if (!ctx.cache) {
+    saved_->cache = std::make_unique<CastCache>();
+    ctx.cache = saved_->cache.get();
+  }
+  ctx.autocast = true;
+  ctx.lower = lower;
+  ctx.policy = &policy;
+  ctx.log = log;
+}
+
+AutocastScope::~AutocastScope() {
+  const Context& p = saved_->previous;
+  ctx.autocast = p.autocast;
+  ctx.lower = p.lower;
+  ctx.policy = p.policy;
+  ctx.log = p.log;
+  ctx.cache = p.cache;
+}
+
+size_t AutocastScope::cache_misses() const { return ctx.cache ? ctx.cache->misses : 0; }
+size_t AutocastScope::cache_hits() const { return ctx.cache ? ctx.cache->hits : 0; }
+
+AutocastDisabled::AutocastDisabled() : previous_(ctx.autocast) { ctx.autocast = false; }
+AutocastDisabled::~AutocastDisabled() { ctx.autocast = previous_; }
+
+bool autocast_enabled() { return ctx.autocast; }
+DType autocast_dtype() { return ctx.lower; }
+
+const std::string& current_module_path() { return ctx.module_path ? *ctx.module_path : kNoPath; }
+ModulePathScope::ModulePathScope(const std::string* path) : previous_(ctx.module_path) {
+  ctx.module_path = path;
+}
+ModulePathScope::~ModulePathScope() { ctx.module_path = previous_; }
+
+kernels::Partials default_partials() { return ctx.partials; }
+PartialsScope::PartialsScope(kernels::Partials p) : previous_(ctx.partials) { ctx.partials = p; }
+PartialsScope::~PartialsScope() { ctx.partials = previous_; }
+
+StochasticOutputsScope::StochasticOutputsScope(uint64_t seed, uint64_t base_stream)
+    : previous_on_(ctx.stochastic), previous_seed_(ctx.sr_seed), previous_stream_(ctx.sr_stream) {
+  ctx.stochastic = true;
+  ctx.sr_seed = seed;
+  ctx.sr_stream = base_stream;
+}
+StochasticOutputsScope::~StochasticOutputsScope() {
+  ctx.stochastic = previous_on_;
+  ctx.sr_seed = previous_seed_;
+  ctx.sr_stream = previous_stream_;
+}
+
+// ---- The op entry ----
+
+namespace detail {
+namespace {
+
+// The 16-bit copy of a weight, made once per outermost scope.
+Tensor cached_cast(const Tensor& t, DType to) {
+  CastCache& cache = *ctx.cache;
+  const std::pair<const void*, DType> key{t.data_ptr(), to};
+  auto it = cache.entries.find(key);
+  if (it != cache.entries.end() && it->second.first.shape() == t.shape() &&
+      it->second.first.dtype() == t.dtype()) {
+    ++cache.hits;
+    return it->second.second;
+  }
+  ++cache.misses;
+  Tensor c = cast(t, to);
+  cache.entries[key] = {t, c};
+  return c;
+}
+
+}  // namespace
+
+OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor*> inputs) {
+  if (ctx.in_op || !(ctx.autocast || ctx.stochastic)) return;
+  const AutocastCategory cat = ctx.autocast ? ctx.policy->category(op) : op_info(op).category;
+  if (cat == AutocastCategory::kNever) return;
+  active_ = true;
+  ctx.in_op = true;
+  opt_ = std::make_unique<OpOptions>(opt);
+  inputs_.reserve(inputs.size());
+  std::optional<DType> first, widest;
+  for (const Tensor* t : inputs) {
+    inputs_.push_back(t ? *t : Tensor());
+    if (!t || !t->defined() || !is_float(t->dtype())) continue;
+    if (!first) first = t->dtype();
+    widest = widest ? promote_types(*widest, t->dtype()) : t->dtype();
+  }
+  if (!first) return;  // no floating input: nothing to decide
+  // The type the op runs in under autocast (what it does without: follow or promote).
+  std::optional<DType> target;
+  if (ctx.autocast && !opt.out) {
+    switch (cat) {
+      case AutocastCategory::kLowerPrecision:
+        target = ctx.lower;
+        for (Tensor& t : inputs_) {
+          if (!t.defined() || !is_float(t.dtype()) || t.dtype() == ctx.lower) continue;
+          t = t.requires_grad() && !t.grad_fn() && ctx.cache ? cached_cast(t, ctx.lower)
+                                                             : cast(t, ctx.lower);
+        }
+        break;
+      case AutocastCategory::kFp32:
+        target = DType::f32;
+        break;
+      case AutocastCategory::kPromote:
+        target = widest;
+        break;
+      case AutocastCategory::kFollowInput:
+      case AutocastCategory::kNever:
+        break;
+    }
+    if (target) opt_->out = *target;
+    if (target && ctx.log && *target != *first)
+      ctx.log->record({std::string(op_info(op).name), current_module_path(), *first, *target, cat});
+  }
+  // Stochastic outputs: compute in FP32, round the result once, stochastically.
+  if (ctx.stochastic) {
+    const DType out =
+        opt_->out.value_or(op == OpId::linear || op == OpId::matmul || op == OpId::conv2d ||
+                                   cat == AutocastCategory::kPromote
+                               ? *widest
+                               : *first);
+    if (is_16bit(out)) {
+      round_to_ = out;
+      opt_->out = DType::f32;
+    }
+  }
+}
+
+OpCall::~OpCall() {
+  if (active_) ctx.in_op = false;
+}
+
+const OpOptions& OpCall::options() const { return *opt_; }
+
+Tensor OpCall::finish(Tensor y) {
+  if (!round_to_ || !y.defined() || y.dtype() != DType::f32) return y;
+  CastOptions o;
+  o.rounding = Rounding::kStochastic;
+  o.seed = ctx.sr_seed;
+  o.stream = ctx.sr_stream++;
+  ctx.in_op = false;  // the cast is an op of its own
+  active_ = false;
+  return cast(y, *round_to_, o);
+}
+
+}  // namespace detail
+}  // namespace mantissa::ops

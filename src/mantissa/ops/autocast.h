@@ -1,0 +1,181 @@
+// Automatic casting (autocast): while an AutocastScope is alive on a thread, every op decides the
+// dtype it runs in from its category in an AutocastPolicy (op_table.h gives the defaults):
+//   lower precision: floating inputs are cast to the scope's 16-bit type (FP32 weights through a
+//                    cast cache: one 16-bit copy per weight per scope), the output is 16-bit;
+//   FP32:            the output is FP32 (kernels read 16-bit inputs exactly, so no input copy);
+//   promote:         the output has the widest input type;
+//   follow input:    the output has the first input's type (also what an op does without autocast).
+// AutocastDisabled turns casting off for a region (the optimizer step, gradient clipping, a module
+// kept in FP32). Every decision that changes a dtype can be logged once per (op, module path,
+// from -> to). The op context also carries the module path of the running op (set by
+// nn::Module), the default accumulation type of matrix ops, and optional stochastic rounding of
+// 16-bit op outputs.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mantissa/core/tensor.h"
+#include "mantissa/kernels/gemm.h"
+#include "mantissa/ops/op_table.h"
+
+namespace mantissa::ops {
+
+struct OpOptions;
+
+// Which ops run in which precision. Starts from op_table.h's categories; editable.
+class AutocastPolicy {
+ public:
+  AutocastPolicy();  // the defaults of op_table.h
+  AutocastCategory category(OpId op) const { return categories_[static_cast<size_t>(op)]; }
+  void set(OpId op, AutocastCategory c);
+  // The ops of a category, in table order.
+  std::vector<OpId> list(AutocastCategory c) const;
+  // Replaces the lower-precision and/or FP32 lists (nullopt keeps a list as it is). Ops leaving
+  // a replaced list follow their input; ops named move into the list. Throws naming the op for
+  // an unknown name, an op in both lists, an op named twice, or the cast op.
+  void replace_lists(const std::optional<std::vector<std::string>>& lower,
+                     const std::optional<std::vector<std::string>>& fp32);
+
+ private:
+  std::array<AutocastCategory, kNumOps> categories_;
+};
+
+// One op name per line; blank lines and text after '#' ignored. Throws naming the file and line
+// for an unreadable file.
+std::vector<std::string> read_op_list(const std::string& path);
+
+// One logged decision.
+struct AutocastDecision {
+  std::string op;
+  std::string module;  // "" for ops outside any module
+  DType from;          // the first floating input's type
+  DType to;            // the type the op runs and writes in
+  AutocastCategory category;
+};
+std::string to_string(const AutocastDecision& d);
+
+// Decisions seen, each (op, module, from, to) once; optionally echoed to a sink as they happen.
+class AutocastLog {
+ public:
+  explicit AutocastLog(std::function<void(const std::string&)> sink = {})
+      : sink_(std::move(sink)) {}
+  void record(const AutocastDecision& d);
+  const std::vector<AutocastDecision>& decisions() const { return decisions_; }
+
+ private:
+  std::function<void(const std::string&)> sink_;
+  std::map<std::string, size_t> seen_;
+  std::vector<AutocastDecision> decisions_;
+};
+
+// Casting on for this thread while alive (scopes nest; the outermost one owns the cast cache,
+// released when it ends). `policy` and `log` (optional) must outlive the scope.
+class AutocastScope {
+ public:
+  AutocastScope(DType lower, const AutocastPolicy& policy, AutocastLog* log = nullptr);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+  // Number of cached weight copies made in this scope (tests: once per weight, not per use).
+  size_t cache_misses() const;
+  size_t cache_hits() const;
+
+ private:
+  struct Saved;
+  std::unique_ptr<Saved> saved_;
+};
+
+// Casting off for this thread while alive (the optimizer step, clipping, FP32 modules).
+class AutocastDisabled {
+ public:
+  AutocastDisabled();
+  ~AutocastDisabled();
+  AutocastDisabled(const AutocastDisabled&) = delete;
+  AutocastDisabled& operator=(const AutocastDisabled&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// Whether casting is on for this thread, and its 16-bit type.
+bool autocast_enabled();
+DType autocast_dtype();
+
+// ---- The rest of the op context ----
+
+// The module running on this thread ("layer1.0.conv1"; "" outside modules). nn::Module sets it.
+const std::string& current_module_path();
+class ModulePathScope {
+ public:
+  explicit ModulePathScope(const std::string* path);
+  ~ModulePathScope();
+  ModulePathScope(const ModulePathScope&) = delete;
+  ModulePathScope& operator=(const ModulePathScope&) = delete;
+
+ private:
+  const std::string* previous_;
+};
+
+// Default accumulation type of linear, matmul and conv2d when OpOptions::partials is not given.
+kernels::Partials default_partials();
+class PartialsScope {
+ public:
+  explicit PartialsScope(kernels::Partials p);
+  ~PartialsScope();
+  PartialsScope(const PartialsScope&) = delete;
+  PartialsScope& operator=(const PartialsScope&) = delete;
+
+ private:
+  kernels::Partials previous_;
+};
+
+// While alive, every op output stored in 16 bits is rounded stochastically: op k of the scope
+// (in call order) uses the random stream (seed, base_stream + k), so a run is reproducible and
+// independent of the thread count.
+class StochasticOutputsScope {
+ public:
+  StochasticOutputsScope(uint64_t seed, uint64_t base_stream);
+  ~StochasticOutputsScope();
+  StochasticOutputsScope(const StochasticOutputsScope&) = delete;
+  StochasticOutputsScope& operator=(const StochasticOutputsScope&) = delete;
+
+ private:
+  bool previous_on_;
+  uint64_t previous_seed_, previous_stream_;
+};
+
+namespace detail {
+
+// What an op does at its entry: the inputs it should use (cast where the policy says), the
+// options (output dtype and partials resolved), and at its exit the output it should return.
+// Inactive (no copies, no changes) when neither autocast nor stochastic outputs are on, or when
+// the op is called from inside another op's call.
+class OpCall {
+ public:
+  OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor*> inputs);
+  ~OpCall();
+  OpCall(const OpCall&) = delete;
+  OpCall& operator=(const OpCall&) = delete;
+  bool active() const { return active_; }
+  const Tensor& in(size_t i) const { return inputs_[i]; }
+  const OpOptions& options() const;
+  // The op's result: rounded stochastically to the intended 16-bit type when that is on.
+  Tensor finish(Tensor y);
+
+ private:
+  bool active_ = false;
+  std::vector<Tensor> inputs_;
+  std::unique_ptr<OpOptions> opt_;
+  std::optional<DType> round_to_;
+};
+
+}  // namespace detail
+}  // namespace mantissa::ops
