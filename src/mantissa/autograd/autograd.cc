@@ -61,7 +61,8 @@ void accumulate(Tensor& into, const Tensor& g) {
 
 // Takes g by value: callers move their handle in, so a gradient nobody else holds is adopted
 // without a copy.
-void accumulate_leaf(AutogradMeta& meta, Tensor g, DType dtype) {
+void accumulate_leaf(AutogradMeta& meta, Tensor g, DType tensor_dtype) {
+  const DType dtype = meta.grad_dtype.value_or(tensor_dtype);
   Tensor converted = g.dtype() == dtype ? std::move(g) : g.to(dtype);
   if (!meta.grad) {
     // Own the gradient's memory: a gradient that is a view of something else would alias.

@@ -2,7 +2,8 @@
 // each result that needs a gradient; backward() walks the recorded graph from a root in reverse
 // topological order, calling each node once with the sum of the gradients of its output.
 //
-// Gradients are stored in the dtype of their tensor (an f16 parameter gets an f16 gradient),
+// Gradients are stored in the dtype of their tensor (an f16 parameter gets an f16 gradient) unless
+// the leaf sets AutogradMeta::grad_dtype (the accumulation type),
 // computed in FP32; a gradient reaching a leaf twice is accumulated into the existing one.
 #pragma once
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -82,7 +83,9 @@ inline TensorOptions charged_to(MemoryCategory category) {
 // node that made it.
 struct AutogradMeta {
   bool requires_grad = false;
-  std::unique_ptr<Tensor> grad;             // same shape and dtype as the tensor
+  std::unique_ptr<Tensor> grad;  // same shape as the tensor; dtype: grad_dtype
+  // The type gradients accumulate in (PopTorch's accum_type); the tensor's own when unset.
+  std::optional<DType> grad_dtype;
   std::shared_ptr<autograd::Node> grad_fn;  // null for leaves
 };
 

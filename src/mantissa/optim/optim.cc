@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numbers>
 
 #include "mantissa/autograd/autograd.h"
@@ -9,6 +10,7 @@
 #include "mantissa/core/error.h"
 #include "mantissa/core/parallel.h"
 #include "mantissa/kernels/elementwise.h"
+#include "mantissa/ops/autocast.h"
 #include "mantissa/optim/optim_kernels.h"
 
 namespace mantissa::optim {
@@ -40,12 +42,14 @@ class Staged {
   }
   float* data() { return ptr_; }
   float& operator[](int64_t i) { return ptr_[i]; }
-  // Writes the values back, rounding to nearest even when the tensor is 16-bit.
-  void store() {
-    if (ptr_ == buf_)
-      kernels::store_f32(buf_, n_,
-                         static_cast<char*>(t_->data_ptr()) + begin_ * dtype_size(t_->dtype()),
-                         t_->dtype(), 1);
+  // Writes the values back, rounded as `opt` says when the tensor is 16-bit.
+  void store(const CastOptions& opt = {}) {
+    if (ptr_ != buf_) return;
+    char* dst = static_cast<char*>(t_->data_ptr()) + begin_ * dtype_size(t_->dtype());
+    if (opt.rounding == Rounding::kNearestEven)
+      kernels::store_f32(buf_, n_, dst, t_->dtype(), 1);
+    else
+      convert(buf_, DType::f32, dst, t_->dtype(), static_cast<size_t>(n_), opt);
   }
 
  private:
@@ -65,10 +69,50 @@ Tensor checked_grad(const nn::Module::NamedTensor& p) {
   return g.contiguous();
 }
 
+// Sum of squares of (g * scale) over a gradient (FP64 across chunks), and whether every value
+// is finite.
+std::pair<double, bool> sum_of_squares(const Tensor& g, float scale) {
+  const int64_t n = g.numel();
+  std::vector<double> partial((static_cast<size_t>(n) + (1 << 15) - 1) >> 15, 0.0);
+  std::vector<char> finite(partial.size(), 1);
+  parallel_for(static_cast<size_t>(n), 1 << 15, default_num_threads(), [&](size_t b, size_t e) {
+    double s = 0;
+    bool ok = true;
+    for (size_t c = b; c < e; c += kChunk) {
+      const int64_t len = static_cast<int64_t>(std::min<size_t>(kChunk, e - c));
+      Staged gs(g, static_cast<int64_t>(c), len);
+      float acc[8] = {};
+      for (int64_t j = 0; j < len; ++j) {
+        const float u = gs[j] * scale;
+        acc[j & 7] += u * u;
+      }
+      float total = 0;
+      for (float x : acc) total += x;
+      // inf/NaN show in the sum; a finite value whose square overflows is checked one by one.
+      if (!std::isfinite(total))
+        for (int64_t j = 0; j < len; ++j) ok = ok && std::isfinite(gs[j] * scale);
+      for (float x : acc) s += x;
+    }
+    partial[b >> 15] = s;
+    finite[b >> 15] = ok;
+  });
+  double total = 0;
+  bool ok = true;
+  for (size_t k = 0; k < partial.size(); ++k) {
+    total += partial[k];
+    ok = ok && finite[k];
+  }
+  return {total, ok};
+}
+
 }  // namespace
 
 Optimizer::Optimizer(ParamList params, double lr, StateTypes types)
-    : params_(std::move(params)), lr_(lr), types_(types), state_(params_.size()) {
+    : params_(std::move(params)),
+      lr_(lr),
+      types_(types),
+      state_(params_.size()),
+      masters_(params_.size()) {
   MANTISSA_CHECK(std::isfinite(lr) && lr >= 0,
                  "learning rate " + std::to_string(lr) + " is not valid",
                  "use a finite, non-negative --lr");
@@ -78,16 +122,99 @@ Optimizer::Optimizer(ParamList params, double lr, StateTypes types)
                    "use f32, f16 or bf16");
 }
 
-void Optimizer::step() {
-  autograd::NoGradGuard no_grad;
-  ++steps_;
+void Optimizer::enable_master_weights() {
+  masters_enabled_ = true;
   for (size_t i = 0; i < params_.size(); ++i) {
-    Tensor g = checked_grad(params_[i]);
-    if (!g.defined()) continue;
-    Tensor& p = *params_[i].tensor;
-    MANTISSA_CHECK(p.is_contiguous(), "parameter '" + params_[i].name + "' is not contiguous", "");
-    update(i, p, g);
+    const Tensor& p = *params_[i].tensor;
+    if (p.dtype() == DType::f32 || masters_[i].defined()) continue;
+    TensorOptions o = charged_to(MemoryCategory::master_weights);
+    o.owner = params_[i].name + ".master";
+    masters_[i] = Tensor::empty(p.shape(), DType::f32, o);
+    masters_[i].copy_from(p);
   }
+}
+
+CastOptions Optimizer::rounding(size_t i, size_t buffer, int64_t begin) const {
+  CastOptions o;
+  if (!sr_seed_) return o;
+  o.rounding = Rounding::kStochastic;
+  o.seed = *sr_seed_;
+  // One stream per (step, parameter, buffer); buffer 15 is the parameter itself.
+  o.stream = (static_cast<uint64_t>(steps_) << 32) | (static_cast<uint64_t>(i) << 4) | buffer;
+  o.index = static_cast<uint64_t>(begin);
+  return o;
+}
+
+StepReport Optimizer::step(const StepOptions& so) {
+  autograd::NoGradGuard no_grad;
+  ops::AutocastDisabled no_autocast;
+  StepReport report;
+  std::vector<Tensor> grads(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) grads[i] = checked_grad(params_[i]);
+  float clip = 1;
+  // Pass 1 (read only): inf/NaN and the global norm of the unscaled gradients.
+  if (so.skip_nonfinite || so.max_grad_norm > 0) {
+    double total = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      const auto [sq, finite] = sum_of_squares(grads[i], so.grad_scale);
+      total += sq;
+      if (!finite) report.nonfinite.push_back(params_[i].name);
+    }
+    const double norm =
+        report.nonfinite.empty() ? std::sqrt(total) : std::numeric_limits<double>::infinity();
+    report.grad_norm = norm;
+    if (!report.nonfinite.empty() && so.skip_nonfinite) {
+      report.skipped = true;
+      return report;
+    }
+    if (so.max_grad_norm > 0 && std::isfinite(norm)) {
+      const double coef = so.max_grad_norm / (norm + 1e-6);
+      if (coef < 1) clip = static_cast<float>(coef);
+    }
+  }
+  // Pass 2: unscale, clip, update, round.
+  ++steps_;
+  begin_step();
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (grads[i].defined()) update_param(i, grads[i], so.grad_scale, clip);
+  return report;
+}
+
+void Optimizer::update_param(size_t i, const Tensor& g, float unscale, float clip) {
+  Tensor& p = *params_[i].tensor;
+  MANTISSA_CHECK(p.is_contiguous(), "parameter '" + params_[i].name + "' is not contiguous", "");
+  ChunkArgs a;
+  a.param = i;
+  a.unscale = unscale;
+  a.clip = clip;
+  const size_t nb = buffers_used();
+  std::vector<Tensor*> bufs(nb);
+  for (size_t k = 0; k < nb; ++k) {
+    a.fresh_state = a.fresh_state || !has_state(i, k);
+    bufs[k] = &state(i, k);
+  }
+  Tensor* master = masters_[i].defined() ? &masters_[i] : nullptr;
+  Tensor& target = master ? *master : p;
+  constexpr size_t kParamBuffer = 15;
+  for_chunks(p.numel(), [&](int64_t b, int64_t n) {
+    Staged ps(target, b, n), gs(g, b, n);
+    std::optional<Staged> ss[2];
+    float* sp[2] = {nullptr, nullptr};
+    for (size_t k = 0; k < nb; ++k) {
+      ss[k].emplace(*bufs[k], b, n);
+      sp[k] = ss[k]->data();
+    }
+    update_chunk(a, ps.data(), gs.data(), sp, n);
+    for (size_t k = 0; k < nb; ++k) ss[k]->store(rounding(i, k, b));
+    if (master) {
+      // The 16-bit working copy, rounded from the master while the chunk is in cache.
+      convert(ps.data(), DType::f32, static_cast<char*>(p.data_ptr()) + b * dtype_size(p.dtype()),
+              p.dtype(), static_cast<size_t>(n), rounding(i, kParamBuffer, b));
+    } else {
+      ps.store(rounding(i, kParamBuffer, b));
+    }
+  });
 }
 
 void Optimizer::zero_grad() {
@@ -113,9 +240,11 @@ bool Optimizer::has_state(size_t i, size_t k) const {
 std::vector<std::pair<std::string, Tensor>> Optimizer::state_tensors() const {
   std::vector<std::pair<std::string, Tensor>> out;
   const auto names = state_names();
-  for (size_t i = 0; i < params_.size(); ++i)
+  for (size_t i = 0; i < params_.size(); ++i) {
     for (size_t k = 0; k < state_[i].size(); ++k)
       if (state_[i][k].defined()) out.emplace_back(params_[i].name + "." + names[k], state_[i][k]);
+    if (masters_[i].defined()) out.emplace_back(params_[i].name + ".master", masters_[i]);
+  }
   return out;
 }
 
@@ -124,34 +253,53 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, int64_t
   MANTISSA_CHECK(steps >= 0, source + ": negative optimizer step count", "");
   const auto names = state_names();
   std::vector<std::vector<Tensor>> loaded(params_.size());
+  std::vector<Tensor> masters(params_.size());
   size_t used = 0;
+  auto load = [&](const std::string& key, const Shape& shape, DType dtype, MemoryCategory cat,
+                  Tensor& into) {
+    auto it = tensors.find(key);
+    if (it == tensors.end()) return;
+    ++used;
+    MANTISSA_CHECK(it->second.shape() == shape,
+                   source + ": optimizer state '" + key + "' has shape " +
+                       shape_str(it->second.shape()) + " but the parameter " + shape_str(shape),
+                   "the checkpoint belongs to another model");
+    TensorOptions o = charged_to(cat);
+    o.owner = key;
+    into = Tensor::empty(shape, dtype, o);
+    into.copy_from(it->second);
+  };
   for (size_t i = 0; i < params_.size(); ++i) {
+    const Shape& shape = params_[i].tensor->shape();
     for (size_t k = 0; k < names.size(); ++k) {
-      const std::string key = params_[i].name + "." + names[k];
-      auto it = tensors.find(key);
-      if (it == tensors.end()) continue;
-      ++used;
-      MANTISSA_CHECK(it->second.shape() == params_[i].tensor->shape(),
-                     source + ": optimizer state '" + key + "' has shape " +
-                         shape_str(it->second.shape()) + " but the parameter " +
-                         shape_str(params_[i].tensor->shape()),
-                     "the checkpoint belongs to another model");
+      Tensor t;
+      load(params_[i].name + "." + names[k], shape, state_dtype(k), MemoryCategory::optimizer_state,
+           t);
+      if (!t.defined()) continue;
       loaded[i].resize(names.size());
-      TensorOptions o = charged_to(MemoryCategory::optimizer_state);
-      o.owner = key;
-      loaded[i][k] = Tensor::empty(params_[i].tensor->shape(), state_dtype(k), o);
-      loaded[i][k].copy_from(it->second);
+      loaded[i][k] = std::move(t);
     }
+    load(params_[i].name + ".master", shape, DType::f32, MemoryCategory::master_weights,
+         masters[i]);
+    MANTISSA_CHECK(!masters_[i].defined() || masters[i].defined() || steps == 0,
+                   source + ": no master weights for '" + params_[i].name + "'",
+                   "resume with the --precision the checkpoint was made with");
   }
   MANTISSA_CHECK(used == tensors.size(),
                  source + ": " + std::to_string(tensors.size() - used) +
                      " optimizer state tensors match no parameter of this " + name() + " optimizer",
-                 "resume with the optimizer and model the checkpoint was made with");
+                 "resume with the optimizer, model and --precision the checkpoint was made with");
   MANTISSA_CHECK(
-      steps == 0 || used > 0 || params_.empty(),
+      steps == 0 || used > 0 || params_.empty() || buffers_used() == 0,
       source + ": " + name() + " state missing after " + std::to_string(steps) + " steps",
       "resume with the optimizer the checkpoint was made with");
   state_ = std::move(loaded);
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (masters[i].defined()) {
+      masters_[i] = std::move(masters[i]);
+    } else if (masters_[i].defined()) {
+      masters_[i].copy_from(*params_[i].tensor);  // a checkpoint from step 0
+    }
   steps_ = steps;
 }
 
@@ -173,37 +321,22 @@ Sgd::Sgd(ParamList params, const SgdOptions& o, StateTypes types)
                  "set --momentum (e.g. 0.9), or drop --nesterov");
 }
 
-void Sgd::update(size_t i, Tensor& p, const Tensor& g) {
+void Sgd::update_chunk(const ChunkArgs& a, float* p, const float* g, float* const* s,
+                       int64_t n) const {
   const float wd = static_cast<float>(o_.weight_decay), lr = static_cast<float>(lr_);
   const float mom = static_cast<float>(o_.momentum), damp = static_cast<float>(1 - o_.dampening);
-  const bool use_mom = o_.momentum != 0, first = use_mom && !has_state(i, 0);
-  Tensor buf = use_mom ? state(i, 0) : Tensor();
+  const bool use_mom = o_.momentum != 0, first = use_mom && a.fresh_state;
   const bool nesterov = o_.nesterov;
-  for_chunks(p.numel(), [&](int64_t b, int64_t n) {
-    Staged ps(p, b, n), gs(g, b, n);
+  for (int64_t j = 0; j < n; ++j) {
+    float d = (g[j] * a.unscale) * a.clip;
+    if (wd != 0) d = d + wd * p[j];
     if (use_mom) {
-      Staged ms(buf, b, n);
-      for (int64_t j = 0; j < n; ++j) {
-        float d = gs[j];
-        if (wd != 0) d = d + wd * ps[j];
-        const float m = first ? d : ms[j] * mom + damp * d;
-        ms[j] = m;
-        if (nesterov)
-          d = d + mom * m;
-        else
-          d = m;
-        ps[j] = ps[j] + (-lr) * d;
-      }
-      ms.store();
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        float d = gs[j];
-        if (wd != 0) d = d + wd * ps[j];
-        ps[j] = ps[j] + (-lr) * d;
-      }
+      const float m = first ? d : s[0][j] * mom + damp * d;
+      s[0][j] = m;
+      d = nesterov ? d + mom * m : m;
     }
-    ps.store();
-  });
+    p[j] = p[j] + (-lr) * d;
+  }
 }
 
 // ---- Adam / AdamW ----
@@ -215,14 +348,12 @@ Adam::Adam(ParamList params, const AdamOptions& o, bool decoupled, StateTypes ty
                  "Adam eps and weight decay must be non-negative", "");
 }
 
-void Adam::update(size_t i, Tensor& p, const Tensor& g) {
-  Tensor& m = state(i, 0);
-  Tensor& v = state(i, 1);
+void Adam::begin_step() {
   const double t = static_cast<double>(steps_);
   const double bc1 = o_.bias_correction ? 1 - std::pow(o_.beta1, t) : 1.0;
   const double bc2 = o_.bias_correction ? 1 - std::pow(o_.beta2, t) : 1.0;
   // The scalars PyTorch passes to its float kernels.
-  detail::AdamScalars sc;
+  detail::AdamScalars& sc = scalars_;
   sc.b1 = static_cast<float>(o_.beta1);
   sc.b2 = static_cast<float>(o_.beta2);
   sc.one_minus_b1 = static_cast<float>(1 - o_.beta1);
@@ -233,13 +364,14 @@ void Adam::update(size_t i, Tensor& p, const Tensor& g) {
   sc.wd = static_cast<float>(o_.weight_decay);
   sc.decay = static_cast<float>(1 - lr_ * o_.weight_decay);
   sc.decoupled = decoupled_;
-  for_chunks(p.numel(), [&](int64_t b, int64_t n) {
-    Staged ps(p, b, n), gs(g, b, n), ms(m, b, n), vs(v, b, n);
-    detail::adam_update(ps.data(), gs.data(), ms.data(), vs.data(), n, sc);
-    ms.store();
-    vs.store();
-    ps.store();
-  });
+}
+
+void Adam::update_chunk(const ChunkArgs& a, float* p, const float* g, float* const* s,
+                        int64_t n) const {
+  detail::AdamScalars sc = scalars_;
+  sc.unscale = a.unscale;
+  sc.clip = a.clip;
+  detail::adam_update(p, g, s[0], s[1], n, sc);
 }
 
 void detail::adam_update(float* p, const float* g, float* m, float* v, int64_t n,
@@ -255,29 +387,16 @@ void detail::adam_update(float* p, const float* g, float* m, float* v, int64_t n
 double grad_norm(const ParamList& params) {
   double total = 0;
   for (auto& p : params) {
-    Tensor g = p.tensor->grad();
-    if (!g.defined()) continue;
-    g = g.contiguous();
-    const int64_t n = g.numel();
-    std::vector<double> partial((static_cast<size_t>(n) + (1 << 15) - 1) >> 15, 0.0);
-    parallel_for(static_cast<size_t>(n), 1 << 15, default_num_threads(), [&](size_t b, size_t e) {
-      double s = 0;
-      for (size_t c = b; c < e; c += kChunk) {
-        const int64_t len = static_cast<int64_t>(std::min<size_t>(kChunk, e - c));
-        Staged gs(g, static_cast<int64_t>(c), len);
-        float acc[8] = {};
-        for (int64_t j = 0; j < len; ++j) acc[j & 7] += gs[j] * gs[j];
-        for (float a : acc) s += a;
-      }
-      partial[b >> 15] = s;
-    });
-    for (double s : partial) total += s;
+    const Tensor g = p.tensor->grad();
+    if (g.defined()) total += sum_of_squares(g.contiguous(), 1.0f).first;
   }
   return std::sqrt(total);
 }
 
 double clip_grad_norm(const ParamList& params, double max_norm) {
   MANTISSA_CHECK(max_norm > 0, "max_grad_norm must be positive", "");
+  autograd::NoGradGuard no_grad;
+  ops::AutocastDisabled no_autocast;
   const double norm = grad_norm(params);
   if (!std::isfinite(norm)) return norm;
   const double coef = max_norm / (norm + 1e-6);

@@ -5,11 +5,13 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "mantissa/nn/module.h"
+#include "mantissa/optim/optim_kernels.h"
 
 namespace mantissa::optim {
 
@@ -22,6 +24,21 @@ struct StateTypes {
   DType second_moment = DType::f32;  // Adam exp_avg_sq
 };
 
+// What a step does besides the update, all in the same two passes over the parameters: a
+// read-only pass over the gradients (inf/NaN check and global norm, only when asked for) and the
+// update pass (unscale, clip, update, rounding to the storage types).
+struct StepOptions {
+  float grad_scale = 1;         // every gradient is multiplied by this first (the 1/S of scaling)
+  double max_grad_norm = 0;     // > 0: clip the unscaled gradients to this global 2-norm
+  bool skip_nonfinite = false;  // an inf/NaN gradient skips the whole step (nothing changes)
+};
+
+struct StepReport {
+  bool skipped = false;
+  std::optional<double> grad_norm;     // of the unscaled gradients, when computed
+  std::vector<std::string> nonfinite;  // parameters whose gradients hold inf/NaN
+};
+
 class Optimizer {
  public:
   Optimizer(ParamList params, double lr, StateTypes types);
@@ -29,29 +46,52 @@ class Optimizer {
   virtual std::string name() const = 0;
 
   // One update of every parameter that has a gradient (parameters without one are skipped, as in
-  // PyTorch). Runs without recording autograd.
-  void step();
+  // PyTorch). Runs without recording autograd and with automatic casting off. A skipped step
+  // does not count in steps().
+  StepReport step(const StepOptions& o = {});
   void zero_grad();  // drops every gradient
   double lr() const { return lr_; }
   void set_lr(double lr) { lr_ = lr; }
   int64_t steps() const { return steps_; }
   const ParamList& params() const { return params_; }
+  const StateTypes& state_types() const { return types_; }
 
-  // The state for a checkpoint: tensors named "<parameter>.<buffer>" (e.g. "fc1.weight.exp_avg")
-  // and the step count. load_state() checks names, shapes and that nothing is missing.
+  // FP32 master copies of the 16-bit parameters, made now from their current values (charged to
+  // MemoryCategory::master_weights): the update runs on the masters and rounds each into its
+  // 16-bit parameter in the same pass.
+  void enable_master_weights();
+  bool has_master_weights() const { return masters_enabled_; }
+  // Stochastic rounding of every 16-bit parameter and optimizer-state write (round to nearest
+  // even when nullopt). The random bits of an element are a function of (seed, step, parameter,
+  // buffer, element index): reproducible, independent of the thread count, and resumed exactly
+  // from the step count a checkpoint holds.
+  void set_stochastic_rounding(std::optional<uint64_t> seed) { sr_seed_ = seed; }
+  std::optional<uint64_t> stochastic_rounding() const { return sr_seed_; }
+
+  // The state for a checkpoint: tensors named "<parameter>.<buffer>" (e.g. "fc1.weight.exp_avg",
+  // "fc1.weight.master") and the step count. load_state() checks names, shapes and that nothing
+  // is missing.
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;
   void load_state(const std::map<std::string, Tensor>& tensors, int64_t steps,
                   const std::string& source);
-  // Bytes of optimizer state.
+  // Bytes of optimizer state (master weights not included).
   size_t state_bytes() const;
 
  protected:
-  // Updates parameter i (contiguous p and g) given its state buffers; called with steps_ already
-  // incremented.
-  virtual void update(size_t i, Tensor& p, const Tensor& g) = 0;
-  // The state buffer `k` of parameter i (created as zeros of state_dtype(k) on first use).
-  Tensor& state(size_t i, size_t k);
-  bool has_state(size_t i, size_t k) const;
+  // What update_chunk gets besides the FP32 arrays.
+  struct ChunkArgs {
+    size_t param = 0;
+    bool fresh_state = false;  // the state buffers were created in this step (zeros)
+    float unscale = 1, clip = 1;
+  };
+  // Called once per step before any update (per-step scalars).
+  virtual void begin_step() {}
+  // The number of state buffers this step uses (state_names() gives their names).
+  virtual size_t buffers_used() const = 0;
+  // Updates n elements of a parameter in FP32: p (the master or a staged copy), g (the
+  // gradient, not yet unscaled or clipped), s[k] the state buffers. Called from several threads.
+  virtual void update_chunk(const ChunkArgs& a, float* p, const float* g, float* const* s,
+                            int64_t n) const = 0;
   virtual std::vector<std::string> state_names() const = 0;
   virtual DType state_dtype(size_t k) const = 0;
 
@@ -61,7 +101,16 @@ class Optimizer {
   int64_t steps_ = 0;
 
  private:
+  // The state buffer `k` of parameter i (created as zeros of state_dtype(k) on first use).
+  Tensor& state(size_t i, size_t k);
+  bool has_state(size_t i, size_t k) const;
+  void update_param(size_t i, const Tensor& g, float unscale, float clip);
+  CastOptions rounding(size_t i, size_t buffer, int64_t begin) const;
+
   std::vector<std::vector<Tensor>> state_;  // [param][buffer]
+  std::vector<Tensor> masters_;             // [param]: undefined where there is none
+  bool masters_enabled_ = false;
+  std::optional<uint64_t> sr_seed_;
 };
 
 struct SgdOptions {
@@ -78,7 +127,9 @@ class Sgd : public Optimizer {
   std::string name() const override { return "sgd"; }
 
  protected:
-  void update(size_t i, Tensor& p, const Tensor& g) override;
+  size_t buffers_used() const override { return o_.momentum != 0 ? 1 : 0; }
+  void update_chunk(const ChunkArgs& a, float* p, const float* g, float* const* s,
+                    int64_t n) const override;
   std::vector<std::string> state_names() const override { return {"momentum_buffer"}; }
   DType state_dtype(size_t) const override { return types_.first_moment; }
 
@@ -101,7 +152,10 @@ class Adam : public Optimizer {
   std::string name() const override { return decoupled_ ? "adamw" : "adam"; }
 
  protected:
-  void update(size_t i, Tensor& p, const Tensor& g) override;
+  void begin_step() override;
+  size_t buffers_used() const override { return 2; }
+  void update_chunk(const ChunkArgs& a, float* p, const float* g, float* const* s,
+                    int64_t n) const override;
   std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
   DType state_dtype(size_t k) const override {
     return k == 0 ? types_.first_moment : types_.second_moment;
@@ -110,6 +164,7 @@ class Adam : public Optimizer {
  private:
   AdamOptions o_;
   bool decoupled_;
+  detail::AdamScalars scalars_{};  // this step's
 };
 
 // Scales all gradients so that their global 2-norm is at most max_norm (torch.nn.utils.

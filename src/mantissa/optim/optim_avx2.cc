@@ -15,9 +15,11 @@ __attribute__((target("avx2"))) void adam_avx2(float* __restrict p, const float*
   const __m256 neg_step = _mm256_set1_ps(-s.step_size), bc2 = _mm256_set1_ps(s.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(s.eps), wd = _mm256_set1_ps(s.wd);
   const __m256 decay = _mm256_set1_ps(s.decay);
+  const __m256 unscale = _mm256_set1_ps(s.unscale), clip = _mm256_set1_ps(s.clip);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    __m256 grad = _mm256_loadu_ps(g + j), param = _mm256_loadu_ps(p + j);
+    __m256 grad = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(g + j), unscale), clip);
+    __m256 param = _mm256_loadu_ps(p + j);
     if (s.decoupled)
       param = _mm256_mul_ps(param, decay);
     else if (s.wd != 0)

@@ -17,11 +17,14 @@ struct AdamScalars {
   float wd;     // Adam: L2 added to the gradient
   float decay;  // AdamW: 1 - lr * weight_decay
   bool decoupled;
+  // The gradient used is (g * unscale) * clip: the loss scaler's 1/S, then the clipping
+  // coefficient, as PyTorch's unscale_ and clip_grad_norm_ apply them in place (x 1 is exact).
+  float unscale = 1, clip = 1;
 };
 
 // PyTorch 1.13's single-tensor Adam/AdamW, one element.
 inline void adam_element(float& p, float g, float& m, float& v, const AdamScalars& s) {
-  float grad = g, param = p;
+  float grad = (g * s.unscale) * s.clip, param = p;
   if (s.decoupled)
     param = param * s.decay;
   else if (s.wd != 0)
