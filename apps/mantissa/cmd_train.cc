@@ -4,6 +4,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <ostream>
 #include <string>
 
@@ -48,6 +49,23 @@ constexpr const char* kTrainUsage =
     "  --seed N              seed of initialisation, shuffling and augmentation (default 0)\n"
     "  --threads N           compute threads (default: all cores)\n"
     "  --prefetch N          batches the loader prepares ahead on a background thread (default 2)\n"
+    "precision (docs/mixed_precision.md):\n"
+    "  --precision NAME      32-true (default), 16-mixed, bf16-mixed, 16-true, bf16-true, O0, O1,\n"
+    "                        O2, O3, 32.32, 16.32, 16.16\n"
+    "  --half-type T         fp16 (default) or bf16 for O1-O3, 16.32, 16.16\n"
+    "  --keep-fp32 A,B       run these modules in FP32 (e.g. norm,fc2)\n"
+    "  --half-modules A,B    run these modules in the 16-bit type\n"
+    "  --autocast-lower-list FILE  --autocast-fp32-list FILE   replace the op lists (one op\n"
+    "                        name per line)\n"
+    "  --autocast-log        print each cast decision once (op, module, from -> to)\n"
+    "  --loss-scaling S      none, dynamic, or a static scale such as 1024 (default: the mode's)\n"
+    "  --loss-scale-init X --loss-scale-min X --loss-scale-max X\n"
+    "  --loss-scale-growth-interval N (default 2000)   --loss-scale-hysteresis N (default 1)\n"
+    "  --stochastic-rounding optimizer writes 16-bit parameters and state stochastically\n"
+    "  --stochastic-outputs  every 16-bit op output is rounded stochastically too\n"
+    "  --partials T          accumulation type of matmul and convolution: fp32 (default), fp16\n"
+    "  --accum-type T        gradient type (default: the parameter's)\n"
+    "  --first-moment-type T --second-moment-type T   optimizer state: fp32, fp16, bf16\n"
     "files:\n"
     "  --init-from FILE      initial weights from a safetensors file with PyTorch names\n"
     "  --save FILE           write a checkpoint (weights, optimizer and RNG state) atomically\n"
@@ -124,6 +142,19 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
   auto dbl = [](const char* name, double& dst) {
     return Flag{true, [name, &dst](const std::string& v) { dst = to_double(name, v); }};
   };
+  auto list = [](std::vector<std::string>& dst) {
+    return Flag{true, [&dst](const std::string& v) {
+                  size_t b = 0;
+                  while (b <= v.size()) {
+                    const size_t e = std::min(v.find(',', b), v.size());
+                    if (e > b) dst.push_back(v.substr(b, e - b));
+                    b = e + 1;
+                  }
+                }};
+  };
+  auto opt_dbl = [](const char* name, std::optional<double>& dst) {
+    return Flag{true, [name, &dst](const std::string& v) { dst = to_double(name, v); }};
+  };
   auto on = [](bool& dst, bool value) {
     return Flag{false, [&dst, value](const std::string&) { dst = value; }};
   };
@@ -168,6 +199,26 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--seed", i64("--seed", seed, 0)},
       {"--threads", i64("--threads", threads, 1)},
       {"--prefetch", i64("--prefetch", prefetch, 0)},
+      {"--precision", str(c.precision)},
+      {"--half-type", str(c.half_type)},
+      {"--keep-fp32", list(c.keep_fp32)},
+      {"--half-modules", list(c.half_modules)},
+      {"--autocast-lower-list", str(c.autocast_lower_list)},
+      {"--autocast-fp32-list", str(c.autocast_fp32_list)},
+      {"--autocast-log", on(c.autocast_log, true)},
+      {"--loss-scaling", str(c.loss_scaling)},
+      {"--loss-scale-init", opt_dbl("--loss-scale-init", c.loss_scale_init)},
+      {"--loss-scale-min", opt_dbl("--loss-scale-min", c.loss_scale_min)},
+      {"--loss-scale-max", opt_dbl("--loss-scale-max", c.loss_scale_max)},
+      {"--loss-scale-growth-interval",
+       i64("--loss-scale-growth-interval", c.loss_scale_growth_interval, 1)},
+      {"--loss-scale-hysteresis", i64("--loss-scale-hysteresis", c.loss_scale_hysteresis, 1)},
+      {"--stochastic-rounding", on(c.stochastic_rounding, true)},
+      {"--stochastic-outputs", on(c.stochastic_outputs, true)},
+      {"--partials", str(c.partials)},
+      {"--accum-type", str(c.accum_type)},
+      {"--first-moment-type", str(c.first_moment_type)},
+      {"--second-moment-type", str(c.second_moment_type)},
       {"--init-from", str(c.init_from)},
       {"--save", str(c.save)},
       {"--resume", str(c.resume)},

@@ -1,6 +1,8 @@
 // Mantissa's public C++ API: include this one header.
 #pragma once
 
+#include "mantissa/amp/loss_scaler.h"
+#include "mantissa/amp/precision.h"
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/convert.h"
 #include "mantissa/core/cpu_features.h"
@@ -11,13 +13,14 @@
 #include "mantissa/core/parallel.h"
 #include "mantissa/core/philox.h"
 #include "mantissa/core/tensor.h"
+#include "mantissa/data/datasets.h"
+#include "mantissa/data/loader.h"
 #include "mantissa/io/safetensors.h"
-#include "mantissa/ops/ops.h"
 #include "mantissa/nn/init.h"
 #include "mantissa/nn/layers.h"
 #include "mantissa/nn/models.h"
 #include "mantissa/nn/module.h"
+#include "mantissa/ops/autocast.h"
+#include "mantissa/ops/ops.h"
 #include "mantissa/optim/optim.h"
-#include "mantissa/data/datasets.h"
-#include "mantissa/data/loader.h"
 #include "mantissa/train/trainer.h"

@@ -143,6 +143,11 @@ MemoryTracker& default_memory_tracker() {
   return tracker;
 }
 
+MemoryTracker& host_memory_tracker() {
+  static MemoryTracker tracker("host");
+  return tracker;
+}
+
 std::string format_bytes(size_t bytes) {
   static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB"};
   if (bytes < 1024) return std::to_string(bytes) + " B";

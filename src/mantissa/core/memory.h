@@ -96,6 +96,9 @@ class MemoryTracker {
 
 // The tracker of the CPU device, which tensors use unless told otherwise.
 MemoryTracker& default_memory_tracker();
+// Host memory that a device would not hold: whole datasets, which a loader streams to the device
+// batch by batch (the batches are the device's input_data). Never budgeted.
+MemoryTracker& host_memory_tracker();
 
 // "0 B", "512 B", "1.50 KiB", "12.00 MiB", "1.25 GiB".
 std::string format_bytes(size_t bytes);

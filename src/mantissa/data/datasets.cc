@@ -15,7 +15,13 @@ namespace mantissa::data {
 namespace fs = std::filesystem;
 namespace {
 
-TensorOptions input_data() { return charged_to(MemoryCategory::input_data); }
+// Whole datasets live in host memory (host_memory_tracker()); the loader's batches are what the
+// device holds.
+TensorOptions input_data() {
+  TensorOptions o = charged_to(MemoryCategory::input_data);
+  o.tracker = &host_memory_tracker();
+  return o;
+}
 
 // The whole (decompressed) contents of a file; zlib reads raw files unchanged.
 std::vector<uint8_t> read_file(const std::string& path, const std::string& hint) {

@@ -25,6 +25,15 @@ void load_f32(const void* src, DType t, int64_t stride, int64_t n, float* dst) {
   } else if (t == DType::f32) {
     const float* s = static_cast<const float*>(src);
     for (int64_t i = 0; i < n; ++i) dst[i] = s[i * stride];
+  } else if (dtype_size(t) == 2) {
+    // Gathered into runs of 16-bit values, converted a run at a time (the SIMD path).
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    uint16_t run[256];
+    for (int64_t i0 = 0; i0 < n; i0 += 256) {
+      const int64_t m = std::min<int64_t>(256, n - i0);
+      for (int64_t i = 0; i < m; ++i) run[i] = s[(i0 + i) * stride];
+      convert(run, t, dst + i0, DType::f32, static_cast<size_t>(m));
+    }
   } else {
     const int64_t es = static_cast<int64_t>(dtype_size(t));
     for (int64_t i = 0; i < n; ++i)
@@ -39,6 +48,14 @@ void store_f32(const float* src, int64_t n, void* dst, DType t, int64_t stride) 
   } else if (t == DType::f32) {
     float* d = static_cast<float*>(dst);
     for (int64_t i = 0; i < n; ++i) d[i * stride] = src[i];
+  } else if (dtype_size(t) == 2) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    uint16_t run[256];
+    for (int64_t i0 = 0; i0 < n; i0 += 256) {
+      const int64_t m = std::min<int64_t>(256, n - i0);
+      convert(src + i0, DType::f32, run, t, static_cast<size_t>(m));
+      for (int64_t i = 0; i < m; ++i) d[(i0 + i) * stride] = run[i];
+    }
   } else {
     const int64_t es = static_cast<int64_t>(dtype_size(t));
     for (int64_t i = 0; i < n; ++i)

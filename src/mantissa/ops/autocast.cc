@@ -269,8 +269,15 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor
         break;
     }
     if (target) opt_->out = *target;
-    if (target && ctx.log && *target != *first)
-      ctx.log->record({std::string(op_info(op).name), current_module_path(), *first, *target, cat});
+    if (target && ctx.log) {
+      // Logged when an input changes type: the first that does (inputs_ may already be cast).
+      for (const Tensor* t : inputs) {
+        if (!t || !t->defined() || !is_float(t->dtype()) || t->dtype() == *target) continue;
+        ctx.log->record(
+            {std::string(op_info(op).name), current_module_path(), t->dtype(), *target, cat});
+        break;
+      }
+    }
   }
   // Stochastic outputs: compute in FP32, round the result once, stochastically.
   if (ctx.stochastic) {

@@ -60,8 +60,16 @@ int64_t count_correct(const Tensor& out, const Tensor& labels) {
   return correct;
 }
 
+amp::PrecisionMode mode_of(const TrainConfig& c) {
+  return amp::precision_mode(
+      c.precision, c.half_type.empty()
+                       ? std::nullopt
+                       : std::optional<DType>(amp::parse_float_type(c.half_type, "--half-type")));
+}
+
 data::LoaderConfig loader_config(const TrainConfig& c, bool train, int64_t channels) {
   data::LoaderConfig lc;
+  lc.dtype = mode_of(c).input_dtype;
   lc.batch_size = train ? c.batch_size : c.eval_batch_size;
   lc.shuffle = train && c.shuffle;
   lc.drop_last = train;
@@ -126,7 +134,8 @@ nn::ModelConfig model_config_from(const io::SafetensorsFile& f, const std::strin
 // in evaluation mode, without recording; the model's mode is restored afterwards. `source` names
 // the weights in the error for a dataset of another channel count.
 EvalResult evaluate_split(nn::Classifier& m, const TrainConfig& c,
-                          const std::string& source = "the model") {
+                          const std::string& source = "the model",
+                          const ops::AutocastPolicy* policy = nullptr) {
   data::Dataset test = load_split(c, false);
   MANTISSA_CHECK(test.channels() == m.config().in_channels,
                  "dataset " + test.name + " has " + std::to_string(test.channels()) +
@@ -142,8 +151,12 @@ EvalResult evaluate_split(nn::Classifier& m, const TrainConfig& c,
   double loss_sum = 0;
   int64_t correct = 0;
   loader.start(0);
+  const amp::PrecisionMode mode = mode_of(c);
   while (auto batch = loader.next()) {
+    std::optional<ops::AutocastScope> autocast;
+    if (mode.autocast && policy) autocast.emplace(mode.half, *policy);
     Tensor out = m(batch->images);
+    if (mode.fp32_loss && out.dtype() != DType::f32) out = ops::cast(out, DType::f32);
     loss_sum += m.loss(out, batch->labels).item() * static_cast<double>(batch->labels.size(0));
     correct += count_correct(out, batch->labels);
     r.examples += batch->labels.size(0);
@@ -160,7 +173,8 @@ class ProgressBar {
     tty_ = enabled_ && isatty(STDERR_FILENO);
   }
   void update(int64_t epoch, int64_t epochs, int64_t done, int64_t total, double elapsed,
-              double images, double loss, double acc, bool final) {
+              double images, double loss, double acc, bool final,
+              const amp::LossScaler* scaler = nullptr) {
     if (!enabled_) return;
     const auto now = Clock::now();
     const double since = std::chrono::duration<double>(now - last_).count();
@@ -173,14 +187,18 @@ class ProgressBar {
     bar.resize(width, ' ');
     const double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0;
     const double eta = rate > 0 ? static_cast<double>(total - done) / rate : 0;
-    char line[256];
+    char scale[64] = "";
+    if (scaler)
+      std::snprintf(scale, sizeof scale, ", scale=%g, skipped=%lld", scaler->scale(),
+                    static_cast<long long>(scaler->skipped_steps()));
+    char line[320];
     std::snprintf(line, sizeof line,
                   "epoch %lld/%lld %3d%%|%s| %lld/%lld [%s<%s, %.2f it/s, %.0f img/s, loss=%.4f, "
-                  "acc=%.2f%%]",
+                  "acc=%.2f%%%s]",
                   static_cast<long long>(epoch), static_cast<long long>(epochs),
                   static_cast<int>(frac * 100), bar.c_str(), static_cast<long long>(done),
                   static_cast<long long>(total), clock_str(elapsed).c_str(), clock_str(eta).c_str(),
-                  rate, elapsed > 0 ? images / elapsed : 0, loss, acc * 100);
+                  rate, elapsed > 0 ? images / elapsed : 0, loss, acc * 100, scale);
     *os_ << (tty_ ? "\r" : "") << line << (tty_ && !final ? "" : "\n") << std::flush;
   }
 
@@ -246,6 +264,30 @@ void validate(const TrainConfig& c) {
                  "--init-from and --resume cannot be used together",
                  "--resume restores the weights itself; use one of them");
   optim::parse_schedule(c.lr_schedule);
+  const amp::PrecisionMode mode = mode_of(c);
+  MANTISSA_CHECK(c.partials == "fp32" || c.partials == "fp16",
+                 "--partials '" + c.partials + "' is not valid", "use fp32 or fp16");
+  for (const auto& [flag, v] :
+       {std::pair<const char*, const std::string*>{"--accum-type", &c.accum_type},
+        {"--first-moment-type", &c.first_moment_type},
+        {"--second-moment-type", &c.second_moment_type}})
+    if (!v->empty()) amp::parse_float_type(*v, flag);
+  if (!c.loss_scaling.empty()) amp::parse_loss_scaling(c.loss_scaling);
+  MANTISSA_CHECK(c.loss_scale_growth_interval > 0, "--loss-scale-growth-interval must be positive",
+                 "e.g. 2000");
+  MANTISSA_CHECK(c.loss_scale_hysteresis >= 1, "--loss-scale-hysteresis must be at least 1",
+                 "1 backs off on every overflow");
+  MANTISSA_CHECK(!c.stochastic_outputs || mode.param_dtype != DType::f32 || mode.autocast,
+                 "--stochastic-outputs needs 16-bit op outputs",
+                 "use it with a 16-bit --precision (16-true, bf16-true, 16-mixed, ...)");
+  std::optional<std::vector<std::string>> lower, fp32;
+  if (!c.autocast_lower_list.empty()) lower = ops::read_op_list(c.autocast_lower_list);
+  if (!c.autocast_fp32_list.empty()) fp32 = ops::read_op_list(c.autocast_fp32_list);
+  ops::AutocastPolicy().replace_lists(lower, fp32);
+  for (const auto& k : c.keep_fp32)
+    MANTISSA_CHECK(
+        std::find(c.half_modules.begin(), c.half_modules.end(), k) == c.half_modules.end(),
+        "module '" + k + "' is in both --keep-fp32 and --half-modules", "name it in one of them");
 }
 
 Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
@@ -261,8 +303,14 @@ Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
   mc.imagenet_stem = config_.imagenet_stem;
   model_ = nn::make_model(config_.model, mc);
   if (!config_.init_from.empty()) init_from(config_.init_from);
+  apply_precision();
 
   auto params = model_->named_parameters();
+  optim::StateTypes types{mode_.first_moment, mode_.second_moment};
+  if (!config_.first_moment_type.empty())
+    types.first_moment = amp::parse_float_type(config_.first_moment_type, "--first-moment-type");
+  if (!config_.second_moment_type.empty())
+    types.second_moment = amp::parse_float_type(config_.second_moment_type, "--second-moment-type");
   const double wd = config_.effective_weight_decay();
   if (config_.optimizer == "sgd") {
     optim::SgdOptions o;
@@ -270,7 +318,7 @@ Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
     o.momentum = config_.momentum;
     o.nesterov = config_.nesterov;
     o.weight_decay = wd;
-    optimizer_ = std::make_unique<optim::Sgd>(params, o);
+    optimizer_ = std::make_unique<optim::Sgd>(params, o, types);
   } else {
     optim::AdamOptions o;
     o.lr = config_.lr;
@@ -279,7 +327,30 @@ Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
     o.eps = config_.eps;
     o.bias_correction = config_.bias_correction;
     o.weight_decay = wd;
-    optimizer_ = std::make_unique<optim::Adam>(params, o, config_.optimizer == "adamw");
+    optimizer_ = std::make_unique<optim::Adam>(params, o, config_.optimizer == "adamw", types);
+  }
+  if (mode_.master_weights) optimizer_->enable_master_weights();
+  // A stream of its own: the seed also keys initialisation, shuffling and dropout.
+  if (config_.stochastic_rounding) optimizer_->set_stochastic_rounding(config_.seed ^ 0x5352u);
+  std::optional<amp::LossScalerOptions> so = config_.loss_scaling.empty()
+                                                 ? mode_.loss_scaling
+                                                 : amp::parse_loss_scaling(config_.loss_scaling);
+  if (so) {
+    if (config_.loss_scale_init) so->init_scale = *config_.loss_scale_init;
+    so->min_scale = config_.loss_scale_min;
+    so->max_scale = config_.loss_scale_max;
+    so->growth_interval = config_.loss_scale_growth_interval;
+    so->hysteresis = config_.loss_scale_hysteresis;
+    scaler_.emplace(*so);
+  }
+  if (streams_.out) {
+    amp::PrecisionMode shown = mode_;  // with the flags that override the mode's defaults
+    shown.loss_scaling = so;
+    shown.first_moment = types.first_moment;
+    shown.second_moment = types.second_moment;
+    *streams_.out << shown.describe() << ", partials " << config_.partials
+                  << (config_.stochastic_rounding ? ", stochastic rounding" : "")
+                  << (config_.stochastic_outputs ? ", stochastic op outputs" : "") << std::endl;
   }
   schedule_.kind = optim::parse_schedule(config_.lr_schedule);
   schedule_.warmup_steps = config_.warmup_steps;
@@ -295,6 +366,66 @@ Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::apply_precision() {
+  mode_ = mode_of(config_);
+  nn::Module& m = *model_;
+  if (mode_.param_dtype != DType::f32) {
+    m.to(mode_.param_dtype);
+    if (mode_.keep_norm_fp32) {
+      // O2: normalization layers keep FP32 weights and statistics and take 16-bit activations
+      // as they come; the log-softmax (the loss's first half) runs in FP32.
+      for (auto& [path, sub] : m.named_modules()) {
+        const std::string& t = sub->type();
+        if (t == "BatchNorm2d" || t == "GroupNorm" || t == "LayerNorm")
+          sub->cast_parameters(DType::f32);
+        if (t == "LogSoftmax") sub->to(DType::f32);
+      }
+    }
+  }
+  for (const std::string& path : config_.half_modules) m.submodule(path).to(mode_.half);
+  for (const std::string& path : config_.keep_fp32) m.submodule(path).to(DType::f32);
+  if (!config_.accum_type.empty()) {
+    const DType t = amp::parse_float_type(config_.accum_type, "--accum-type");
+    for (auto& p : m.named_parameters()) p.tensor->autograd_meta()->grad_dtype = t;
+  }
+  std::optional<std::vector<std::string>> lower, fp32;
+  if (!config_.autocast_lower_list.empty()) lower = ops::read_op_list(config_.autocast_lower_list);
+  if (!config_.autocast_fp32_list.empty()) fp32 = ops::read_op_list(config_.autocast_fp32_list);
+  policy_.replace_lists(lower, fp32);
+  std::function<void(const std::string&)> sink;
+  if (config_.autocast_log && streams_.out) {
+    std::ostream* os = streams_.out;
+    sink = [os](const std::string& line) { *os << line << std::endl; };
+  }
+  log_ = std::make_unique<ops::AutocastLog>(sink);
+  partials_ = config_.partials == "fp16" ? kernels::Partials::kF16 : kernels::Partials::kF32;
+}
+
+std::pair<float, Tensor> Trainer::train_step(const data::Batch& batch) {
+  Tensor out, loss;
+  {
+    ops::PartialsScope partials(partials_);
+    std::optional<ops::AutocastScope> autocast;
+    if (mode_.autocast) autocast.emplace(mode_.half, policy_, log_.get());
+    std::optional<ops::StochasticOutputsScope> sr;
+    if (config_.stochastic_outputs)
+      sr.emplace(config_.seed ^ 0x4f5554u, static_cast<uint64_t>(step_) << 24);
+    out = (*model_)(batch.images);
+    if (mode_.fp32_loss && out.dtype() != DType::f32) out = ops::cast(out, DType::f32);
+    loss = model_->loss(out, batch.labels);
+  }
+  // Scaled in FP32: S * loss; the optimizer multiplies the gradients by 1/S.
+  autograd::backward(scaler_ ? ops::mul_scalar(loss, scaler_->scale()) : loss);
+  optim::StepOptions so;
+  so.grad_scale = scaler_ ? scaler_->inverse_scale() : 1.0f;
+  so.max_grad_norm = config_.max_grad_norm;
+  so.skip_nonfinite = scaler_.has_value();
+  const optim::StepReport report = optimizer_->step(so);
+  if (scaler_) scaler_->update(!report.nonfinite.empty(), report.nonfinite);
+  optimizer_->zero_grad();
+  return {static_cast<float>(loss.item()), out.detach()};
+}
 
 void Trainer::init_from(const std::string& path) {
   const io::SafetensorsFile f = io::load_safetensors(path);
@@ -323,7 +454,11 @@ void Trainer::save_checkpoint(const std::string& path) const {
       {"batch_size", std::to_string(config_.batch_size)},
       {"synthetic_size", std::to_string(config_.synthetic_size)},
       {"step_losses", losses.dump()},
+      {"precision", mode_.name},
   };
+  if (scaler_) m["loss_scaler"] = scaler_->to_json();
+  if (optimizer_->stochastic_rounding())
+    m["stochastic_rounding_seed"] = std::to_string(*optimizer_->stochastic_rounding());
   io::save_safetensors(path, tensors, m);
 }
 
@@ -350,6 +485,15 @@ void Trainer::load_checkpoint(const std::string& path) {
   MANTISSA_CHECK(opt == optimizer_->name(),
                  path + " holds the state of optimizer " + opt + ", not " + optimizer_->name(),
                  "pass --optimizer " + opt + " to resume it");
+  const std::string precision =
+      f.metadata.count("precision") ? f.metadata.at("precision") : std::string("32-true");
+  MANTISSA_CHECK(precision == mode_.name,
+                 path + " was trained with --precision " + precision + ", not " + mode_.name,
+                 "pass --precision " + precision + " to resume it");
+  MANTISSA_CHECK(f.metadata.count("loss_scaler") == (scaler_ ? 1u : 0u),
+                 path + (scaler_ ? " holds no loss-scaler state" : " holds loss-scaler state"),
+                 "resume with the --loss-scaling of the original run");
+  if (scaler_) scaler_->load_json(f.metadata.at("loss_scaler"), path);
   model_->load_state_dict(model_tensors(f), path);
   std::map<std::string, Tensor> state;
   for (auto& [name, t] : f.tensors)
@@ -372,7 +516,6 @@ void Trainer::train_steps(TrainResult& result) {
   const int64_t total = config_.max_steps > 0 ? std::min(config_.max_steps, schedule_.total_steps)
                                               : schedule_.total_steps;
   const int64_t epochs = (total + bpe - 1) / bpe;
-  const auto params = model_->named_parameters();
   ProgressBar bar(streams_.progress, config_.progress);
   model_->train();
   const auto t_train = Clock::now();
@@ -392,26 +535,21 @@ void Trainer::train_steps(TrainResult& result) {
       if (!batch) break;
       nn::set_random_context({config_.seed, static_cast<uint64_t>(step_)});
       optimizer_->set_lr(schedule_.lr_at(config_.lr, step_));
-      Tensor out = (*model_)(batch->images);
-      Tensor loss = model_->loss(out, batch->labels);
-      autograd::backward(loss);
-      if (config_.max_grad_norm > 0) optim::clip_grad_norm(params, config_.max_grad_norm);
-      optimizer_->step();
-      optimizer_->zero_grad();
-      const float l = static_cast<float>(loss.item());
+      const auto [l, out] = train_step(*batch);
       MANTISSA_CHECK(std::isfinite(l),
                      "the loss became " + std::string(std::isnan(l) ? "nan" : "inf") + " at step " +
                          std::to_string(step_ + 1),
                      "lower --lr, or set --max-grad-norm");
       step_losses_.push_back(l);
       loss_sum += l;
-      correct += count_correct(out.detach(), batch->labels);
+      correct += count_correct(out, batch->labels);
       seen += batch->labels.size(0);
       ++step_;
       es.steps = step_ - first;
       bar.update(es.epoch, epochs, step_ - epoch * bpe, last - epoch * bpe, seconds_since(t0),
                  static_cast<double>(seen), loss_sum / static_cast<double>(es.steps),
-                 static_cast<double>(correct) / static_cast<double>(seen), step_ == last);
+                 static_cast<double>(correct) / static_cast<double>(seen), step_ == last,
+                 loss_scaler());
     }
     es.seconds = seconds_since(t0);
     es.loss = es.steps > 0 ? loss_sum / static_cast<double>(es.steps) : 0;
@@ -438,6 +576,11 @@ TrainResult Trainer::run() {
   train_steps(r);
   r.memory = default_memory_tracker().stats();
   r.steps = step_;
+  if (scaler_) {
+    r.loss_scale = scaler_->scale();
+    r.skipped_steps = scaler_->skipped_steps();
+    r.loss_scale_history = scaler_->history();
+  }
   r.step_losses = step_losses_;
   if (!config_.save.empty()) save_checkpoint(config_.save);
   if (config_.evaluate) {
@@ -449,14 +592,18 @@ TrainResult Trainer::run() {
   if (streams_.out && r.train_seconds > 0)
     *streams_.out << "training: " << fmt("%.1f", r.images_per_second) << " images/s, waited "
                   << fmt("%.2f", r.data_wait_seconds) << " s for data, peak memory "
-                  << format_bytes(r.memory.peak_total) << std::endl;
+                  << format_bytes(r.memory.peak_total)
+                  << (scaler_ ? ", loss scale " + fmt("%g", scaler_->scale()) + ", " +
+                                    std::to_string(scaler_->skipped_steps()) + " steps skipped"
+                              : std::string())
+                  << std::endl;
   if (!config_.metrics_json.empty())
     write_file_atomic(config_.metrics_json, metrics_json(config_, r));
   return r;
 }
 
 double Trainer::evaluate(int64_t* examples) {
-  const EvalResult r = evaluate_split(*model_, config_);
+  const EvalResult r = evaluate_split(*model_, config_, "the model", &policy_);
   if (examples) *examples = r.examples;
   return r.accuracy;
 }
@@ -485,7 +632,18 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
                  {"seed", c.seed},
                  {"threads", c.threads > 0 ? c.threads : default_num_threads()},
                  {"init_from", c.init_from},
-                 {"resume", c.resume}};
+                 {"resume", c.resume},
+                 {"precision", c.precision},
+                 {"half_type", c.half_type},
+                 {"keep_fp32", c.keep_fp32},
+                 {"half_modules", c.half_modules},
+                 {"loss_scaling", c.loss_scaling},
+                 {"stochastic_rounding", c.stochastic_rounding},
+                 {"stochastic_outputs", c.stochastic_outputs},
+                 {"partials", c.partials},
+                 {"accum_type", c.accum_type},
+                 {"first_moment_type", c.first_moment_type},
+                 {"second_moment_type", c.second_moment_type}};
   j["step_losses"] = r.step_losses;
   j["epochs"] = json::array();
   for (auto& e : r.epochs)
@@ -505,6 +663,15 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
   for (MemoryCategory cat : kAllMemoryCategories)
     peak[std::string(memory_category_name(cat))] = r.memory.peak_of(cat);
   j["peak_memory_bytes"] = peak;
+  if (r.loss_scale) {
+    json h = json::array();
+    for (const amp::ScaleChange& ch : r.loss_scale_history)
+      h.push_back({{"step", ch.step}, {"scale", ch.scale}, {"overflow", ch.overflow}});
+    j["loss_scale"] = {
+        {"final", *r.loss_scale}, {"skipped_steps", r.skipped_steps}, {"history", h}};
+  } else {
+    j["loss_scale"] = nullptr;
+  }
   return j.dump(2) + "\n";
 }
 

@@ -12,8 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "mantissa/amp/loss_scaler.h"
+#include "mantissa/amp/precision.h"
 #include "mantissa/data/loader.h"
 #include "mantissa/nn/models.h"
+#include "mantissa/ops/autocast.h"
 #include "mantissa/optim/optim.h"
 
 namespace mantissa::train {
@@ -48,6 +51,22 @@ struct TrainConfig {
   uint64_t seed = 0;
   int threads = 0;  // 0: all hardware threads
   std::string init_from, save, resume, metrics_json;
+  // ---- Precision (docs/mixed_precision.md) ----
+  std::string precision = "32-true";      // a name of amp::precision_names()
+  std::string half_type;                  // fp16 | bf16 for the modes whose name does not fix it
+  std::vector<std::string> keep_fp32;     // module paths run in FP32
+  std::vector<std::string> half_modules;  // module paths run in the mode's 16-bit type
+  std::string autocast_lower_list, autocast_fp32_list;  // op-list files replacing the defaults
+  bool autocast_log = false;                            // print each cast decision once
+  std::string loss_scaling;  // "" (the mode's), none, dynamic, or a static scale
+  std::optional<double> loss_scale_min, loss_scale_max, loss_scale_init;
+  int64_t loss_scale_growth_interval = 2000;
+  int64_t loss_scale_hysteresis = 1;
+  bool stochastic_rounding = false;  // optimizer writes of 16-bit parameters and state
+  bool stochastic_outputs = false;   // every 16-bit op output (forward)
+  std::string partials = "fp32";     // accumulation of matmul and convolution: fp32 | fp16
+  std::string accum_type, first_moment_type, second_moment_type;  // "": the mode's default
+
   bool progress = true;  // progress bar on the progress stream
   bool evaluate = true;  // test accuracy after training
   int prefetch = 2;      // batches the loader prepares ahead
@@ -82,6 +101,11 @@ struct TrainResult {
   double data_wait_seconds = 0;  // time the loop waited for the loader
   int64_t steps = 0;             // global step count at the end
   MemoryStats memory;            // peaks over training
+  // Loss scaling, when on: the final scale, steps skipped for inf/NaN gradients (whole run,
+  // resumes included) and every change of the scale.
+  std::optional<double> loss_scale;
+  int64_t skipped_steps = 0;
+  std::vector<amp::ScaleChange> loss_scale_history;
 };
 
 // Where the trainer writes: the result lines (stdout) and the progress bar (stderr).
@@ -102,6 +126,10 @@ class Trainer {
 
   nn::Classifier& model() { return *model_; }
   optim::Optimizer& optimizer() { return *optimizer_; }
+  const amp::PrecisionMode& precision() const { return mode_; }
+  amp::LossScaler* loss_scaler() { return scaler_ ? &*scaler_ : nullptr; }
+  const ops::AutocastPolicy& autocast_policy() const { return policy_; }
+  const ops::AutocastLog& autocast_log() const { return *log_; }
   const TrainConfig& config() const { return config_; }
   int64_t step() const { return step_; }
 
@@ -113,6 +141,10 @@ class Trainer {
 
  private:
   void train_steps(TrainResult& result);
+  void apply_precision();
+  // One optimizer step on a batch: forward and loss in the configured precision, scaled
+  // backward, the fused step; returns the (unscaled) loss and the output for accuracy.
+  std::pair<float, Tensor> train_step(const data::Batch& batch);
 
   TrainConfig config_;
   TrainStreams streams_;
@@ -123,6 +155,11 @@ class Trainer {
   std::unique_ptr<data::Loader> loader_;
   int64_t step_ = 0;
   std::vector<float> step_losses_;
+  amp::PrecisionMode mode_;
+  ops::AutocastPolicy policy_;
+  std::unique_ptr<ops::AutocastLog> log_;
+  std::optional<amp::LossScaler> scaler_;
+  kernels::Partials partials_ = kernels::Partials::kF32;
 };
 
 // The metrics file's JSON text.

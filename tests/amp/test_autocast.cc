@@ -1,0 +1,240 @@
+// Automatic casting: the policy and its lists, the dtype each category gives, the cast cache, the
+// scope that disables casting, the decision log, gradients reaching FP32 weights, per-module
+// precision, stochastic op outputs and the default partials.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <set>
+
+#include "mantissa/mantissa.h"
+#include "support/errors.h"
+#include "support/files.h"
+
+namespace mantissa::ops {
+namespace {
+
+using testing::error_of;
+
+Tensor param(const Shape& s, float scale = 0.1f) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = scale * static_cast<float>((i * 7919) % 23) - 1.0f;
+  Tensor t = Tensor::from_floats(v, s, DType::f32);
+  t.set_requires_grad(true);
+  return t;
+}
+
+TEST(AutocastPolicy, StartsFromTheOpTable) {
+  AutocastPolicy p;
+  EXPECT_EQ(p.category(OpId::conv2d), AutocastCategory::kLowerPrecision);
+  EXPECT_EQ(p.category(OpId::linear), AutocastCategory::kLowerPrecision);
+  EXPECT_EQ(p.category(OpId::group_norm), AutocastCategory::kFp32);
+  EXPECT_EQ(p.category(OpId::log_softmax), AutocastCategory::kFp32);
+  EXPECT_EQ(p.category(OpId::add), AutocastCategory::kPromote);
+  EXPECT_EQ(p.category(OpId::max_pool2d), AutocastCategory::kFollowInput);
+  p.set(OpId::group_norm, AutocastCategory::kLowerPrecision);
+  EXPECT_EQ(p.category(OpId::group_norm), AutocastCategory::kLowerPrecision);
+  EXPECT_NE(error_of([&] { p.set(OpId::cast, AutocastCategory::kFp32); }), "");
+}
+
+TEST(AutocastPolicy, ListsAreReplacedAndChecked) {
+  AutocastPolicy p;
+  p.replace_lists(std::vector<std::string>{"linear", "group_norm"}, std::nullopt);
+  EXPECT_EQ(p.category(OpId::linear), AutocastCategory::kLowerPrecision);
+  EXPECT_EQ(p.category(OpId::group_norm), AutocastCategory::kLowerPrecision);
+  EXPECT_EQ(p.category(OpId::conv2d), AutocastCategory::kFollowInput);  // left the list
+  EXPECT_EQ(p.category(OpId::softmax), AutocastCategory::kFp32);        // untouched list
+  p.replace_lists(std::nullopt, std::vector<std::string>{"conv2d"});
+  EXPECT_EQ(p.category(OpId::conv2d), AutocastCategory::kFp32);
+  EXPECT_EQ(p.category(OpId::softmax), AutocastCategory::kFollowInput);
+
+  AutocastPolicy q;
+  std::string e = error_of([&] {
+    q.replace_lists(std::vector<std::string>{"conv2d"}, std::vector<std::string>{"conv2d"});
+  });
+  EXPECT_NE(e.find("'conv2d' is in both"), std::string::npos) << e;
+  e = error_of([&] { q.replace_lists(std::vector<std::string>{"conv3d"}, std::nullopt); });
+  EXPECT_NE(e.find("unknown op 'conv3d'"), std::string::npos) << e;
+  EXPECT_NE(e.find("group_norm"), std::string::npos) << e;  // lists the names
+  e = error_of([&] { q.replace_lists(std::vector<std::string>{"relu", "relu"}, std::nullopt); });
+  EXPECT_NE(e.find("twice"), std::string::npos) << e;
+  e = error_of([&] { q.replace_lists(std::vector<std::string>{"cast"}, std::nullopt); });
+  EXPECT_NE(e.find("never cast"), std::string::npos) << e;
+  // A failed replacement changes nothing.
+  EXPECT_EQ(q.category(OpId::conv2d), AutocastCategory::kLowerPrecision);
+}
+
+TEST(AutocastPolicy, ReadsOpListFiles) {
+  testing::TempDir dir;
+  const std::string path = dir.file("lower.txt");
+  std::ofstream(path) << "# ops in 16 bits\nconv2d\n  linear  # matrix ops\n\nrelu\n";
+  EXPECT_EQ(read_op_list(path), (std::vector<std::string>{"conv2d", "linear", "relu"}));
+  std::ofstream(path) << "conv2d, linear\n";
+  EXPECT_NE(error_of([&] { read_op_list(path); }).find("line 1"), std::string::npos);
+  EXPECT_NE(error_of([&] { read_op_list(dir.file("missing.txt")); }).find("missing.txt"),
+            std::string::npos);
+}
+
+TEST(Autocast, EachCategoryGivesItsType) {
+  AutocastPolicy policy;
+  const Tensor x = Tensor::from_floats({1, 2, 3, 4, 5, 6}, {2, 3}, DType::f32);
+  const Tensor w = param({4, 3});
+  const Tensor h = Tensor::from_floats({1, 2, 3, 4, 5, 6}, {2, 3}, DType::f16);
+  {
+    AutocastScope scope(DType::f16, policy);
+    EXPECT_TRUE(autocast_enabled());
+    const Tensor y = linear(x, w);
+    EXPECT_EQ(y.dtype(), DType::f16);              // lower precision
+    EXPECT_EQ(softmax(y, 1).dtype(), DType::f32);  // FP32
+    EXPECT_EQ(add(h, x).dtype(), DType::f32);      // promote: widest
+    EXPECT_EQ(add(h, h).dtype(), DType::f16);
+    EXPECT_EQ(relu(h).dtype(), DType::f16);                               // lower precision
+    EXPECT_EQ(mul_scalar(h, 2.0).dtype(), DType::f16);                    // follows its input
+    EXPECT_EQ(linear(x, w, Tensor(), {DType::f32}).dtype(), DType::f32);  // explicit type wins
+    {
+      AutocastDisabled off;
+      EXPECT_FALSE(autocast_enabled());
+      EXPECT_EQ(linear(x, w).dtype(), DType::f32);
+    }
+    EXPECT_TRUE(autocast_enabled());
+  }
+  EXPECT_FALSE(autocast_enabled());
+  EXPECT_EQ(linear(x, w).dtype(), DType::f32);
+  AutocastScope bf(DType::bf16, policy);
+  EXPECT_EQ(linear(x, w).dtype(), DType::bf16);
+  EXPECT_NE(error_of([&] { AutocastScope s(DType::f32, policy); }), "");
+}
+
+TEST(Autocast, LowerPrecisionOpsRoundTheirInputsLikeACast) {
+  AutocastPolicy policy;
+  const Tensor x = Tensor::from_floats({0.1f, 0.2f, 0.3f, 1.0f / 3}, {1, 4}, DType::f32);
+  const Tensor w = param({2, 4});
+  const Tensor expected = linear(cast(x, DType::f16), cast(w, DType::f16));
+  AutocastScope scope(DType::f16, policy);
+  EXPECT_EQ(linear(x, w).to_float_vector(), expected.to_float_vector());
+}
+
+TEST(Autocast, WeightsAreCastOncePerScopeAndGradientsReachThemInFp32) {
+  AutocastPolicy policy;
+  Tensor w = param({3, 3});
+  Tensor x = Tensor::from_floats({1, 2, 3}, {1, 3}, DType::f32);
+  Tensor loss;
+  {
+    AutocastScope scope(DType::f16, policy);
+    // The same weight used three times: one copy.
+    Tensor y = linear(linear(linear(x, w), w), w);
+    EXPECT_EQ(scope.cache_misses(), 1u);
+    EXPECT_EQ(scope.cache_hits(), 2u);
+    loss = sum(y);
+  }
+  autograd::backward(loss);
+  ASSERT_TRUE(w.grad().defined());
+  EXPECT_EQ(w.grad().dtype(), DType::f32);
+  // The same gradient as with explicit casts.
+  Tensor w2 = param({3, 3});
+  const Tensor w2h = cast(w2, DType::f16);
+  const Tensor xh = cast(x, DType::f16);
+  autograd::backward(sum(linear(linear(linear(xh, w2h), w2h), w2h)));
+  EXPECT_EQ(w.grad().to_float_vector(), w2.grad().to_float_vector());
+  // A new scope makes a new copy (the weight may have changed).
+  AutocastScope again(DType::f16, policy);
+  linear(x, w);
+  EXPECT_EQ(again.cache_misses(), 1u);
+}
+
+TEST(Autocast, LogsEachDecisionOnceWithTheModulePath) {
+  AutocastPolicy policy;
+  std::vector<std::string> lines;
+  AutocastLog log([&](const std::string& l) { lines.push_back(l); });
+  auto model = nn::make_model("tutorial-cnn", [] {
+    nn::ModelConfig c;
+    c.image_size = 24;
+    return c;
+  }());
+  const Tensor x = Tensor::zeros({2, 1, 24, 24}, DType::f32);
+  for (int i = 0; i < 3; ++i) {
+    AutocastScope scope(DType::f16, policy, &log);
+    (*model)(x);
+  }
+  ASSERT_EQ(log.decisions().size(), lines.size());
+  auto has = [&](const std::string& s) {
+    for (auto& l : lines)
+      if (l == s) return true;
+    return false;
+  };
+  EXPECT_TRUE(has("autocast: conv2d in conv1: f32 -> f16 (lower_precision)"));
+  EXPECT_TRUE(has("autocast: conv2d in conv2: f32 -> f16 (lower_precision)"));  // its weight
+  EXPECT_TRUE(has("autocast: group_norm in norm: f16 -> f32 (fp32)"));
+  EXPECT_TRUE(has("autocast: linear in fc1: f32 -> f16 (lower_precision)"));
+  EXPECT_TRUE(has("autocast: log_softmax in log_softmax: f16 -> f32 (fp32)"));
+  EXPECT_EQ(lines.size(), 6u);  // fc2's weight too; three passes, each decision once
+  EXPECT_TRUE(has("autocast: linear in fc2: f32 -> f16 (lower_precision)"));
+}
+
+TEST(Autocast, AModuleWithItsOwnPrecisionOverridesThePolicy) {
+  AutocastPolicy policy;
+  nn::ModelConfig c;
+  c.image_size = 24;
+  auto model = nn::make_model("tutorial-cnn", c);
+  model->submodule("fc2").float_();  // keep in FP32
+  EXPECT_EQ(model->submodule("fc2").precision(), DType::f32);
+  EXPECT_FALSE(model->submodule("fc1").precision());
+  AutocastLog log;
+  AutocastScope scope(DType::f16, policy, &log);
+  const Tensor y = (*model)(Tensor::zeros({2, 1, 24, 24}, DType::f32));
+  for (auto& d : log.decisions()) EXPECT_NE(d.module, "fc2") << to_string(d);
+  EXPECT_EQ(y.dtype(), DType::f32);
+  // And a half() module in an FP32 model runs in 16 bits, its input cast at its entry.
+  auto m2 = nn::make_model("tutorial-cnn", c);
+  m2->submodule("conv1").half();
+  EXPECT_EQ(m2->named_parameters()[0].tensor->dtype(), DType::f16);
+  EXPECT_EQ(m2->submodule("conv1")(Tensor::zeros({1, 1, 24, 24}, DType::f32)).dtype(), DType::f16);
+}
+
+TEST(OpContext, PartialsScopeSetsTheDefaultAccumulation) {
+  const Tensor a = Tensor::from_floats(std::vector<float>(64, 1.001f), {1, 64}, DType::f16);
+  const Tensor b = Tensor::from_floats(std::vector<float>(64 * 2, 0.999f), {2, 64}, DType::f16);
+  OpOptions f16p;
+  f16p.partials = kernels::Partials::kF16;
+  f16p.out = DType::f32;
+  const auto explicit_f16 = linear(a, b, Tensor(), f16p).to_float_vector();
+  const auto f32 = linear(a, b, Tensor(), {DType::f32}).to_float_vector();
+  ASSERT_NE(explicit_f16, f32);
+  PartialsScope scope(kernels::Partials::kF16);
+  EXPECT_EQ(default_partials(), kernels::Partials::kF16);
+  EXPECT_EQ(linear(a, b, Tensor(), {DType::f32}).to_float_vector(), explicit_f16);
+}
+
+TEST(OpContext, StochasticOutputsAreReproducibleAndUnbiased) {
+  // f16(0.1) * 1.3 lies 70% of the way between two FP16 values: round to nearest gives one of
+  // them everywhere, stochastic rounding a mix whose mean is the FP32 product.
+  const Tensor x = Tensor::full({4096}, 0.1, DType::f16);
+  auto run = [&](uint64_t seed) {
+    StochasticOutputsScope sr(seed, 0);
+    return mul_scalar(x, 1.3).to_float_vector();
+  };
+  const auto a = run(1), b = run(1), c = run(2);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  double mean = 0;
+  for (float v : a) mean += v;
+  mean /= static_cast<double>(a.size());
+  const double exact = static_cast<double>(static_cast<float>(f16(0.1f)) * 1.3f);
+  EXPECT_NEAR(mean, exact, 6e-6);  // 5 standard errors: 1.2e-4 * 0.46 / sqrt(4096) * 5
+  const auto rne = mul_scalar(x, 1.3).to_float_vector();
+  EXPECT_EQ(std::set<float>(rne.begin(), rne.end()).size(), 1u);
+  EXPECT_EQ(std::set<float>(a.begin(), a.end()).size(), 2u);
+}
+
+TEST(ModulePath, ModulesKnowTheirPathFromTheRoot) {
+  nn::ModelConfig c;
+  auto m = nn::make_model("resnet18", c);
+  EXPECT_EQ(m->path(), "");
+  EXPECT_EQ(m->submodule("layer1.0.conv1").path(), "layer1.0.conv1");
+  EXPECT_EQ(m->submodule("layer2.0.downsample.0").path(), "layer2.0.downsample.0");
+  EXPECT_EQ(current_module_path(), "");
+}
+
+}  // namespace
+}  // namespace mantissa::ops
