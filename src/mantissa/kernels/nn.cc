@@ -18,6 +18,14 @@ namespace mantissa::kernels {
 namespace {
 
 const char* bytes(const Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
+
+// n contiguous values as FP32: in place when they are f32, else converted into buf.
+const float* row_f32(const char* src, DType t, int64_t n, std::vector<float>& buf) {
+  if (t == DType::f32) return reinterpret_cast<const float*>(src);
+  buf.resize(static_cast<size_t>(n));
+  load_f32(src, t, 1, n, buf.data());
+  return buf.data();
+}
 char* bytes(Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 int64_t esize(DType t) { return static_cast<int64_t>(dtype_size(t)); }
 
@@ -391,9 +399,8 @@ Tensor conv2d_direct(const Tensor& x_in, const Tensor& w_in, const std::vector<f
 // order, so the result does not depend on the thread count.
 Tensor conv2d_direct_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Shape& w_shape,
                                      const ConvGeometry& g, DType out) {
-  const Tensor x = x_in.to(DType::f32), dy = dy_in.to(DType::f32);
-  const float* xd = x.data<float>();
-  const float* dyd = dy.data<float>();
+  // 16-bit inputs are read into FP32 one image at a time (no whole-tensor FP32 copies).
+  const Tensor x = x_in.contiguous(), dy = dy_in.contiguous();
   const int64_t taps = g.O * g.CKK, sw = g.p.stride_w, plane = g.C * g.H * g.W;
   std::vector<float> per_image(static_cast<size_t>(g.N * taps), 0.0f);  // (N, O, CKK)
   parallel_for(
@@ -401,11 +408,16 @@ Tensor conv2d_direct_backward_weight(const Tensor& dy_in, const Tensor& x_in, co
       g.N * g.HW * taps >= kParallelElements ? default_num_threads() : 1,
       [&](size_t n0, size_t n1) {
         std::vector<float> lanes(static_cast<size_t>(g.Wo));
+        std::vector<float> xbuf, dybuf;  // (C, H, W) and (O, Ho, Wo) of one image
         for (size_t n = n0; n < n1; ++n) {
-          const float* xn = xd + static_cast<int64_t>(n) * plane;
-          float* dw = per_image.data() + static_cast<int64_t>(n) * taps;
+          const int64_t ni = static_cast<int64_t>(n);
+          const float* xn =
+              row_f32(bytes(x) + ni * plane * esize(x.dtype()), x.dtype(), plane, xbuf);
+          const float* dyn = row_f32(bytes(dy) + ni * g.O * g.HW * esize(dy.dtype()), dy.dtype(),
+                                     g.O * g.HW, dybuf);
+          float* dw = per_image.data() + ni * taps;
           for (int64_t o = 0; o < g.O; ++o) {
-            const float* dyo = dyd + (static_cast<int64_t>(n) * g.O + o) * g.HW;
+            const float* dyo = dyn + o * g.HW;
             for (int64_t t = 0; t < g.CKK; ++t) {
               std::fill(lanes.begin(), lanes.end(), 0.0f);
               for_each_tap_row(g, t, [&](int64_t oh, int64_t lo, int64_t cols, int64_t xo) {

@@ -198,6 +198,17 @@ void Optimizer::update_param(size_t i, const Tensor& g, float unscale, float cli
   Tensor& target = master ? *master : p;
   constexpr size_t kParamBuffer = 15;
   for_chunks(p.numel(), [&](int64_t b, int64_t n) {
+    if (!sr_seed_ && nb == 2) {
+      auto at = [b](const Tensor& t) {
+        return static_cast<char*>(const_cast<void*>(t.data_ptr())) +
+               b * static_cast<int64_t>(dtype_size(t.dtype()));
+      };
+      const detail::DirectChunk dc{
+          at(p),        p.dtype(),        at(g),
+          g.dtype(),    at(*bufs[0]),     bufs[0]->dtype(),
+          at(*bufs[1]), bufs[1]->dtype(), master ? master->data<float>() + b : nullptr};
+      if (update_chunk_direct(a, dc, n)) return;
+    }
     Staged ps(target, b, n), gs(g, b, n);
     std::optional<Staged> ss[2];
     float* sp[2] = {nullptr, nullptr};
@@ -372,6 +383,30 @@ void Adam::update_chunk(const ChunkArgs& a, float* p, const float* g, float* con
   sc.unscale = a.unscale;
   sc.clip = a.clip;
   detail::adam_update(p, g, s[0], s[1], n, sc);
+}
+
+bool Adam::update_chunk_direct(const ChunkArgs& a, const detail::DirectChunk& c, int64_t n) const {
+  detail::AdamScalars sc = scalars_;
+  sc.unscale = a.unscale;
+  sc.clip = a.clip;
+  return detail::adam_update_direct(c, n, sc);
+}
+
+bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScalars& s) {
+#if MANTISSA_HAVE_X86_SIMD
+  static const bool avx2 =
+      cpu_features().avx2 && cpu_features().f16c && active_simd_path() == SimdPath::kAvx2;
+  auto ok = [](DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; };
+  // All-FP32 tensors gain nothing from it: the staged path reads them in place.
+  const bool all_f32 =
+      c.pt == DType::f32 && c.gt == DType::f32 && c.mt == DType::f32 && c.vt == DType::f32;
+  if (avx2 && !all_f32 && ok(c.pt) && ok(c.gt) && ok(c.mt) && ok(c.vt)) {
+    adam_update_direct_avx2(c, n, s);
+    return true;
+  }
+#endif
+  (void)c, (void)n, (void)s;
+  return false;
 }
 
 void detail::adam_update(float* p, const float* g, float* m, float* v, int64_t n,

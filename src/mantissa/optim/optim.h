@@ -92,6 +92,11 @@ class Optimizer {
   // gradient, not yet unscaled or clipped), s[k] the state buffers. Called from several threads.
   virtual void update_chunk(const ChunkArgs& a, float* p, const float* g, float* const* s,
                             int64_t n) const = 0;
+  // The same on the tensors' own storage (16-bit values converted in registers), when the
+  // optimizer has such a path and writes round to nearest; false: stage instead.
+  virtual bool update_chunk_direct(const ChunkArgs&, const detail::DirectChunk&, int64_t) const {
+    return false;
+  }
   virtual std::vector<std::string> state_names() const = 0;
   virtual DType state_dtype(size_t k) const = 0;
 
@@ -156,6 +161,8 @@ class Adam : public Optimizer {
   size_t buffers_used() const override { return 2; }
   void update_chunk(const ChunkArgs& a, float* p, const float* g, float* const* s,
                     int64_t n) const override;
+  bool update_chunk_direct(const ChunkArgs& a, const detail::DirectChunk& c,
+                           int64_t n) const override;
   std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
   DType state_dtype(size_t k) const override {
     return k == 0 ? types_.first_moment : types_.second_moment;

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "mantissa/core/dtype.h"
+
 namespace mantissa::optim::detail {
 
 struct AdamScalars {
@@ -36,6 +38,27 @@ inline void adam_element(float& p, float g, float& m, float& v, const AdamScalar
   v = vj;
   p = param + (-s.step_size) * (mj / denom);
 }
+
+// n elements of a parameter, its gradient and its Adam state in their storage types (f32, f16,
+// bf16), read and written in place: no FP32 staging copies. With `master` the parameter's values
+// come from and go to the FP32 master, and `p` receives them rounded. Writes round to nearest
+// even, so the results equal the staged path's bit for bit.
+struct DirectChunk {
+  void* p;
+  DType pt;
+  const void* g;
+  DType gt;
+  void* m;
+  DType mt;
+  void* v;
+  DType vt;
+  float* master;  // nullptr: none
+};
+// False when this machine has no such path (the caller stages instead).
+bool adam_update_direct(const DirectChunk& c, int64_t n, const AdamScalars& s);
+#if MANTISSA_HAVE_X86_SIMD
+void adam_update_direct_avx2(const DirectChunk& c, int64_t n, const AdamScalars& s);
+#endif
 
 // Adam over n contiguous elements; the AVX2 path when the CPU has it (optim.cc dispatches).
 void adam_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamScalars& s);

@@ -663,6 +663,12 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
   for (MemoryCategory cat : kAllMemoryCategories)
     peak[std::string(memory_category_name(cat))] = r.memory.peak_of(cat);
   j["peak_memory_bytes"] = peak;
+  // What the total peak was made of (the per-category peaks above may come at other moments).
+  json at_peak = json::object();
+  for (MemoryCategory cat : kAllMemoryCategories)
+    at_peak[std::string(memory_category_name(cat))] =
+        r.memory.at_peak_total[static_cast<size_t>(cat)];
+  j["memory_at_peak_bytes"] = at_peak;
   if (r.loss_scale) {
     json h = json::array();
     for (const amp::ScaleChange& ch : r.loss_scale_history)
