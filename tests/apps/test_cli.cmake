@@ -117,6 +117,29 @@ else()
   message(STATUS "ok train_metrics_json")
 endif()
 
+# ---- precision ----
+set(TRAIN_CNN --model tutorial-cnn --dataset synthetic --synthetic-size 96 --batch-size 16 --image-size 24 --no-progress --test-limit 16)
+expect(train_precision_mixed 0 "precision 16-mixed: parameters f32, input f32, autocast to f16 by op lists.*loss scaling dynamic \\(initial 65536.*autocast: conv2d in conv1: f32 -> f16 \\(lower_precision\\).*autocast: group_norm in norm: f16 -> f32 \\(fp32\\).*loss scale [0-9]+, [0-9]+ steps skipped"
+       "" train ${TRAIN_CNN} --precision 16-mixed --autocast-log --max-steps 3)
+expect(train_precision_true 0 "precision 16-true: parameters f16, input f16, autocast off.*optimizer state f16/bf16.*stochastic rounding"
+       "" train ${TRAIN_CNN} --precision 16-true --stochastic-rounding --keep-fp32 norm,fc2 --max-steps 2)
+expect(train_precision_o2_static 0 "precision O2: parameters f16 \\(normalization layers f32\\).*master weights f32.*loss scaling static 1024.*loss scale 1024"
+       "" train ${TRAIN_CNN} --precision O2 --loss-scaling 1024 --max-steps 2)
+expect(train_precision_unknown 2 "" "^mantissa: error: unknown precision 'fp8' \\(choose --precision from: 32-true, O0, 32.32, 16-mixed, bf16-mixed, O1, O2, 16-true, bf16-true, O3, 16.16, 16.32\\)
+$" train --precision fp8)
+expect(train_precision_half_type 2 "" "--precision 16-mixed fixes the 16-bit type to f16" train --precision 16-mixed --half-type bf16)
+expect(train_loss_scaling_bad 2 "" "--loss-scaling 'lots' is not valid \\(use none, dynamic, or a positive number" train --loss-scaling lots)
+expect(train_state_type_bad 2 "" "--second-moment-type 'fp8' is not a type \\(use fp32, fp16 or bf16\\)" train --second-moment-type fp8)
+expect(train_keep_fp32_unknown 2 "" "nrom" train ${TRAIN_CNN} --precision 16-true --keep-fp32 nrom)
+file(WRITE ${WORK}/lower.txt "linear\nconv9d\n")
+expect(train_autocast_list_bad 2 "" "unknown op 'conv9d' in the lower-precision list" train ${TRAIN_CNN} --precision 16-mixed --autocast-lower-list ${WORK}/lower.txt)
+expect(train_mixed_metrics 0 "" "" train ${TRAIN_CNN} --precision bf16-mixed --max-steps 2 --no-eval --metrics-json ${WORK}/bf16.json)
+file(READ ${WORK}/bf16.json bf16m)
+if(NOT bf16m MATCHES "\"precision\": \"bf16-mixed\"" OR NOT bf16m MATCHES "\"loss_scale\": null")
+  message(SEND_ERROR "FAILED train_mixed_metrics_json:\n${bf16m}")
+  math(EXPR failures "${failures} + 1")
+endif()
+
 if(failures GREATER 0)
   message(FATAL_ERROR "${failures} CLI check(s) failed")
 endif()
