@@ -82,10 +82,7 @@ std::pair<double, bool> sum_of_squares(const Tensor& g, float scale) {
       const int64_t len = static_cast<int64_t>(std::min<size_t>(kChunk, e - c));
       Staged gs(g, static_cast<int64_t>(c), len);
       float acc[8] = {};
-      for (int64_t j = 0; j < len; ++j) {
-        const float u = gs[j] * scale;
-        acc[j & 7] += u * u;
-      }
+      detail::sum_squares(gs.data(), len, scale, acc);
       float total = 0;
       for (float x : acc) total += x;
       // inf/NaN show in the sum; a finite value whose square overflows is checked one by one.
@@ -383,6 +380,14 @@ void Adam::update_chunk(const ChunkArgs& a, float* p, const float* g, float* con
   sc.unscale = a.unscale;
   sc.clip = a.clip;
   detail::adam_update(p, g, s[0], s[1], n, sc);
+}
+
+void detail::sum_squares(const float* x, int64_t n, float scale, float* acc) {
+#if MANTISSA_HAVE_X86_SIMD
+  static const bool avx2 = cpu_features().avx2 && active_simd_path() == SimdPath::kAvx2;
+  if (avx2) return sum_squares_avx2(x, n, scale, acc);
+#endif
+  sum_squares8(x, n, scale, acc);
 }
 
 bool Adam::update_chunk_direct(const ChunkArgs& a, const detail::DirectChunk& c, int64_t n) const {

@@ -154,7 +154,28 @@ __attribute__((target("avx2,f16c"))) void adam_direct(const DirectChunk& c, int6
   put(c.p, c.pt, pb);
 }
 
+// Lane k of the accumulator sums the elements j = k (mod 8), in order: the scalar loop's sums.
+__attribute__((target("avx2"))) void sum_squares_8wide(const float* x, int64_t n, float scale,
+                                                       float* acc) {
+  __m256 a = _mm256_loadu_ps(acc);
+  const __m256 s = _mm256_set1_ps(scale);
+  const int64_t full = n & ~int64_t{7};
+  for (int64_t j = 0; j < full; j += 8) {
+    const __m256 u = _mm256_mul_ps(_mm256_loadu_ps(x + j), s);
+    a = _mm256_add_ps(a, _mm256_mul_ps(u, u));
+  }
+  _mm256_storeu_ps(acc, a);
+  for (int64_t j = full; j < n; ++j) {
+    const float u = x[j] * scale;
+    acc[j & 7] += u * u;
+  }
+}
+
 }  // namespace
+
+void sum_squares_avx2(const float* x, int64_t n, float scale, float* acc) {
+  sum_squares_8wide(x, n, scale, acc);
+}
 
 void adam_update_direct_avx2(const DirectChunk& c, int64_t n, const AdamScalars& s) {
   adam_direct(c, n, s);

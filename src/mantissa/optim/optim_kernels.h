@@ -60,6 +60,19 @@ bool adam_update_direct(const DirectChunk& c, int64_t n, const AdamScalars& s);
 void adam_update_direct_avx2(const DirectChunk& c, int64_t n, const AdamScalars& s);
 #endif
 
+// acc[j % 8] += (x[j] * scale)^2 over n elements, in order (a run's sum of squares: the same
+// operations on the scalar and the AVX2 path).
+inline void sum_squares8(const float* x, int64_t n, float scale, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float u = x[j] * scale;
+    acc[j & 7] += u * u;
+  }
+}
+void sum_squares(const float* x, int64_t n, float scale, float* acc);
+#if MANTISSA_HAVE_X86_SIMD
+void sum_squares_avx2(const float* x, int64_t n, float scale, float* acc);
+#endif
+
 // Adam over n contiguous elements; the AVX2 path when the CPU has it (optim.cc dispatches).
 void adam_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamScalars& s);
 #if MANTISSA_HAVE_X86_SIMD
