@@ -131,16 +131,34 @@ TEST(Autocast, WeightsAreCastOncePerScopeAndGradientsReachThemInFp32) {
   autograd::backward(loss);
   ASSERT_TRUE(w.grad().defined());
   EXPECT_EQ(w.grad().dtype(), DType::f32);
-  // The same gradient as with explicit casts.
-  Tensor w2 = param({3, 3});
-  const Tensor w2h = cast(w2, DType::f16);
-  const Tensor xh = cast(x, DType::f16);
-  autograd::backward(sum(linear(linear(linear(xh, w2h), w2h), w2h)));
-  EXPECT_EQ(w.grad().to_float_vector(), w2.grad().to_float_vector());
+  // The weight's gradient is computed in FP32 from the 16-bit activations and activation
+  // gradients (no FP16 rounding of the weight gradient), one use at a time, last use first.
+  {
+    autograd::NoGradGuard no_grad;
+    const Tensor wh = cast(w, DType::f16), xh = cast(x, DType::f16);
+    const Tensor y1 = linear(xh, wh), y2 = linear(y1, wh);
+    const Tensor g3 = Tensor::full({1, 3}, 1.0, DType::f16);
+    const Tensor g2 = matmul(g3, wh), g1 = matmul(g2, wh);  // f16, as the activations
+    const OpOptions f32{DType::f32};
+    const Tensor dw = add(add(matmul(transpose(g3, 0, 1), y2, f32),
+                              matmul(transpose(g2, 0, 1), y1, f32)),
+                          matmul(transpose(g1, 0, 1), xh, f32));
+    EXPECT_EQ(w.grad().to_float_vector(), dw.to_float_vector());
+  }
   // A new scope makes a new copy (the weight may have changed).
   AutocastScope again(DType::f16, policy);
   linear(x, w);
   EXPECT_EQ(again.cache_misses(), 1u);
+}
+
+TEST(Autocast, StandInsOnlyStandInForLeavesOfTheirShape) {
+  Tensor w = param({2, 2});
+  const Tensor h = Tensor::zeros({2, 2}, DType::f16);
+  EXPECT_TRUE(h.stand_in_for(w).requires_grad());
+  EXPECT_NE(error_of([&] { h.stand_in_for(Tensor::zeros({2, 2}, DType::f32)); }), "");
+  EXPECT_NE(error_of([&] { h.stand_in_for(mul_scalar(w, 2.0)); }), "");
+  EXPECT_NE(error_of([&] { Tensor::zeros({4}, DType::f16).stand_in_for(w); }).find("shape"),
+            std::string::npos);
 }
 
 TEST(Autocast, LogsEachDecisionOnceWithTheModulePath) {

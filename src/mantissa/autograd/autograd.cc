@@ -37,10 +37,12 @@ void record_many(Tensor& out, std::shared_ptr<Node> node,
       in.shape = t->shape();
       in.dtype = t->dtype();
       if (t->requires_grad()) {
-        if (t->grad_fn())
+        if (t->grad_fn()) {
           in.fn = t->grad_fn();
-        else
+        } else {
           in.leaf = t->autograd_meta();
+          in.dtype = in.leaf->dtype;  // a stand-in's gradient is computed in its leaf's type
+        }
       }
     }
     node->inputs_.push_back(std::move(in));

@@ -492,6 +492,7 @@ Tensor& Tensor::set_requires_grad(bool on) {
                 "convert it to f32, f16 or bf16 first");
   if (!autograd_) autograd_ = std::make_shared<AutogradMeta>();
   autograd_->requires_grad = on;
+  autograd_->dtype = dtype_;
   return *this;
 }
 
@@ -522,6 +523,19 @@ const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const {
 Tensor Tensor::detach() const {
   Tensor t = *this;
   t.autograd_.reset();
+  return t;
+}
+
+Tensor Tensor::stand_in_for(const Tensor& leaf) const {
+  if (!leaf.requires_grad() || leaf.grad_fn())
+    throw Error("stand_in_for: the tensor stood in for is not a leaf that requires grad",
+                "use a parameter");
+  if (leaf.shape() != shape_)
+    throw Error("stand_in_for: shape " + shape_str(shape_) + " for a leaf of shape " +
+                    shape_str(leaf.shape()),
+                "a stand-in has its leaf's shape");
+  Tensor t = *this;
+  t.autograd_ = leaf.autograd_;
   return t;
 }
 

@@ -86,6 +86,9 @@ struct AutogradMeta {
   std::unique_ptr<Tensor> grad;  // same shape as the tensor; dtype: grad_dtype
   // The type gradients accumulate in (PopTorch's accum_type); the tensor's own when unset.
   std::optional<DType> grad_dtype;
+  // A leaf's own type, which ops compute its gradient in (also when a 16-bit stand-in of the
+  // leaf was what they read; see Tensor::stand_in_for).
+  DType dtype = DType::f32;
   std::shared_ptr<autograd::Node> grad_fn;  // null for leaves
 };
 
@@ -173,6 +176,10 @@ class Tensor {
   const std::shared_ptr<AutogradMeta>& autograd_meta() const { return autograd_; }
   // The same data without autograd state (what ops see inside a backward pass).
   Tensor detach() const;
+  // These values (e.g. a 16-bit copy of an FP32 weight) standing in for the leaf `leaf` in ops:
+  // they share its autograd state, so the ops' gradients go to `leaf`, computed directly in
+  // `leaf`'s type. Automatic casting uses it for its cached weight copies.
+  Tensor stand_in_for(const Tensor& leaf) const;
   // Used by the autograd layer to attach a result to the node that computed it.
   void set_grad_fn(std::shared_ptr<autograd::Node> fn);
 

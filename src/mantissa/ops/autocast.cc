@@ -4,6 +4,7 @@
 #include <set>
 
 #include "mantissa/core/error.h"
+#include "mantissa/kernels/elementwise.h"
 #include "mantissa/ops/ops.h"
 
 namespace mantissa::ops {
@@ -223,7 +224,9 @@ Tensor cached_cast(const Tensor& t, DType to) {
     return it->second.second;
   }
   ++cache.misses;
-  Tensor c = cast(t, to);
+  // A 16-bit stand-in for the weight: ops read it, and its gradient is computed straight in the
+  // weight's type (no 16-bit weight gradient to round, flush or cast back).
+  Tensor c = kernels::cast(t.detach(), to).stand_in_for(t);
   cache.entries[key] = {t, c};
   return c;
 }
