@@ -69,7 +69,7 @@ using detail::kNR;
 
 constexpr int64_t kKC = 384;   // depth of a packed panel (a multiple of 16 for FP16 partials)
 constexpr int64_t kMC = 96;    // rows of A per packed block: 96 x 384 x 4 B = 144 KiB, in L2
-constexpr int64_t kNC = 2048;  // columns of B per packed block: 384 x 2048 x 4 B = 3 MiB, in L3
+constexpr int64_t kNC = 1024;  // columns of B per packed block: 384 x 1024 x 4 B = 1.5 MiB, in L3
 constexpr int64_t kMaxC32 = int64_t{1} << 20;  // FP32 staging of a 16-bit C: at most 4 MiB a thread
 // Depth panels shallower than this walk C along its rows (see gemm_block).
 constexpr int64_t kShallowK = 64;
