@@ -82,35 +82,82 @@ __attribute__((target("avx2,f16c"))) inline void store8(void* base, DType t, int
   }
 }
 
-__attribute__((target("avx2,f16c"))) void adam_direct(const DirectChunk& c, int64_t n,
-                                                      const AdamScalars& s) {
+// The dtypes as template parameters (the modes' combinations), so the loads and stores are
+// straight-line code; kGeneric reads the types at run time.
+constexpr int kGeneric = -1;
+
+template <int T>
+__attribute__((target("avx2,f16c"))) inline __m256 load8_t(const void* base, DType t, int64_t i) {
+  if constexpr (T == kGeneric)
+    return load8(base, t, i);
+  else
+    return load8(base, static_cast<DType>(T), i);
+}
+template <int T>
+__attribute__((target("avx2,f16c"))) inline void store8_t(void* base, DType t, int64_t i,
+                                                          __m256 x) {
+  if constexpr (T == kGeneric)
+    store8(base, t, i, x);
+  else
+    store8(base, static_cast<DType>(T), i, x);
+}
+
+template <int PT, int GT, int MT, int VT, bool kMaster>
+__attribute__((target("avx2,f16c"))) int64_t adam_direct_body(const DirectChunk& c, int64_t n,
+                                                              const AdamScalars& s) {
   const __m256 b1 = _mm256_set1_ps(s.b1), b2 = _mm256_set1_ps(s.b2);
   const __m256 omb1 = _mm256_set1_ps(s.one_minus_b1), omb2 = _mm256_set1_ps(s.one_minus_b2);
   const __m256 neg_step = _mm256_set1_ps(-s.step_size), bc2 = _mm256_set1_ps(s.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(s.eps), wd = _mm256_set1_ps(s.wd);
   const __m256 decay = _mm256_set1_ps(s.decay);
   const __m256 unscale = _mm256_set1_ps(s.unscale), clip = _mm256_set1_ps(s.clip);
-  const void* pin = c.master ? static_cast<const void*>(c.master) : c.p;
-  const DType pin_t = c.master ? DType::f32 : c.pt;
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    __m256 grad = _mm256_mul_ps(_mm256_mul_ps(load8(c.g, c.gt, j), unscale), clip);
-    __m256 param = load8(pin, pin_t, j);
+    __m256 grad = _mm256_mul_ps(_mm256_mul_ps(load8_t<GT>(c.g, c.gt, j), unscale), clip);
+    __m256 param = kMaster ? _mm256_loadu_ps(c.master + j) : load8_t<PT>(c.p, c.pt, j);
     if (s.decoupled)
       param = _mm256_mul_ps(param, decay);
     else if (s.wd != 0)
       grad = _mm256_add_ps(grad, _mm256_mul_ps(wd, param));
     const __m256 mj =
-        _mm256_add_ps(_mm256_mul_ps(load8(c.m, c.mt, j), b1), _mm256_mul_ps(omb1, grad));
-    const __m256 vj = _mm256_add_ps(_mm256_mul_ps(load8(c.v, c.vt, j), b2),
+        _mm256_add_ps(_mm256_mul_ps(load8_t<MT>(c.m, c.mt, j), b1), _mm256_mul_ps(omb1, grad));
+    const __m256 vj = _mm256_add_ps(_mm256_mul_ps(load8_t<VT>(c.v, c.vt, j), b2),
                                     _mm256_mul_ps(_mm256_mul_ps(omb2, grad), grad));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vj), bc2), eps);
     const __m256 pj = _mm256_add_ps(param, _mm256_mul_ps(neg_step, _mm256_div_ps(mj, denom)));
-    store8(c.m, c.mt, j, mj);
-    store8(c.v, c.vt, j, vj);
-    if (c.master) _mm256_storeu_ps(c.master + j, pj);
-    store8(c.p, c.pt, j, pj);
+    store8_t<MT>(c.m, c.mt, j, mj);
+    store8_t<VT>(c.v, c.vt, j, vj);
+    if (kMaster) _mm256_storeu_ps(c.master + j, pj);
+    store8_t<PT>(c.p, c.pt, j, pj);
   }
+  return j;
+}
+
+constexpr int kF32 = static_cast<int>(DType::f32), kF16 = static_cast<int>(DType::f16),
+              kBF16 = static_cast<int>(DType::bf16);
+
+// The SIMD part of a chunk (returns where the tail starts): specialised for the precision modes'
+// storage combinations, generic otherwise.
+__attribute__((target("avx2,f16c"))) int64_t adam_direct_simd(const DirectChunk& c, int64_t n,
+                                                              const AdamScalars& s) {
+  auto is = [](DType t, int k) { return static_cast<int>(t) == k; };
+  if (!c.master) {
+    if (is(c.pt, kF16) && is(c.gt, kF16) && is(c.mt, kF16) && is(c.vt, kBF16))
+      return adam_direct_body<kF16, kF16, kF16, kBF16, false>(c, n, s);  // 16-true
+    if (is(c.pt, kBF16) && is(c.gt, kBF16) && is(c.mt, kBF16) && is(c.vt, kBF16))
+      return adam_direct_body<kBF16, kBF16, kBF16, kBF16, false>(c, n, s);  // bf16-true
+    return adam_direct_body<kGeneric, kGeneric, kGeneric, kGeneric, false>(c, n, s);
+  }
+  if (is(c.pt, kF16) && is(c.gt, kF16) && is(c.mt, kF32) && is(c.vt, kF32))
+    return adam_direct_body<kF16, kF16, kF32, kF32, true>(c, n, s);  // O2
+  return adam_direct_body<kGeneric, kGeneric, kGeneric, kGeneric, true>(c, n, s);
+}
+
+__attribute__((target("avx2,f16c"))) void adam_direct(const DirectChunk& c, int64_t n,
+                                                      const AdamScalars& s) {
+  const void* pin = c.master ? static_cast<const void*>(c.master) : c.p;
+  const DType pin_t = c.master ? DType::f32 : c.pt;
+  const int64_t j = adam_direct_simd(c, n, s);
   if (j == n) return;
   // The tail through 8-wide buffers (padding lanes hold zeros and are not written back).
   const int64_t rest = n - j;
