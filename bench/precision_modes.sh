@@ -1,17 +1,17 @@
-#!/ usr / bin / env bash
-#Trains the same model in every precision mode and prints images / s and peak memory, each as a
-#ratio to 32 - true(the mixed - precision issue 's bars: speed >= 0.9x, 16-true' s peak <= 55 %).
+#!/usr/bin/env bash
+# Trains the same model in every precision mode and prints images/s and peak memory, each as a
+# ratio to 32-true (the mixed-precision issue's bars: speed >= 0.9x, 16-true's peak <= 55%).
 #
-#bash bench / precision_modes.sh[--model M][--steps N][--batch - size B][--rounds R]
-#[-- dataset D][-- image - size S][-- mantissa PATH]
+#   bash bench/precision_modes.sh [--model M] [--steps N] [--batch-size B] [--rounds R]
+#                                 [--dataset D] [--image-size S] [--mantissa PATH]
 #
-#Rounds alternate the modes(mode A, mode B, ..., then again) so that a machine whose speed drifts
-#affects them alike; the best round of each mode is reported.Defaults : tutorial - cnn, 60 steps,
-#batch 12, 2 rounds, synthetic data at the model's default size (the same images/s as real data:
-#the loader prefetches on another thread).
-set - euo pipefail model = tutorial - cnn steps = 60 batch = 12 rounds = 2 dataset =
-                               synthetic size = "" bin = build / mantissa while [[$ # - gt 0]];
-do
+# Rounds alternate the modes (mode A, mode B, ..., then again) so that a machine whose speed drifts
+# affects them alike; the best round of each mode is reported. Defaults: tutorial-cnn, 60 steps,
+# batch 12, 2 rounds, synthetic data at the model's default size (the same images/s as real data:
+# the loader prefetches on another thread).
+set -euo pipefail
+model=tutorial-cnn steps=60 batch=12 rounds=2 dataset=synthetic size="" bin=build/mantissa
+while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) model=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
