@@ -66,6 +66,9 @@ constexpr const char* kTrainUsage =
     "  --partials T          accumulation type of matmul and convolution: fp32 (default), fp16\n"
     "  --accum-type T        gradient type (default: the parameter's)\n"
     "  --first-moment-type T --second-moment-type T   optimizer state: fp32, fp16, bf16\n"
+    "memory:\n"
+    "  --memory-budget SIZE  behave as a device with this much memory (e.g. 512MiB, 1.5GiB):\n"
+    "                        past it, an out-of-memory report and exit status 3\n"
     "files:\n"
     "  --init-from FILE      initial weights from a safetensors file with PyTorch names\n"
     "  --save FILE           write a checkpoint (weights, optimizer and RNG state) atomically\n"
@@ -219,6 +222,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--accum-type", str(c.accum_type)},
       {"--first-moment-type", str(c.first_moment_type)},
       {"--second-moment-type", str(c.second_moment_type)},
+      {"--memory-budget", str(c.memory_budget)},
       {"--init-from", str(c.init_from)},
       {"--save", str(c.save)},
       {"--resume", str(c.resume)},

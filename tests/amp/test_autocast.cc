@@ -140,9 +140,9 @@ TEST(Autocast, WeightsAreCastOncePerScopeAndGradientsReachThemInFp32) {
     const Tensor g3 = Tensor::full({1, 3}, 1.0, DType::f16);
     const Tensor g2 = matmul(g3, wh), g1 = matmul(g2, wh);  // f16, as the activations
     const OpOptions f32{DType::f32};
-    const Tensor dw = add(add(matmul(transpose(g3, 0, 1), y2, f32),
-                              matmul(transpose(g2, 0, 1), y1, f32)),
-                          matmul(transpose(g1, 0, 1), xh, f32));
+    const Tensor dw =
+        add(add(matmul(transpose(g3, 0, 1), y2, f32), matmul(transpose(g2, 0, 1), y1, f32)),
+            matmul(transpose(g1, 0, 1), xh, f32));
     EXPECT_EQ(w.grad().to_float_vector(), dw.to_float_vector());
   }
   // A new scope makes a new copy (the weight may have changed).

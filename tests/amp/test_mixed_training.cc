@@ -478,6 +478,36 @@ TEST(PrecisionTraining, ResumeIsBitExactWithScalerAndStochasticRounding) {
   }
 }
 
+TEST(MemoryBudget, PastTheBudgetTrainingStopsWithTheReportAndTheBudgetIsRestored) {
+  ASSERT_FALSE(default_memory_tracker().budget());
+  // 32-true needs about 85 MiB at its peak, 16-true about 45: a 60 MiB device fits one only.
+  train::TrainConfig c = small("32-true");
+  c.image_size = 128;
+  c.batch_size = 12;
+  c.max_steps = 2;
+  c.prefetch = 0;
+  c.memory_budget = "60MiB";
+  std::string report;
+  try {
+    train::Trainer t(c);
+    t.run();
+  } catch (const OutOfMemoryError& e) {
+    report = e.what();
+  }
+  EXPECT_NE(report.find("out of memory"), std::string::npos) << report;
+  EXPECT_NE(report.find("60.00 MiB budget"), std::string::npos) << report;
+  EXPECT_NE(report.find("optimizer_state"), std::string::npos) << report;
+  EXPECT_NE(report.find("fc1.weight"), std::string::npos) << report;
+  EXPECT_FALSE(default_memory_tracker().budget());  // restored
+  c.precision = "16-true";
+  train::Trainer t(c);
+  EXPECT_EQ(default_memory_tracker().budget(), size_t{60} << 20);
+  EXPECT_LE(t.run().memory.peak_total, size_t{60} << 20);
+  c.memory_budget = "lots";
+  EXPECT_NE(error_of([&] { train::validate(c); }).find("--memory-budget 'lots'"),
+            std::string::npos);
+}
+
 TEST(PrecisionTraining, MetricsReportTheLossScale) {
   testing::TempDir dir;
   train::TrainConfig c = small("16-mixed");

@@ -265,6 +265,9 @@ void validate(const TrainConfig& c) {
                  "--resume restores the weights itself; use one of them");
   optim::parse_schedule(c.lr_schedule);
   const amp::PrecisionMode mode = mode_of(c);
+  MANTISSA_CHECK(c.memory_budget.empty() || parse_bytes(c.memory_budget).value_or(0) > 0,
+                 "--memory-budget '" + c.memory_budget + "' is not a size",
+                 "give bytes or a size with a unit, e.g. 512MiB or 1.5GiB");
   MANTISSA_CHECK(c.partials == "fp32" || c.partials == "fp16",
                  "--partials '" + c.partials + "' is not valid", "use fp32 or fp16");
   for (const auto& [flag, v] :
@@ -293,6 +296,11 @@ void validate(const TrainConfig& c) {
 Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
     : config_(config), streams_(streams) {
   validate(config_);
+  if (!config_.memory_budget.empty()) {
+    budget_.previous = default_memory_tracker().budget();
+    budget_.active = true;
+    default_memory_tracker().set_budget(parse_bytes(config_.memory_budget));
+  }
   set_num_threads(config_.threads);
   train_data_ = load_split(config_, true);
   nn::ModelConfig mc;
@@ -643,7 +651,8 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
                  {"partials", c.partials},
                  {"accum_type", c.accum_type},
                  {"first_moment_type", c.first_moment_type},
-                 {"second_moment_type", c.second_moment_type}};
+                 {"second_moment_type", c.second_moment_type},
+                 {"memory_budget", c.memory_budget}};
   j["step_losses"] = r.step_losses;
   j["epochs"] = json::array();
   for (auto& e : r.epochs)

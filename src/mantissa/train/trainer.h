@@ -67,6 +67,10 @@ struct TrainConfig {
   std::string partials = "fp32";     // accumulation of matmul and convolution: fp32 | fp16
   std::string accum_type, first_moment_type, second_moment_type;  // "": the mode's default
 
+  // The engine behaves as a device with this much memory ("512MiB", "1.5GiB", bytes): going past
+  // it throws OutOfMemoryError with the report by category and holder. "": no limit.
+  std::string memory_budget;
+
   bool progress = true;  // progress bar on the progress stream
   bool evaluate = true;  // test accuracy after training
   int prefetch = 2;      // batches the loader prepares ahead
@@ -160,6 +164,15 @@ class Trainer {
   std::unique_ptr<ops::AutocastLog> log_;
   std::optional<amp::LossScaler> scaler_;
   kernels::Partials partials_ = kernels::Partials::kF32;
+  // --memory-budget for the trainer's lifetime: the previous budget comes back when it ends, even
+  // when the constructor throws.
+  struct BudgetScope {
+    bool active = false;
+    std::optional<size_t> previous;
+    ~BudgetScope() {
+      if (active) default_memory_tracker().set_budget(previous);
+    }
+  } budget_;
 };
 
 // The metrics file's JSON text.
