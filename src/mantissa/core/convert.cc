@@ -198,6 +198,12 @@ void convert(const void* src, DType from, void* dst, DType to, size_t n, const C
 }
 
 void convert(const void* src, DType from, void* dst, DType to, size_t n, const CastOptions& opt) {
+  // The kernels' many short calls (rows, runs) go straight to the chosen table.
+  static const ConvertKernels& k = kernels_for(active_simd_path());
+  if (n != 0 && from == DType::f32 && detail::narrow_index(to) >= 0)
+    return k.from_f32[detail::narrow_index(to)](static_cast<const float*>(src), dst, n, opt);
+  if (n != 0 && to == DType::f32 && detail::narrow_index(from) >= 0)
+    return k.to_f32[detail::narrow_index(from)](src, static_cast<float*>(dst), n);
   convert(src, from, dst, to, n, opt, active_simd_path());
 }
 
