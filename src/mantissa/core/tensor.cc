@@ -1,5 +1,7 @@
 #include "mantissa/core/tensor.h"
 
+#include "mantissa/core/parallel.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -10,6 +12,7 @@
 #include <sstream>
 
 #include "mantissa/core/error.h"
+#include "mantissa/core/parallel.h"
 
 namespace mantissa {
 
@@ -416,7 +419,12 @@ void Tensor::copy_from(const Tensor& src, const CastOptions& cast) {
   const char* sbase = static_cast<const char*>(src.data_ptr());
   char* dbase = static_cast<char*>(data_ptr());
   if (src.is_contiguous() && is_contiguous()) {
-    convert(sbase, src.dtype_, dbase, dtype_, static_cast<size_t>(numel()), cast);
+    // Large copies (an FP16 copy of a weight, every step) on all threads: the same values.
+    const size_t n = static_cast<size_t>(numel());
+    if (n >= (size_t{1} << 16))
+      convert_parallel(sbase, src.dtype_, dbase, dtype_, n, cast, default_num_threads());
+    else
+      convert(sbase, src.dtype_, dbase, dtype_, n, cast);
     return;
   }
   const int64_t nd = dim();
