@@ -10,36 +10,6 @@
 namespace mantissa::optim::detail {
 namespace {
 
-__attribute__((target("avx2"))) void adam_avx2(float* __restrict p, const float* __restrict g,
-                                               float* __restrict m, float* __restrict v, int64_t n,
-                                               const AdamScalars& s) {
-  const __m256 b1 = _mm256_set1_ps(s.b1), b2 = _mm256_set1_ps(s.b2);
-  const __m256 omb1 = _mm256_set1_ps(s.one_minus_b1), omb2 = _mm256_set1_ps(s.one_minus_b2);
-  const __m256 neg_step = _mm256_set1_ps(-s.step_size), bc2 = _mm256_set1_ps(s.bc2_sqrt);
-  const __m256 eps = _mm256_set1_ps(s.eps), wd = _mm256_set1_ps(s.wd);
-  const __m256 decay = _mm256_set1_ps(s.decay);
-  const __m256 unscale = _mm256_set1_ps(s.unscale), clip = _mm256_set1_ps(s.clip);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256 grad = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(g + j), unscale), clip);
-    __m256 param = _mm256_loadu_ps(p + j);
-    if (s.decoupled)
-      param = _mm256_mul_ps(param, decay);
-    else if (s.wd != 0)
-      grad = _mm256_add_ps(grad, _mm256_mul_ps(wd, param));
-    const __m256 mj =
-        _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(m + j), b1), _mm256_mul_ps(omb1, grad));
-    const __m256 vj = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v + j), b2),
-                                    _mm256_mul_ps(_mm256_mul_ps(omb2, grad), grad));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vj), bc2), eps);
-    _mm256_storeu_ps(m + j, mj);
-    _mm256_storeu_ps(v + j, vj);
-    _mm256_storeu_ps(p + j,
-                     _mm256_add_ps(param, _mm256_mul_ps(neg_step, _mm256_div_ps(mj, denom))));
-  }
-  for (; j < n; ++j) adam_element(p[j], g[j], m[j], v[j], s);
-}
-
 __attribute__((target("avx2,f16c"))) inline __m256 load8(const void* base, DType t, int64_t i) {
   switch (t) {
     case DType::f16:
@@ -230,7 +200,10 @@ void adam_update_direct_avx2(const DirectChunk& c, int64_t n, const AdamScalars&
 
 void adam_update_avx2(float* p, const float* g, float* m, float* v, int64_t n,
                       const AdamScalars& s) {
-  adam_avx2(p, g, m, v, n, s);
+  // The FP32 case of the direct kernel: the same operations in the same order.
+  const DirectChunk c{p, DType::f32, g, DType::f32, m, DType::f32, v, DType::f32, nullptr};
+  for (int64_t j = adam_direct_body<kF32, kF32, kF32, kF32, false>(c, n, s); j < n; ++j)
+    adam_element(p[j], g[j], m[j], v[j], s);
 }
 
 }  // namespace mantissa::optim::detail
