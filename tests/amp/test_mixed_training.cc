@@ -128,7 +128,8 @@ TEST(FusedStep, MasterWeightsKeepUpdatesThatA16BitWeightWouldLose) {
 }
 
 TEST(FusedStep, SixteenBitAdamMatchesAScalarReferenceBitForBit) {
-  // Every storage combination the modes use, with a length that leaves a SIMD tail: the update
+  // Every storage combination the modes use (and all-FP32, the staged path's SIMD loop), with a
+  // length that leaves a SIMD tail: the update
   // computed in FP32 from the stored values, each result rounded to nearest even on store.
   struct Case {
     DType p, g, m, v;
@@ -138,7 +139,8 @@ TEST(FusedStep, SixteenBitAdamMatchesAScalarReferenceBitForBit) {
                         Case{DType::bf16, DType::bf16, DType::bf16, DType::bf16, false},
                         Case{DType::f16, DType::f16, DType::f32, DType::f32, true},
                         Case{DType::f32, DType::f32, DType::f16, DType::bf16, false},
-                        Case{DType::f32, DType::bf16, DType::f32, DType::f32, false}}) {
+                        Case{DType::f32, DType::bf16, DType::f32, DType::f32, false},
+                        Case{DType::f32, DType::f32, DType::f32, DType::f32, false}}) {
     const int64_t n = 1003;
     const std::vector<float> w0 = ramp(n, -1, 2);
     auto w = make_param(w0, {n}, k.p);
