@@ -6,7 +6,7 @@
 #                                 [--dataset D] [--image-size S] [--mantissa PATH]
 #
 # Rounds alternate the modes (mode A, mode B, ..., then again) so that a machine whose speed drifts
-# affects them alike; the best round of each mode is reported. Defaults: tutorial-cnn, 60 steps,
+# affects them alike; the best and the median round of each mode are reported. Defaults: tutorial-cnn, 60 steps,
 # batch 12, 2 rounds, synthetic data at the model's default size (the same images/s as real data:
 # the loader prefetches on another thread).
 set -euo pipefail
@@ -25,7 +25,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -x "$bin" ]] || { echo "precision_modes.sh: $bin not found (build first)" >&2; exit 2; }
 modes=(32-true 16-mixed bf16-mixed O2 16-true bf16-true 16.32)
-declare -A best_rate best_mem
+declare -A best_rate best_mem all_rates
 extra=()
 [[ -n "$size" ]] && extra+=(--image-size "$size")
 synthetic_size=$(( (steps + 2) * batch ))
@@ -39,13 +39,17 @@ for ((r = 0; r < rounds; ++r)); do
     if [[ -z "${best_rate[$m]:-}" ]] || awk "BEGIN{exit !($rate > ${best_rate[$m]})}"; then
       best_rate[$m]=$rate
     fi
+    all_rates[$m]="${all_rates[$m]:-} $rate"
     best_mem[$m]=$mem
   done
 done
-printf '%s, batch %s, %s steps, best of %s rounds\n' "$model" "$batch" "$steps" "$rounds"
-printf '%-11s %12s %8s %14s %8s\n' mode images/s ratio "peak MiB" ratio
+median() { tr ' ' '\n' <<<"$1" | grep . | sort -g | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2}'; }
+printf '%s, batch %s, %s steps, %s rounds (best and median of the rounds)\n' "$model" "$batch" \
+  "$steps" "$rounds"
+printf '%-11s %10s %7s %10s %7s %12s %8s\n' mode best ratio median ratio "peak MiB" ratio
+med0=$(median "${all_rates[32-true]}")
 for m in "${modes[@]}"; do
-  awk -v m="$m" -v r="${best_rate[$m]}" -v r0="${best_rate[32-true]}" -v mem="${best_mem[$m]}" \
-    -v mem0="${best_mem[32-true]}" \
-    'BEGIN { printf "%-11s %12.1f %7.2fx %14.2f %7.1f%%\n", m, r, r / r0, mem, 100 * mem / mem0 }'
+  awk -v m="$m" -v r="${best_rate[$m]}" -v r0="${best_rate[32-true]}" -v md="$(median "${all_rates[$m]}")" \
+    -v md0="$med0" -v mem="${best_mem[$m]}" -v mem0="${best_mem[32-true]}" \
+    'BEGIN { printf "%-11s %10.1f %6.2fx %10.1f %6.2fx %12.2f %7.1f%%\n", m, r, r / r0, md, md / md0, mem, 100 * mem / mem0 }'
 done
