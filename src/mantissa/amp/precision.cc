@@ -113,9 +113,8 @@ std::string PrecisionMode::describe() const {
 }
 
 DType parse_float_type(const std::string& text, const std::string& flag) {
-  if (text == "fp32" || text == "f32" || text == "float32") return DType::f32;
-  if (text == "fp16" || text == "f16" || text == "half" || text == "float16") return DType::f16;
-  if (text == "bf16" || text == "bfloat16") return DType::bf16;
+  const std::optional<DType> t = parse_dtype(text);  // the names and aliases of core/dtype.h
+  if (t && (*t == DType::f32 || *t == DType::f16 || *t == DType::bf16)) return *t;
   throw Error(flag + " '" + text + "' is not a type", "use fp32, fp16 or bf16");
 }
 

@@ -36,7 +36,8 @@ struct PrecisionMode {
 PrecisionMode precision_mode(const std::string& name, std::optional<DType> half = std::nullopt);
 std::vector<std::string> precision_names();
 
-// "fp32"/"f32", "fp16"/"f16"/"half", "bf16"/"bfloat16" -> the dtype; throws naming `flag`.
+// f32, f16 or bf16 by any name parse_dtype() knows ("fp32", "half", "bfloat16", ...); anything
+// else throws naming `flag`.
 DType parse_float_type(const std::string& text, const std::string& flag);
 
 }  // namespace mantissa::amp
