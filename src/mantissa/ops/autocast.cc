@@ -11,8 +11,8 @@ namespace mantissa::ops {
 namespace {
 
 // The cast cache of the outermost scope: the 16-bit copy of each weight (a leaf that requires
-// grad), keyed by its storage and the target type. The copies keep their autograd link, so the
-// gradient reaches the FP32 weight.
+// grad), keyed by its storage and the target type. The copies are stand-ins for their weights
+// (Tensor::stand_in_for), so the gradient reaches the FP32 weight in FP32.
 struct CastCache {
   std::map<std::pair<const void*, DType>, std::pair<Tensor, Tensor>> entries;  // (source, copy)
   size_t hits = 0, misses = 0;

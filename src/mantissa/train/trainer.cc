@@ -67,6 +67,16 @@ amp::PrecisionMode mode_of(const TrainConfig& c) {
                        : std::optional<DType>(amp::parse_float_type(c.half_type, "--half-type")));
 }
 
+// The default op lists, with the lists that --autocast-lower-list / --autocast-fp32-list replace.
+ops::AutocastPolicy policy_of(const TrainConfig& c) {
+  std::optional<std::vector<std::string>> lower, fp32;
+  if (!c.autocast_lower_list.empty()) lower = ops::read_op_list(c.autocast_lower_list);
+  if (!c.autocast_fp32_list.empty()) fp32 = ops::read_op_list(c.autocast_fp32_list);
+  ops::AutocastPolicy policy;
+  policy.replace_lists(lower, fp32);
+  return policy;
+}
+
 data::LoaderConfig loader_config(const TrainConfig& c, bool train, int64_t channels) {
   data::LoaderConfig lc;
   lc.dtype = mode_of(c).input_dtype;
@@ -283,10 +293,7 @@ void validate(const TrainConfig& c) {
   MANTISSA_CHECK(!c.stochastic_outputs || mode.param_dtype != DType::f32 || mode.autocast,
                  "--stochastic-outputs needs 16-bit op outputs",
                  "use it with a 16-bit --precision (16-true, bf16-true, 16-mixed, ...)");
-  std::optional<std::vector<std::string>> lower, fp32;
-  if (!c.autocast_lower_list.empty()) lower = ops::read_op_list(c.autocast_lower_list);
-  if (!c.autocast_fp32_list.empty()) fp32 = ops::read_op_list(c.autocast_fp32_list);
-  ops::AutocastPolicy().replace_lists(lower, fp32);
+  policy_of(c);  // the op-list files: readable, known ops, no op in both
   for (const auto& k : c.keep_fp32)
     MANTISSA_CHECK(
         std::find(c.half_modules.begin(), c.half_modules.end(), k) == c.half_modules.end(),
@@ -397,10 +404,7 @@ void Trainer::apply_precision() {
     const DType t = amp::parse_float_type(config_.accum_type, "--accum-type");
     for (auto& p : m.named_parameters()) p.tensor->autograd_meta()->grad_dtype = t;
   }
-  std::optional<std::vector<std::string>> lower, fp32;
-  if (!config_.autocast_lower_list.empty()) lower = ops::read_op_list(config_.autocast_lower_list);
-  if (!config_.autocast_fp32_list.empty()) fp32 = ops::read_op_list(config_.autocast_fp32_list);
-  policy_.replace_lists(lower, fp32);
+  policy_ = policy_of(config_);
   std::function<void(const std::string&)> sink;
   if (config_.autocast_log && streams_.out) {
     std::ostream* os = streams_.out;
