@@ -11,6 +11,7 @@
 #include "mantissa/optim/optim_kernels.h"
 #include "support/errors.h"
 #include "support/files.h"
+#include "support/train.h"
 
 namespace mantissa {
 namespace {
@@ -328,14 +329,7 @@ TEST(LossScaling, DynamicBacksOffFromAnOverflowingScale) {
 // ---- Every mode through the trainer ----
 
 train::TrainConfig small(const std::string& precision, const std::string& model = "tutorial-cnn") {
-  train::TrainConfig c;
-  c.model = model;
-  c.dataset = "synthetic";
-  c.synthetic_size = 192;
-  c.batch_size = 16;
-  c.image_size = model == "tutorial-cnn" ? 24 : 16;
-  c.progress = false;
-  c.evaluate = false;
+  train::TrainConfig c = testing::small_run(model, 192);
   c.precision = precision;
   return c;
 }

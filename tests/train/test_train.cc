@@ -13,6 +13,7 @@
 #include "mantissa/mantissa.h"
 #include "support/errors.h"
 #include "support/files.h"
+#include "support/train.h"
 
 namespace mantissa {
 namespace {
@@ -21,15 +22,7 @@ namespace fs = std::filesystem;
 using testing::error_of;
 
 train::TrainConfig small(const std::string& model = "lenet5") {
-  train::TrainConfig c;
-  c.model = model;
-  c.dataset = "synthetic";
-  c.synthetic_size = 256;
-  c.batch_size = 16;
-  c.image_size = model == "tutorial-cnn" ? 24 : 16;
-  c.progress = false;
-  c.evaluate = false;
-  return c;
+  return testing::small_run(model, 256);
 }
 
 std::vector<float> all_values(const std::string& checkpoint) {
