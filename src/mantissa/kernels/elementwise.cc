@@ -41,6 +41,12 @@ void load_f32(const void* src, DType t, int64_t stride, int64_t n, float* dst) {
   }
 }
 
+const float* row_f32(const char* src, DType t, int64_t stride, int64_t n, float* buf) {
+  if (t == DType::f32 && stride == 1) return reinterpret_cast<const float*>(src);
+  load_f32(src, t, stride, n, buf);
+  return buf;
+}
+
 void store_f32(const float* src, int64_t n, void* dst, DType t, int64_t stride) {
   if (n <= 0) return;
   if (stride == 1) {
@@ -134,13 +140,6 @@ void for_each_row(const Shape& shape, std::array<Shape, N> strides,
                    fn(off, std::min(seg, row - sg * seg), inner);
                  }
                });
-}
-
-// A row's FP32 values: the row itself when it is contiguous FP32, else staged into buf.
-const float* row_f32(const char* src, DType t, int64_t stride, int64_t n, float* buf) {
-  if (t == DType::f32 && stride == 1) return reinterpret_cast<const float*>(src);
-  load_f32(src, t, stride, n, buf);
-  return buf;
 }
 
 // Where a row's results go: the destination itself when it is contiguous FP32, else buf (then

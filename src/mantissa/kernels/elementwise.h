@@ -61,6 +61,8 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim, DType out,
 // ---- Shared helpers for kernels ----
 // n values from src (element stride `stride`, 0 = broadcast one value) into FP32.
 void load_f32(const void* src, DType t, int64_t stride, int64_t n, float* dst);
+// A row's FP32 values: the row itself when it is contiguous FP32, else staged into buf (n floats).
+const float* row_f32(const char* src, DType t, int64_t stride, int64_t n, float* buf);
 // n FP32 values into dst (element stride `stride`), rounding to nearest even.
 void store_f32(const float* src, int64_t n, void* dst, DType t, int64_t stride);
 // Threshold (elements) above which kernels split work across threads.

@@ -19,13 +19,6 @@ namespace {
 
 const char* bytes(const Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
 
-// n contiguous values as FP32: in place when they are f32, else converted into buf.
-const float* row_f32(const char* src, DType t, int64_t n, std::vector<float>& buf) {
-  if (t == DType::f32) return reinterpret_cast<const float*>(src);
-  buf.resize(static_cast<size_t>(n));
-  load_f32(src, t, 1, n, buf.data());
-  return buf.data();
-}
 char* bytes(Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 int64_t esize(DType t) { return static_cast<int64_t>(dtype_size(t)); }
 
@@ -408,13 +401,15 @@ Tensor conv2d_direct_backward_weight(const Tensor& dy_in, const Tensor& x_in, co
       g.N * g.HW * taps >= kParallelElements ? default_num_threads() : 1,
       [&](size_t n0, size_t n1) {
         std::vector<float> lanes(static_cast<size_t>(g.Wo));
-        std::vector<float> xbuf, dybuf;  // (C, H, W) and (O, Ho, Wo) of one image
+        // (C, H, W) and (O, Ho, Wo) of one image, when 16-bit
+        std::vector<float> xbuf(x.dtype() == DType::f32 ? 0 : static_cast<size_t>(plane)),
+            dybuf(dy.dtype() == DType::f32 ? 0 : static_cast<size_t>(g.O * g.HW));
         for (size_t n = n0; n < n1; ++n) {
           const int64_t ni = static_cast<int64_t>(n);
           const float* xn =
-              row_f32(bytes(x) + ni * plane * esize(x.dtype()), x.dtype(), plane, xbuf);
-          const float* dyn = row_f32(bytes(dy) + ni * g.O * g.HW * esize(dy.dtype()), dy.dtype(),
-                                     g.O * g.HW, dybuf);
+              row_f32(bytes(x) + ni * plane * esize(x.dtype()), x.dtype(), 1, plane, xbuf.data());
+          const float* dyn = row_f32(bytes(dy) + ni * g.O * g.HW * esize(dy.dtype()), dy.dtype(), 1,
+                                     g.O * g.HW, dybuf.data());
           float* dw = per_image.data() + ni * taps;
           for (int64_t o = 0; o < g.O; ++o) {
             const float* dyo = dyn + o * g.HW;
