@@ -1,5 +1,6 @@
 // `mantissa train` and `mantissa eval`: the trainer (src/mantissa/train) from the command line.
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -48,7 +49,19 @@ constexpr const char* kTrainUsage =
     "  --warmup-steps N      linear warm-up    --lr-step-size N --lr-gamma X  (step schedule)\n"
     "  --seed N              seed of initialisation, shuffling and augmentation (default 0)\n"
     "  --threads N           compute threads (default: all cores)\n"
-    "  --prefetch N          batches the loader prepares ahead on a background thread (default 2)\n"
+    "pipeline (docs/ipu_guide.md):\n"
+    "  --gradient-accumulation N   N micro-batches of --batch-size per optimizer step\n"
+    "  --accumulation-reduction R  mean (default: sum, then / N), running (running mean, cannot\n"
+    "                        overflow 16-bit accumulators), sum\n"
+    "  --device-iterations K optimizer steps per call of the training step (one hand-over of\n"
+    "                        K x N batches, one return of outputs)\n"
+    "  --output-mode M       what a call returns: final (default), all, sum, every\n"
+    "  --output-return-period N   with --output-mode every: every N-th step\n"
+    "  --eight-bit-io        the loader hands over uint8 images; the model's first op\n"
+    "                        normalizes them and casts to the compute type\n"
+    "  --async-dataloader    background workers prepare batches while the step runs\n"
+    "  --workers N           workers of the asynchronous loader (default 1; implies it)\n"
+    "  --prefetch N          batches the workers make ahead at most (default 2)\n"
     "precision (docs/mixed_precision.md):\n"
     "  --precision NAME      32-true (default), 16-mixed, bf16-mixed, 16-true, bf16-true, O0, O1,\n"
     "                        O2, O3, 32.32, 16.32, 16.16\n"
@@ -161,7 +174,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
   auto on = [](bool& dst, bool value) {
     return Flag{false, [&dst, value](const std::string&) { dst = value; }};
   };
-  int64_t threads = 0, prefetch = 2;
+  int64_t threads = 0, prefetch = 2, workers = 1;
   int64_t seed = 0;
   double wd = 0;
   bool wd_given = false;
@@ -202,6 +215,18 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--seed", i64("--seed", seed, 0)},
       {"--threads", i64("--threads", threads, 1)},
       {"--prefetch", i64("--prefetch", prefetch, 0)},
+      {"--gradient-accumulation", i64("--gradient-accumulation", c.gradient_accumulation, 1)},
+      {"--accumulation-reduction", str(c.accumulation_reduction)},
+      {"--device-iterations", i64("--device-iterations", c.device_iterations, 1)},
+      {"--output-mode", str(c.output_mode)},
+      {"--output-return-period", i64("--output-return-period", c.output_return_period, 1)},
+      {"--async-dataloader", on(c.async_loader, true)},
+      {"--eight-bit-io", on(c.eight_bit_io, true)},
+      {"--workers", Flag{true,
+                         [&](const std::string& v) {
+                           workers = to_int("--workers", v, 1);
+                           c.async_loader = true;
+                         }}},
       {"--precision", str(c.precision)},
       {"--half-type", str(c.half_type)},
       {"--keep-fp32", list(c.keep_fp32)},
@@ -238,12 +263,26 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
   }
   c.seed = static_cast<uint64_t>(seed);
   c.threads = static_cast<int>(std::min<int64_t>(threads, 1024));
-  c.prefetch = static_cast<int>(std::min<int64_t>(prefetch, 64));
+  c.prefetch = static_cast<int>(std::min<int64_t>(prefetch, 65));
+  c.workers = static_cast<int>(std::min<int64_t>(workers, 65));
   if (wd_given) c.weight_decay = wd;
+  // Ctrl-C stops at the next step boundary: the checkpoint (--save) and metrics are written and
+  // the loader's workers end. A second Ctrl-C ends the program at once (SA_RESETHAND). Installed
+  // before the data is loaded, so an early Ctrl-C stops the run before its first step.
+  struct sigaction sa {};
+  sa.sa_handler = [](int) { train::request_stop(); };
+  sa.sa_flags = SA_RESETHAND;
+  sigemptyset(&sa.sa_mask);
+  struct sigaction previous {};
+  sigaction(SIGINT, &sa, &previous);
+  struct Restore {
+    struct sigaction* previous;
+    ~Restore() { sigaction(SIGINT, previous, nullptr); }
+  } restore{&previous};
   train::Trainer trainer(c, {&out, &err});
   if (print_model) out << trainer.model().summary() << std::endl;
-  trainer.run();
-  return kExitOk;
+  const train::TrainResult r = trainer.run();
+  return r.interrupted ? kExitInterrupted : kExitOk;
 }
 
 int run_eval(const std::vector<std::string>& args, std::ostream& out) {

@@ -146,6 +146,25 @@ expect(train_budget_fp32_oom 3 "" "^mantissa: out of memory on cpu: cannot alloc
 expect(train_budget_fp16_fits 0 "peak memory [0-9.]+ MiB" "" train ${TRAIN_BUDGET} --precision 16-true)
 expect(train_budget_bad 2 "" "--memory-budget '12XB' is not a size" train --memory-budget 12XB)
 
+# ---- the IPU guide's pipeline levers ----
+set(TRAIN_PIPE --dataset synthetic --synthetic-size 192 --image-size 16 --model lenet5 --no-progress --no-eval)
+expect(train_pipeline 0 "epoch 1: loss .*waited [0-9.]+ s for data \\(4.12 KiB a batch\\), host [0-9]+ us a step" ""
+       train ${TRAIN_PIPE} --batch-size 16 --gradient-accumulation 3 --accumulation-reduction running --device-iterations 2 --output-mode all --eight-bit-io --async-dataloader --workers 2 --precision 16-true)
+expect(train_accumulation_bad 2 "" "--accumulation-reduction 'avg' is not valid \\(use mean, running or sum\\)" train --accumulation-reduction avg)
+expect(train_accumulation_too_many 2 "" "an epoch has 16 batches, fewer than the 17 micro-batches of one optimizer step" train ${TRAIN_PIPE} --gradient-accumulation 17)
+expect(train_workers_bad 2 "" "--workers '0' is not an integer >= 1" train --workers 0)
+# Ctrl-C: the run stops at a step boundary, saves its checkpoint and exits with 130.
+find_program(SH sh)
+string(REPLACE ";" " " TRAIN_PIPE_LINE "${TRAIN_PIPE}")
+execute_process(COMMAND ${SH} -c "\"${MANTISSA}\" train ${TRAIN_PIPE_LINE} --synthetic-size 100000 --image-size 32 --async-dataloader --save '${WORK}/int.safetensors' & pid=$!; sleep 2; kill -INT $pid; wait $pid; echo \"exit $?\""
+                OUTPUT_VARIABLE int_out ERROR_VARIABLE int_err)
+if(NOT int_out MATCHES "interrupted at step [0-9]+, checkpoint saved to .*int.safetensors.*exit 130" OR NOT EXISTS ${WORK}/int.safetensors)
+  message(SEND_ERROR "FAILED train_ctrl_c:\n${int_out}\n${int_err}")
+  math(EXPR failures "${failures} + 1")
+else()
+  message(STATUS "ok train_ctrl_c")
+endif()
+
 if(failures GREATER 0)
   message(FATAL_ERROR "${failures} CLI check(s) failed")
 endif()

@@ -211,36 +211,73 @@ TEST(Loader, DropLastShuffleAndOrder) {
             std::string::npos);
 }
 
-TEST(Loader, PrefetchingGivesTheSameBatchesAndResumesMidEpoch) {
+TEST(Loader, WorkersGiveTheSameBatchesInOrderAndResumeMidEpoch) {
   data::Dataset ds = tiny(64);
   data::LoaderConfig c;
-  c.batch_size = 8;
+  c.batch_size = 4;
   c.transform.image_size = 12;
   c.transform.random_flip = true;
   c.transform.crop_padding = 2;
   c.dtype = DType::bf16;
-  c.prefetch = 3;
-  data::Loader async(ds, c);
-  c.prefetch = 0;
-  data::Loader sync(ds, c);
-  async.start(2);
-  sync.start(2, 5);
-  int64_t b = 0;
-  while (auto batch = async.next()) {
-    EXPECT_EQ(batch->images.shape(), (Shape{8, 1, 12, 12}));
+  data::Loader sync(ds, c);  // no workers: made by next()
+  std::vector<std::vector<float>> want;
+  sync.start(2);
+  while (auto batch = sync.next()) {
+    EXPECT_EQ(batch->images.shape(), (Shape{4, 1, 12, 12}));
     EXPECT_EQ(batch->images.dtype(), DType::bf16);
-    if (b >= 5) {
-      auto s = sync.next();
-      ASSERT_TRUE(s.has_value());
-      EXPECT_EQ(s->index, b);
-      EXPECT_EQ(batch->images.to_float_vector(), s->images.to_float_vector());
-      EXPECT_EQ(batch->labels.to_float_vector(), s->labels.to_float_vector());
-    }
-    ++b;
+    want.push_back(batch->images.to_float_vector());
+    const std::vector<float> labels = batch->labels.to_float_vector();
+    want.back().insert(want.back().end(), labels.begin(), labels.end());
   }
-  EXPECT_EQ(b, 8);
-  EXPECT_FALSE(sync.next().has_value());
-  EXPECT_GE(async.wait_seconds(), 0.0);
+  ASSERT_EQ(want.size(), 16u);
+  EXPECT_GT(sync.wait_seconds(), 0.0);  // the time spent making them
+  for (int workers : {1, 2, 4})
+    for (int prefetch : {1, 3}) {
+      c.workers = workers;
+      c.prefetch = prefetch;
+      data::Loader async(ds, c);
+      for (int64_t first : {0, 5}) {  // from the start, and resumed mid-epoch
+        async.start(2, first);
+        int64_t b = first;
+        while (auto batch = async.next()) {
+          EXPECT_EQ(batch->index, b);
+          std::vector<float> got = batch->images.to_float_vector();
+          const std::vector<float> labels = batch->labels.to_float_vector();
+          got.insert(got.end(), labels.begin(), labels.end());
+          EXPECT_EQ(got, want[static_cast<size_t>(b)]) << workers << " workers, batch " << b;
+          ++b;
+        }
+        EXPECT_EQ(b, 16);
+      }
+      // Stopped early: the workers end, and a new epoch starts cleanly.
+      async.start(0);
+      ASSERT_TRUE(async.next().has_value());
+      async.stop();
+      async.start(2, 15);
+      auto last = async.next();
+      ASSERT_TRUE(last.has_value());
+      EXPECT_EQ(last->index, 15);
+      EXPECT_FALSE(async.next().has_value());
+    }
+  EXPECT_EQ(sync.batch_bytes(), 4 * 12 * 12 * 2 + 4 * 8);
+}
+
+TEST(Loader, AnErrorInAWorkerReachesTheConsumerWithItsCause) {
+  data::Dataset ds = tiny(64);
+  data::LoaderConfig c;
+  c.batch_size = 4;
+  c.transform.mean = {0.5f, 0.5f};  // two means for one channel: every batch fails
+  c.transform.std = {0.5f, 0.5f};
+  for (int workers : {0, 1, 3}) {
+    c.workers = workers;
+    data::Loader loader(ds, c);
+    loader.start(0);
+    const std::string e = error_of([&] { loader.next(); });
+    EXPECT_NE(e.find("2 means for 1 channels"), std::string::npos) << e;
+    if (workers > 0) {
+      EXPECT_NE(e.find("data loader worker, batch 0 of epoch 1"), std::string::npos) << e;
+    }
+  }  // the destructor joins the workers that stopped on the error
 }
 
 }  // namespace

@@ -100,6 +100,10 @@ Loader::Loader(const Dataset& data, const LoaderConfig& config) : data_(data), c
                      " examples, fewer than one batch of " + std::to_string(config.batch_size),
                  "lower --batch-size, or use more examples (--train-limit, --synthetic-size)");
   MANTISSA_CHECK(config.transform.crop_padding >= 0, "crop padding must be non-negative", "");
+  MANTISSA_CHECK(config.dtype == DType::u8 || config.dtype == DType::f32 ||
+                     config.dtype == DType::f16 || config.dtype == DType::bf16,
+                 "the loader cannot deliver " + std::string(dtype_name(config.dtype)) + " images",
+                 "use u8 (8-bit I/O), f32, f16 or bf16");
   out_size_ = config.transform.image_size > 0 ? config.transform.image_size : data.height();
   MANTISSA_CHECK(config.transform.image_size > 0 || data.height() == data.width(),
                  "dataset images are not square", "set an image size");
@@ -158,16 +162,34 @@ Batch Loader::make_batch(int64_t epoch, int64_t b) const {
   std::vector<float> buf(static_cast<size_t>(C * S * S));
   const size_t elem = dtype_size(config_.dtype);
   char* dst = static_cast<char*>(out.images.data_ptr());
+  // 8-bit output: the geometric transforms on [0, 1] pixels, then the nearest of 0..255; the
+  // model normalizes (Classifier::set_input_normalization).
+  const bool bytes = config_.dtype == DType::u8;
+  Transform t = config_.transform;
+  if (bytes) t.mean = {0.0f}, t.std = {1.0f};
   for (int64_t i = 0; i < B; ++i) {
     const int64_t k = idx[static_cast<size_t>(i)];
     out.labels.data<int64_t>()[i] = labels[k];
     const uint32_t random = philox_bits(config_.seed, kAugmentStream + static_cast<uint64_t>(epoch),
                                         static_cast<uint64_t>(k));
-    transform_image(src + k * C * H * W, C, H, W, config_.transform, random, buf.data());
-    kernels::store_f32(buf.data(), C * S * S, dst + static_cast<size_t>(i * C * S * S) * elem,
-                       config_.dtype, 1);
+    transform_image(src + k * C * H * W, C, H, W, t, random, buf.data());
+    if (bytes) {
+      uint8_t* d = reinterpret_cast<uint8_t*>(dst) + i * C * S * S;
+      for (int64_t j = 0; j < C * S * S; ++j)
+        d[j] = static_cast<uint8_t>(
+            std::lrint(std::clamp(buf[static_cast<size_t>(j)] * 255.0f, 0.0f, 255.0f)));
+    } else {
+      kernels::store_f32(buf.data(), C * S * S, dst + static_cast<size_t>(i * C * S * S) * elem,
+                         config_.dtype, 1);
+    }
   }
   return out;
+}
+
+int64_t Loader::batch_bytes() const {
+  return config_.batch_size * data_.channels() * out_size_ * out_size_ *
+             static_cast<int64_t>(dtype_size(config_.dtype)) +
+         config_.batch_size * static_cast<int64_t>(sizeof(int64_t));
 }
 
 void Loader::start(int64_t epoch, int64_t first_batch) {
@@ -179,7 +201,8 @@ void Loader::start(int64_t epoch, int64_t first_batch) {
   error_ = nullptr;
   stopping_ = false;
   produce_next_ = first_batch;
-  if (config_.prefetch > 0) thread_ = std::thread([this] { worker(); });
+  const int workers = config_.prefetch > 0 ? config_.workers : 0;
+  for (int w = 0; w < workers; ++w) threads_.emplace_back([this] { worker(); });
 }
 
 void Loader::worker() {
@@ -187,18 +210,23 @@ void Loader::worker() {
     int64_t b;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock,
-               [&] { return stopping_ || static_cast<int>(ready_.size()) < config_.prefetch; });
-      if (stopping_ || produce_next_ >= end_batch_) return;
+      // At most `prefetch` batches ahead of the one the consumer waits for.
+      cv_.wait(lock, [&] {
+        return stopping_ || error_ || produce_next_ < next_batch_ + config_.prefetch;
+      });
+      if (stopping_ || error_ || produce_next_ >= end_batch_) return;
       b = produce_next_++;
     }
     try {
       Batch batch = make_batch(epoch_, b);
       std::lock_guard<std::mutex> lock(mu_);
-      ready_.push_back(std::move(batch));
+      ready_.emplace(b, std::move(batch));
     } catch (...) {
       std::lock_guard<std::mutex> lock(mu_);
-      error_ = std::current_exception();
+      if (!error_ || b < error_batch_) {
+        error_ = std::current_exception();
+        error_batch_ = b;
+      }
       cv_.notify_all();
       return;
     }
@@ -206,21 +234,40 @@ void Loader::worker() {
   }
 }
 
+namespace {
+[[noreturn]] void rethrow_worker_error(const std::exception_ptr& e, int64_t epoch, int64_t b) {
+  const std::string where = "data loader worker, batch " + std::to_string(b) + " of epoch " +
+                            std::to_string(epoch + 1) + ": ";
+  try {
+    std::rethrow_exception(e);
+  } catch (const OutOfMemoryError&) {
+    throw;  // its report is the message
+  } catch (const Error& err) {
+    throw Error(where + err.message(), err.hint());
+  } catch (const std::exception& err) {
+    throw Error(where + err.what(), "check the dataset files and the transform settings");
+  }
+}
+}  // namespace
+
 std::optional<Batch> Loader::next() {
   if (next_batch_ >= end_batch_) return std::nullopt;
-  if (config_.prefetch <= 0) {
-    const auto t0 = std::chrono::steady_clock::now();
-    Batch b = make_batch(epoch_, next_batch_++);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto waited = [&] {
     wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  if (threads_.empty()) {
+    Batch b = make_batch(epoch_, next_batch_++);
+    waited();
     return b;
   }
   std::unique_lock<std::mutex> lock(mu_);
-  const auto t0 = std::chrono::steady_clock::now();
-  cv_.wait(lock, [&] { return !ready_.empty() || error_ != nullptr; });
-  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (error_) std::rethrow_exception(error_);
-  Batch b = std::move(ready_.front());
-  ready_.pop_front();
+  const int64_t want = next_batch_;
+  cv_.wait(lock, [&] { return ready_.count(want) || (error_ && error_batch_ <= want); });
+  waited();
+  if (!ready_.count(want)) rethrow_worker_error(error_, epoch_, error_batch_);
+  Batch b = std::move(ready_.at(want));
+  ready_.erase(want);
   ++next_batch_;
   cv_.notify_all();
   return b;
@@ -232,7 +279,8 @@ void Loader::stop() {
     stopping_ = true;
   }
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  for (std::thread& t : threads_) t.join();
+  threads_.clear();
 }
 
 }  // namespace mantissa::data

@@ -9,7 +9,7 @@
 
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -37,8 +37,13 @@ struct LoaderConfig {
   bool drop_last = true;
   uint64_t seed = 0;
   Transform transform;
-  DType dtype = DType::f32;  // of the image batches
-  int prefetch = 2;          // batches prepared ahead by a background thread (0: synchronous)
+  // Of the image batches. u8: the geometric transforms only (resize rounded to the nearest
+  // integer, crop, flip); normalization and the cast are left to the model (8-bit I/O).
+  DType dtype = DType::f32;
+  // Background workers that prepare batches while the step runs (0: each batch is made by the
+  // caller of next()). Whatever their number, next() returns batches in order.
+  int workers = 0;
+  int prefetch = 2;  // with workers: batches made ahead of the consumer at most (queue depth)
 };
 
 struct Batch {
@@ -61,14 +66,18 @@ class Loader {
   // Makes batch b of `epoch` on the calling thread.
   Batch make_batch(int64_t epoch, int64_t b) const;
 
-  // Iteration with prefetching: start(epoch, first) then next() until it returns nothing at the
-  // end of the epoch. Seconds next() spent waiting for a batch that was not ready: wait_seconds().
+  // Iteration: start(epoch, first) then next() until it returns nothing at the end of the
+  // epoch. Seconds next() spent waiting for a batch that was not ready (with no workers: making
+  // it): wait_seconds(). An error in a worker is rethrown by next() as mantissa::Error naming
+  // the batch and the cause. stop() ends the workers (the destructor does too).
   void start(int64_t epoch, int64_t first_batch = 0);
   std::optional<Batch> next();
+  void stop();
   double wait_seconds() const { return wait_seconds_; }
+  // Bytes of one batch as the loader hands it over (images and labels).
+  int64_t batch_bytes() const;
 
  private:
-  void stop();
   void worker();
 
   Dataset data_;
@@ -77,13 +86,14 @@ class Loader {
   // Iteration state.
   int64_t epoch_ = 0, next_batch_ = 0, end_batch_ = 0;
   double wait_seconds_ = 0;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Batch> ready_;
-  int64_t produce_next_ = 0;
+  std::map<int64_t, Batch> ready_;  // made, by batch index
+  int64_t produce_next_ = 0;        // the next batch index a worker claims
   bool stopping_ = false;
-  std::exception_ptr error_;
+  std::exception_ptr error_;  // the first failure, for batch error_batch_
+  int64_t error_batch_ = 0;
   // The shuffled order of the current epoch.
   mutable std::mutex perm_mu_;
   mutable std::vector<int64_t> perm_;

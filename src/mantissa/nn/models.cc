@@ -9,6 +9,21 @@ Tensor Classifier::loss(const Tensor& output, const Tensor& labels) const {
   return outputs_log_probs() ? ops::nll_loss(output, labels) : ops::cross_entropy(output, labels);
 }
 
+void Classifier::set_input_normalization(std::vector<float> mean, std::vector<float> std,
+                                         DType dtype) {
+  input_normalization_ = InputNormalization{std::move(mean), std::move(std), dtype};
+}
+
+Tensor Classifier::forward(const Tensor& x) {
+  if (!x.defined() || x.dtype() != DType::u8) return classify(x);
+  MANTISSA_CHECK(input_normalization_.has_value(),
+                 type() + " got u8 images but has no input normalization",
+                 "call set_input_normalization (the trainer does with --eight-bit-io), or hand it "
+                 "float images");
+  const InputNormalization& n = *input_normalization_;
+  return classify(ops::normalize_input(x, n.mean, n.std, n.dtype));
+}
+
 namespace {
 
 std::string config_str(const char* model, const ModelConfig& c) {
@@ -40,7 +55,7 @@ class TutorialCnn : public Classifier {
     fc2 = register_module("fc2", std::make_shared<Linear>(100, c.num_classes, init));
     log_softmax = register_module("log_softmax", std::make_shared<LogSoftmax>(1));
   }
-  Tensor forward(const Tensor& x) override {
+  Tensor classify(const Tensor& x) override {
     Tensor y = (*pool)(ops::relu((*conv1)(x)));
     y = (*norm)(ops::relu((*conv2)(y)));
     y = ops::flatten(y, 1);
@@ -79,7 +94,7 @@ class LeNet5 : public Classifier {
     max_pool2d = register_module("max_pool2d", std::make_shared<MaxPool2d>(2, 2));
     flatten = register_module("flatten", std::make_shared<Flatten>());
   }
-  Tensor forward(const Tensor& x) override {
+  Tensor classify(const Tensor& x) override {
     Tensor y = (*max_pool2d)(ops::relu((*conv1)(x)));
     y = (*max_pool2d)(ops::relu((*conv2)(y)));
     y = (*flatten)(y);
@@ -212,7 +227,7 @@ class ResNet : public Classifier {
     avgpool = register_module("avgpool", std::make_shared<AdaptiveAvgPool2d>(1, 1));
     fc = register_module("fc", std::make_shared<Linear>(512 * expansion, c.num_classes, init));
   }
-  Tensor forward(const Tensor& x) override {
+  Tensor classify(const Tensor& x) override {
     Tensor y = ops::relu((*bn1)((*conv1)(x)));
     if (maxpool) y = (*maxpool)(y);
     for (auto& l : layers) y = (*l)(y);

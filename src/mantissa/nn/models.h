@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,8 +30,23 @@ class Classifier : public Module {
   // Whether forward() returns log-probabilities (true) or logits.
   virtual bool outputs_log_probs() const { return false; }
 
+  // 8-bit input (the IPU guide's ModelWithNormalization): u8 images are normalized, (x / 255 -
+  // mean) / std, and cast to `dtype` by the model's first op. Float inputs pass unchanged.
+  void set_input_normalization(std::vector<float> mean, std::vector<float> std, DType dtype);
+  // The model: the input op, then classify().
+  Tensor forward(const Tensor& x) final;
+
+ protected:
+  // The model proper, on float images.
+  virtual Tensor classify(const Tensor& x) = 0;
+
  private:
   ModelConfig config_;
+  struct InputNormalization {
+    std::vector<float> mean, std;
+    DType dtype = DType::f32;
+  };
+  std::optional<InputNormalization> input_normalization_;
 };
 
 // The tutorial's model: conv1 1->5 k3, ReLU, max-pool 2, conv2 5->12 k5, ReLU, GroupNorm(3, 12),

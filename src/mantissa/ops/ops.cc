@@ -1,10 +1,12 @@
 #include "mantissa/ops/ops.h"
 
+#include <cmath>
 #include <functional>
 #include <memory>
 
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
+#include "mantissa/core/parallel.h"
 #include "mantissa/kernels/elementwise.h"
 #include "mantissa/ops/autocast.h"
 
@@ -553,6 +555,43 @@ Tensor cast(const Tensor& x, DType dtype, const CastOptions& rounding) {
   return recorded(y, "cast", {&x}, [](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
     return {kernels::cast(g, n.input_dtype(0), {}, MemoryCategory::gradients)};
   });
+}
+
+Tensor normalize_input(const Tensor& x, const std::vector<float>& mean,
+                       const std::vector<float>& std, DType out) {
+  MANTISSA_CHECK(x.dtype() == DType::u8 && x.dim() == 4,
+                 "normalize_input takes u8 images (N, C, H, W), not " +
+                     std::string(dtype_name(x.dtype())) + " " + shape_str(x.shape()),
+                 "hand it the loader's 8-bit batches");
+  MANTISSA_CHECK(
+      out == DType::f32 || out == DType::f16 || out == DType::bf16,
+      "normalize_input: output type " + std::string(dtype_name(out)) + " is not a compute type",
+      "use f32, f16 or bf16");
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  MANTISSA_CHECK(!mean.empty() && mean.size() == std.size() &&
+                     (mean.size() == 1 || static_cast<int64_t>(mean.size()) == C),
+                 "normalize_input: " + std::to_string(mean.size()) + " means and " +
+                     std::to_string(std.size()) + " std values for " + std::to_string(C) +
+                     " channels",
+                 "give one mean and std per channel, or one for all");
+  for (float s : std)
+    MANTISSA_CHECK(s > 0 && std::isfinite(s), "normalize_input: std values must be positive", "");
+  const Tensor src = x.contiguous();
+  Tensor y = Tensor::empty(x.shape(), out, charged_to(MemoryCategory::activations));
+  const uint8_t* p = static_cast<const uint8_t*>(src.data_ptr());
+  char* dst = static_cast<char*>(y.data_ptr());
+  const size_t esize = dtype_size(out);
+  parallel_for(static_cast<size_t>(N * C), 1, default_num_threads(), [&](size_t begin, size_t end) {
+    std::vector<float> row(static_cast<size_t>(HW));
+    for (size_t nc = begin; nc < end; ++nc) {
+      const size_t k = mean.size() == 1 ? 0 : nc % static_cast<size_t>(C);
+      const float m = mean[k], sd = std[k];
+      const uint8_t* r = p + nc * static_cast<size_t>(HW);
+      for (int64_t i = 0; i < HW; ++i) row[static_cast<size_t>(i)] = (r[i] / 255.0f - m) / sd;
+      kernels::store_f32(row.data(), HW, dst + nc * static_cast<size_t>(HW) * esize, out, 1);
+    }
+  });
+  return y;
 }
 
 }  // namespace mantissa::ops

@@ -88,4 +88,11 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
 // the input's dtype.
 Tensor cast(const Tensor& x, DType dtype, const CastOptions& rounding = {});
 
+// ---- Input ----
+// 8-bit I/O (the IPU guide's ModelWithNormalization): u8 images (N, C, H, W) -> (x / 255 -
+// mean[c]) / std[c] in `out` (f32, f16 or bf16), the loader's arithmetic (float, then one
+// rounding). One mean/std for all channels, or one per channel. Data, not differentiable.
+Tensor normalize_input(const Tensor& x, const std::vector<float>& mean,
+                       const std::vector<float>& std, DType out);
+
 }  // namespace mantissa::ops

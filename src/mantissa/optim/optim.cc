@@ -441,18 +441,21 @@ double clip_grad_norm(const ParamList& params, double max_norm) {
   if (!std::isfinite(norm)) return norm;
   const double coef = max_norm / (norm + 1e-6);
   if (coef >= 1) return norm;
-  const float c = static_cast<float>(coef);
+  scale_grads(params, static_cast<float>(coef));
+  return norm;
+}
+
+void scale_grads(const ParamList& params, float factor) {
   for (auto& p : params) {
     Tensor g = p.tensor->grad();
     if (!g.defined()) continue;
     MANTISSA_CHECK(g.is_contiguous(), "gradient of '" + p.name + "' is not contiguous", "");
     for_chunks(g.numel(), [&](int64_t b, int64_t n) {
       Staged gs(g, b, n);
-      for (int64_t j = 0; j < n; ++j) gs[j] = gs[j] * c;
+      for (int64_t j = 0; j < n; ++j) gs[j] = gs[j] * factor;
       gs.store();
     });
   }
-  return norm;
 }
 
 // ---- Schedules ----

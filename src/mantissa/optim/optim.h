@@ -180,6 +180,9 @@ class Adam : public Optimizer {
 double clip_grad_norm(const ParamList& params, double max_norm);
 // The global 2-norm of the gradients (FP64 accumulation).
 double grad_norm(const ParamList& params);
+// g *= factor for every gradient, in place (computed in FP32, stored in the gradient's type);
+// gradient accumulation's running mean uses it between micro-batches.
+void scale_grads(const ParamList& params, float factor);
 
 // Learning rate as a function of the optimizer step (0-based): an optional linear warm-up from
 // lr/warmup to lr over `warmup_steps`, then constant, step decay (x gamma every step_size steps)

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -79,7 +80,7 @@ ops::AutocastPolicy policy_of(const TrainConfig& c) {
 
 data::LoaderConfig loader_config(const TrainConfig& c, bool train, int64_t channels) {
   data::LoaderConfig lc;
-  lc.dtype = mode_of(c).input_dtype;
+  lc.dtype = c.eight_bit_io ? DType::u8 : mode_of(c).input_dtype;
   lc.batch_size = train ? c.batch_size : c.eval_batch_size;
   lc.shuffle = train && c.shuffle;
   lc.drop_last = train;
@@ -90,6 +91,7 @@ data::LoaderConfig loader_config(const TrainConfig& c, bool train, int64_t chann
   lc.transform.mean = std::vector<float>(static_cast<size_t>(channels), 0.5f);
   lc.transform.std = std::vector<float>(static_cast<size_t>(channels), 0.5f);
   lc.prefetch = c.prefetch;
+  lc.workers = c.async_loader ? c.workers : 0;
   return lc;
 }
 
@@ -236,7 +238,12 @@ void check_output_path(const std::string& path, const char* flag) {
                  "give a file name");
 }
 
+volatile std::sig_atomic_t g_stop = 0;
+
 }  // namespace
+
+void request_stop() { g_stop = 1; }
+bool stop_requested() { return g_stop != 0; }
 
 void validate(const TrainConfig& c) {
   auto names = [](const std::vector<std::string>& v) {
@@ -268,6 +275,25 @@ void validate(const TrainConfig& c) {
   MANTISSA_CHECK(c.max_grad_norm >= 0, "--max-grad-norm must not be negative", "");
   MANTISSA_CHECK(c.threads >= 0, "--threads must not be negative", "");
   MANTISSA_CHECK(c.synthetic_size > 0, "--synthetic-size must be positive", "");
+  MANTISSA_CHECK(c.gradient_accumulation >= 1, "--gradient-accumulation must be at least 1",
+                 "1 updates after every batch");
+  MANTISSA_CHECK(c.accumulation_reduction == "mean" || c.accumulation_reduction == "running" ||
+                     c.accumulation_reduction == "sum",
+                 "--accumulation-reduction '" + c.accumulation_reduction + "' is not valid",
+                 "use mean, running or sum");
+  MANTISSA_CHECK(c.device_iterations >= 1, "--device-iterations must be at least 1",
+                 "1 runs one optimizer step per call");
+  MANTISSA_CHECK(c.output_mode == "all" || c.output_mode == "sum" || c.output_mode == "final" ||
+                     c.output_mode == "every",
+                 "--output-mode '" + c.output_mode + "' is not valid",
+                 "use all, sum, final or every (with --output-return-period N)");
+  MANTISSA_CHECK(
+      c.output_return_period >= 1 && c.output_return_period <= c.device_iterations,
+      "--output-return-period " + std::to_string(c.output_return_period) +
+          " must lie in [1, --device-iterations = " + std::to_string(c.device_iterations) + "]",
+      "e.g. --device-iterations 4 --output-mode every --output-return-period 2");
+  MANTISSA_CHECK(c.workers >= 1 && c.workers <= 64, "--workers must lie in [1, 64]", "");
+  MANTISSA_CHECK(c.prefetch >= 0 && c.prefetch <= 64, "--prefetch must lie in [0, 64]", "");
   check_output_path(c.save, "--save");
   check_output_path(c.metrics_json, "--metrics-json");
   MANTISSA_CHECK(c.init_from.empty() || c.resume.empty(),
@@ -374,9 +400,14 @@ Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
   loader_ = std::make_unique<data::Loader>(train_data_,
                                            loader_config(config_, true, train_data_.channels()));
   const int64_t bpe = loader_->batches_per_epoch();
+  MANTISSA_CHECK(bpe >= config_.gradient_accumulation,
+                 "an epoch has " + std::to_string(bpe) + " batches, fewer than the " +
+                     std::to_string(config_.gradient_accumulation) +
+                     " micro-batches of one optimizer step",
+                 "lower --gradient-accumulation or --batch-size, or use more examples");
   // The schedule spans --epochs; --max-steps only stops early, so a run stopped and resumed
   // follows the same learning rates as one that was not.
-  schedule_.total_steps = config_.epochs * bpe;
+  schedule_.total_steps = config_.epochs * (bpe / config_.gradient_accumulation);
   if (!config_.resume.empty()) load_checkpoint(config_.resume);
 }
 
@@ -404,6 +435,10 @@ void Trainer::apply_precision() {
     const DType t = amp::parse_float_type(config_.accum_type, "--accum-type");
     for (auto& p : m.named_parameters()) p.tensor->autograd_meta()->grad_dtype = t;
   }
+  if (config_.eight_bit_io) {
+    const data::Transform t = loader_config(config_, true, train_data_.channels()).transform;
+    model_->set_input_normalization(t.mean, t.std, mode_.input_dtype);
+  }
   policy_ = policy_of(config_);
   std::function<void(const std::string&)> sink;
   if (config_.autocast_log && streams_.out) {
@@ -414,29 +449,94 @@ void Trainer::apply_precision() {
   partials_ = config_.partials == "fp16" ? kernels::Partials::kF16 : kernels::Partials::kF32;
 }
 
-std::pair<float, Tensor> Trainer::train_step(const data::Batch& batch) {
-  Tensor out, loss;
-  {
-    ops::PartialsScope partials(partials_);
-    std::optional<ops::AutocastScope> autocast;
-    if (mode_.autocast) autocast.emplace(mode_.half, policy_, log_.get());
-    std::optional<ops::StochasticOutputsScope> sr;
-    if (config_.stochastic_outputs)
-      sr.emplace(config_.seed ^ 0x4f5554u, static_cast<uint64_t>(step_) << 24);
-    out = (*model_)(batch.images);
-    if (mode_.fp32_loss && out.dtype() != DType::f32) out = ops::cast(out, DType::f32);
-    loss = model_->loss(out, batch.labels);
+float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
+  const int64_t N = config_.gradient_accumulation;
+  const std::string& reduction = config_.accumulation_reduction;
+  // The loss scale is read once: every micro-batch of the step is scaled alike.
+  const float scale = scaler_ ? scaler_->scale() : 1.0f;
+  const auto t0 = Clock::now();
+  double loss_sum = 0;
+  for (int64_t f = 0; f < N; ++f) {
+    const data::Batch& batch = micro[f];
+    Tensor out, loss;
+    {
+      ops::PartialsScope partials(partials_);
+      std::optional<ops::AutocastScope> autocast;
+      if (mode_.autocast) autocast.emplace(mode_.half, policy_, log_.get());
+      std::optional<ops::StochasticOutputsScope> sr;
+      if (config_.stochastic_outputs)
+        sr.emplace(config_.seed ^ 0x4f5554u, static_cast<uint64_t>(step_ * N + f) << 24);
+      out = (*model_)(batch.images);
+      if (mode_.fp32_loss && out.dtype() != DType::f32) out = ops::cast(out, DType::f32);
+      loss = model_->loss(out, batch.labels);
+    }
+    // "running": s = f/(f+1) s + g/(f+1), so the accumulator holds the mean so far.
+    double factor = 1;
+    if (reduction == "running" && f > 0) {
+      optim::scale_grads(optimizer_->params(),
+                         static_cast<float>(static_cast<double>(f) / static_cast<double>(f + 1)));
+      factor = 1.0 / static_cast<double>(f + 1);
+    }
+    // Scaled in FP32: S * loss; the optimizer multiplies the gradients by 1/S.
+    const double s = scale * factor;
+    autograd::backward(s != 1.0 ? ops::mul_scalar(loss, s) : loss);
+    loss_sum += loss.item();
+    if (correct) *correct += count_correct(out, batch.labels);
   }
-  // Scaled in FP32: S * loss; the optimizer multiplies the gradients by 1/S.
-  autograd::backward(scaler_ ? ops::mul_scalar(loss, scaler_->scale()) : loss);
   optim::StepOptions so;
-  so.grad_scale = scaler_ ? scaler_->inverse_scale() : 1.0f;
+  // "mean" divides the summed gradients by N here, with the unscaling (one pass).
+  so.grad_scale = static_cast<float>(
+      1.0 / (static_cast<double>(scale) * (reduction == "mean" ? static_cast<double>(N) : 1.0)));
   so.max_grad_norm = config_.max_grad_norm;
   so.skip_nonfinite = scaler_.has_value();
   const optim::StepReport report = optimizer_->step(so);
   if (scaler_) scaler_->update(!report.nonfinite.empty(), report.nonfinite);
   optimizer_->zero_grad();
-  return {static_cast<float>(loss.item()), out.detach()};
+  compute_seconds_ += seconds_since(t0);
+  return static_cast<float>(loss_sum / static_cast<double>(N));
+}
+
+CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
+  const int64_t N = config_.gradient_accumulation;
+  const int64_t n = static_cast<int64_t>(batches.size());
+  MANTISSA_CHECK(n > 0 && n % N == 0,
+                 "a call of the training step got " + std::to_string(n) +
+                     " batches, not a multiple of --gradient-accumulation " + std::to_string(N),
+                 "hand over device_iterations x gradient_accumulation batches");
+  CallOutput co;
+  co.steps = n / N;
+  const std::string& mode = config_.output_mode;
+  for (int64_t k = 0; k < co.steps; ++k) {
+    const bool returned = mode == "all" || mode == "sum" ||
+                          (mode == "final" && k == co.steps - 1) ||
+                          (mode == "every" && (k + 1) % config_.output_return_period == 0);
+    nn::set_random_context({config_.seed, static_cast<uint64_t>(step_)});
+    optimizer_->set_lr(schedule_.lr_at(config_.lr, step_));
+    int64_t correct = 0;
+    const float l = train_step(&batches[static_cast<size_t>(k * N)], returned ? &correct : nullptr);
+    MANTISSA_CHECK(std::isfinite(l),
+                   "the loss became " + std::string(std::isnan(l) ? "nan" : "inf") + " at step " +
+                       std::to_string(step_ + 1),
+                   "lower --lr, or set --max-grad-norm");
+    step_losses_.push_back(l);
+    ++step_;
+    int64_t images = 0;
+    for (int64_t f = 0; f < N; ++f)
+      images += batches[static_cast<size_t>(k * N + f)].labels.size(0);
+    co.images += images;
+    if (!returned) continue;
+    if (mode == "sum" && !co.outputs.empty()) {
+      StepOutput& o = co.outputs.back();
+      o.step = step_;
+      ++o.steps;
+      o.loss_sum += l;
+      o.correct += correct;
+      o.examples += images;
+    } else {
+      co.outputs.push_back({step_, 1, l, correct, images});
+    }
+  }
+  return co;
 }
 
 void Trainer::init_from(const std::string& path) {
@@ -464,6 +564,7 @@ void Trainer::save_checkpoint(const std::string& path) const {
       {"optimizer_steps", std::to_string(optimizer_->steps())},
       {"seed", std::to_string(config_.seed)},
       {"batch_size", std::to_string(config_.batch_size)},
+      {"gradient_accumulation", std::to_string(config_.gradient_accumulation)},
       {"synthetic_size", std::to_string(config_.synthetic_size)},
       {"step_losses", losses.dump()},
       {"precision", mode_.name},
@@ -502,6 +603,12 @@ void Trainer::load_checkpoint(const std::string& path) {
   MANTISSA_CHECK(precision == mode_.name,
                  path + " was trained with --precision " + precision + ", not " + mode_.name,
                  "pass --precision " + precision + " to resume it");
+  const int64_t ga =
+      f.metadata.count("gradient_accumulation") ? meta_int(f, "gradient_accumulation", path) : 1;
+  MANTISSA_CHECK(ga == config_.gradient_accumulation,
+                 path + " was trained with --gradient-accumulation " + std::to_string(ga) +
+                     ", not " + std::to_string(config_.gradient_accumulation),
+                 "pass --gradient-accumulation " + std::to_string(ga) + " to resume it");
   MANTISSA_CHECK(f.metadata.count("loss_scaler") == (scaler_ ? 1u : 0u),
                  path + (scaler_ ? " holds no loss-scaler state" : " holds loss-scaler state"),
                  "resume with the --loss-scaling of the original run");
@@ -524,48 +631,63 @@ void Trainer::load_checkpoint(const std::string& path) {
 }
 
 void Trainer::train_steps(TrainResult& result) {
-  const int64_t bpe = loader_->batches_per_epoch();
+  const int64_t N = config_.gradient_accumulation, K = config_.device_iterations;
+  const int64_t spe = loader_->batches_per_epoch() / N;  // optimizer steps per epoch
   const int64_t total = config_.max_steps > 0 ? std::min(config_.max_steps, schedule_.total_steps)
                                               : schedule_.total_steps;
-  const int64_t epochs = (total + bpe - 1) / bpe;
+  const int64_t epochs = (total + spe - 1) / spe;
   ProgressBar bar(streams_.progress, config_.progress);
   model_->train();
   const auto t_train = Clock::now();
-  int64_t images_total = 0;
-  while (step_ < total) {
-    const int64_t epoch = step_ / bpe;
-    const int64_t last = std::min(total, (epoch + 1) * bpe);
-    loader_->start(epoch, step_ % bpe);
+  const double wait0 = loader_->wait_seconds();
+  compute_seconds_ = 0;
+  int64_t images_total = 0, steps_run = 0;
+  while (step_ < total && !stop_requested()) {
+    const int64_t epoch = step_ / spe;
+    const int64_t last = std::min(total, (epoch + 1) * spe);
+    loader_->start(epoch, (step_ % spe) * N);
     EpochStats es;
     es.epoch = epoch + 1;
     const auto t0 = Clock::now();
     double loss_sum = 0;
-    int64_t correct = 0, seen = 0;
+    int64_t loss_steps = 0, correct = 0, counted = 0, seen = 0;
     const int64_t first = step_;
-    while (step_ < last) {
-      std::optional<data::Batch> batch = loader_->next();
-      if (!batch) break;
-      nn::set_random_context({config_.seed, static_cast<uint64_t>(step_)});
-      optimizer_->set_lr(schedule_.lr_at(config_.lr, step_));
-      const auto [l, out] = train_step(*batch);
-      MANTISSA_CHECK(std::isfinite(l),
-                     "the loss became " + std::string(std::isnan(l) ? "nan" : "inf") + " at step " +
-                         std::to_string(step_ + 1),
-                     "lower --lr, or set --max-grad-norm");
-      step_losses_.push_back(l);
-      loss_sum += l;
-      correct += count_correct(out, batch->labels);
-      seen += batch->labels.size(0);
-      ++step_;
+    // Calls of this epoch, for the progress bar: K steps each, the last may run fewer.
+    const int64_t call0 = (step_ - epoch * spe) / K;
+    const int64_t calls = (last - epoch * spe + K - 1) / K;
+    int64_t call_index = call0;
+    std::vector<data::Batch> batches;
+    while (step_ < last && !stop_requested()) {
+      const int64_t k = std::min(K, last - step_);
+      batches.clear();
+      for (int64_t b = 0; b < k * N; ++b) {
+        std::optional<data::Batch> batch = loader_->next();
+        MANTISSA_CHECK(batch.has_value(), "internal: the loader ended before the epoch's steps",
+                       "report this as a bug");
+        result.input_bytes += batch->images.nbytes() + batch->labels.nbytes();
+        batches.push_back(std::move(*batch));
+      }
+      const CallOutput co = call(batches);
+      ++result.calls;
+      ++call_index;
+      steps_run += co.steps;
+      seen += co.images;
+      for (const StepOutput& o : co.outputs) {
+        loss_sum += o.loss_sum;
+        loss_steps += o.steps;
+        correct += o.correct;
+        counted += o.examples;
+      }
       es.steps = step_ - first;
-      bar.update(es.epoch, epochs, step_ - epoch * bpe, last - epoch * bpe, seconds_since(t0),
-                 static_cast<double>(seen), loss_sum / static_cast<double>(es.steps),
-                 static_cast<double>(correct) / static_cast<double>(seen), step_ == last,
-                 loss_scaler());
+      bar.update(es.epoch, epochs, call_index, calls, seconds_since(t0), static_cast<double>(seen),
+                 loss_steps > 0 ? loss_sum / static_cast<double>(loss_steps) : 0,
+                 counted > 0 ? static_cast<double>(correct) / static_cast<double>(counted) : 0,
+                 step_ == last, loss_scaler());
     }
     es.seconds = seconds_since(t0);
-    es.loss = es.steps > 0 ? loss_sum / static_cast<double>(es.steps) : 0;
-    es.train_accuracy = seen > 0 ? static_cast<double>(correct) / static_cast<double>(seen) : 0;
+    es.loss = loss_steps > 0 ? loss_sum / static_cast<double>(loss_steps) : 0;
+    es.train_accuracy =
+        counted > 0 ? static_cast<double>(correct) / static_cast<double>(counted) : 0;
     es.images_per_second = es.seconds > 0 ? static_cast<double>(seen) / es.seconds : 0;
     images_total += seen;
     result.epochs.push_back(es);
@@ -574,12 +696,20 @@ void Trainer::train_steps(TrainResult& result) {
                     << ", train accuracy " << fmt("%.2f", es.train_accuracy * 100) << "%, "
                     << fmt("%.1f", es.seconds) << " s, " << fmt("%.1f", es.images_per_second)
                     << " images/s" << std::endl;
-    if (!config_.save.empty() && step_ < total) save_checkpoint(config_.save);
+    if (!config_.save.empty() && step_ < total && !stop_requested()) save_checkpoint(config_.save);
   }
+  loader_->stop();
+  result.interrupted = step_ < total;
+  if (result.interrupted) g_stop = 0;  // the request is honoured: a later run goes on
   result.train_seconds = seconds_since(t_train);
   result.images_per_second =
       result.train_seconds > 0 ? static_cast<double>(images_total) / result.train_seconds : 0;
-  result.data_wait_seconds = loader_->wait_seconds();
+  result.data_wait_seconds = loader_->wait_seconds() - wait0;
+  result.host_seconds_per_step =
+      steps_run > 0
+          ? std::max(0.0, result.train_seconds - compute_seconds_ - result.data_wait_seconds) /
+                static_cast<double>(steps_run)
+          : 0;
 }
 
 TrainResult Trainer::run() {
@@ -595,7 +725,13 @@ TrainResult Trainer::run() {
   }
   r.step_losses = step_losses_;
   if (!config_.save.empty()) save_checkpoint(config_.save);
-  if (config_.evaluate) {
+  if (r.interrupted && streams_.out)
+    *streams_.out << "interrupted at step " << step_
+                  << (config_.save.empty() ? std::string()
+                                           : ", checkpoint saved to " + config_.save +
+                                                 " (continue with --resume " + config_.save + ")")
+                  << std::endl;
+  if (config_.evaluate && !r.interrupted) {
     r.test_accuracy = evaluate(&r.test_examples);
     if (streams_.out)
       *streams_.out << "test accuracy: " << fmt("%.2f", *r.test_accuracy * 100) << "% ("
@@ -603,7 +739,9 @@ TrainResult Trainer::run() {
   }
   if (streams_.out && r.train_seconds > 0)
     *streams_.out << "training: " << fmt("%.1f", r.images_per_second) << " images/s, waited "
-                  << fmt("%.2f", r.data_wait_seconds) << " s for data, peak memory "
+                  << fmt("%.2f", r.data_wait_seconds) << " s for data ("
+                  << format_bytes(static_cast<size_t>(loader_->batch_bytes())) << " a batch), host "
+                  << fmt("%.0f", r.host_seconds_per_step * 1e6) << " us a step, peak memory "
                   << format_bytes(r.memory.peak_total)
                   << (scaler_ ? ", loss scale " + fmt("%g", scaler_->scale()) + ", " +
                                     std::to_string(scaler_->skipped_steps()) + " steps skipped"
@@ -656,7 +794,15 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
                  {"accum_type", c.accum_type},
                  {"first_moment_type", c.first_moment_type},
                  {"second_moment_type", c.second_moment_type},
-                 {"memory_budget", c.memory_budget}};
+                 {"memory_budget", c.memory_budget},
+                 {"gradient_accumulation", c.gradient_accumulation},
+                 {"accumulation_reduction", c.accumulation_reduction},
+                 {"device_iterations", c.device_iterations},
+                 {"output_mode", c.output_mode},
+                 {"output_return_period", c.output_return_period},
+                 {"eight_bit_io", c.eight_bit_io},
+                 {"async_dataloader", c.async_loader},
+                 {"workers", c.async_loader ? c.workers : 0}};
   j["step_losses"] = r.step_losses;
   j["epochs"] = json::array();
   for (auto& e : r.epochs)
@@ -671,6 +817,10 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
   j["images_per_second"] = r.images_per_second;
   j["train_seconds"] = r.train_seconds;
   j["data_wait_seconds"] = r.data_wait_seconds;
+  j["calls"] = r.calls;
+  j["input_bytes"] = r.input_bytes;
+  j["host_seconds_per_step"] = r.host_seconds_per_step;
+  j["interrupted"] = r.interrupted;
   j["steps"] = r.steps;
   json peak = {{"total", r.memory.peak_total}};
   for (MemoryCategory cat : kAllMemoryCategories)

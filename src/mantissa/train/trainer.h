@@ -71,9 +71,29 @@ struct TrainConfig {
   // it throws OutOfMemoryError with the report by category and holder. "": no limit.
   std::string memory_budget;
 
+  // ---- The IPU guide's pipeline levers (docs/ipu_guide.md) ----
+  // Micro-batches of batch_size per optimizer step; their gradients are reduced by
+  // accumulation_reduction: "mean" (summed, divided by N at the step), "running" (the running
+  // mean s = f/(f+1) s + g/(f+1) after each micro-batch: never larger than the largest gradient,
+  // so it cannot overflow a 16-bit accumulator), or "sum".
+  int64_t gradient_accumulation = 1;
+  std::string accumulation_reduction = "mean";
+  // Optimizer steps per call of the training step: the call takes device_iterations *
+  // gradient_accumulation batches at once and returns outputs as output_mode says: "all",
+  // "sum", "final" (PopTorch's default for training), or "every" (every output_return_period-th
+  // step). The progress bar and the epoch figures are computed from what the calls return.
+  int64_t device_iterations = 1;
+  std::string output_mode = "final";
+  int64_t output_return_period = 1;
+  // 8-bit I/O: the loader hands over u8 images; the model's first op normalizes them and casts
+  // to the mode's input type (4x fewer bytes than FP32 input, 2x fewer than FP16).
+  bool eight_bit_io = false;
+  bool async_loader = false;  // background workers prepare batches while the step runs
+  int workers = 1;            // with async_loader
+  int prefetch = 2;           // with async_loader: batches made ahead at most
+
   bool progress = true;  // progress bar on the progress stream
   bool evaluate = true;  // test accuracy after training
-  int prefetch = 2;      // batches the loader prepares ahead
 
   double effective_weight_decay() const {
     return weight_decay ? *weight_decay : (optimizer == "adamw" ? 0.01 : 0.0);
@@ -110,7 +130,35 @@ struct TrainResult {
   std::optional<double> loss_scale;
   int64_t skipped_steps = 0;
   std::vector<amp::ScaleChange> loss_scale_history;
+  // The pipeline: calls of the training step, bytes of input handed over, and the host's own
+  // time per optimizer step (the loop less the step's compute and the wait for data).
+  int64_t calls = 0;
+  int64_t input_bytes = 0;
+  double host_seconds_per_step = 0;
+  bool interrupted = false;  // stopped by request_stop() (Ctrl-C): a clean step boundary
 };
+
+// What one call of the training step returns (TrainConfig::output_mode): one entry per returned
+// output. "all": every step; "final": the last; "every": every output_return_period-th step;
+// "sum": one entry summing every step of the call.
+struct StepOutput {
+  int64_t step = 0;      // the (last) optimizer step it covers, 1-based
+  int64_t steps = 1;     // optimizer steps summed into it
+  double loss_sum = 0;   // sum of the covered steps' losses
+  int64_t correct = 0;   // correctly classified training images of the covered steps
+  int64_t examples = 0;  // images of the covered steps
+};
+struct CallOutput {
+  std::vector<StepOutput> outputs;
+  int64_t steps = 0;   // optimizer steps the call ran
+  int64_t images = 0;  // training images it consumed
+};
+
+// Asks the running Trainer (or the next one to run) to stop at the next step boundary (async-
+// signal-safe: a SIGINT handler may call it). The trainer saves its checkpoint (--save) and
+// metrics, then returns with TrainResult::interrupted set; the run that stops clears the request.
+void request_stop();
+bool stop_requested();
 
 // Where the trainer writes: the result lines (stdout) and the progress bar (stderr).
 struct TrainStreams {
@@ -127,6 +175,10 @@ class Trainer {
   TrainResult run();
   // Accuracy of the current model on the test split (first test_limit examples).
   double evaluate(int64_t* examples = nullptr);
+  // One call of the training step: device_iterations optimizer steps (fewer at an epoch's end),
+  // each on gradient_accumulation micro-batches taken in order from `batches` (whose size must
+  // be a multiple of gradient_accumulation). Returns the outputs output_mode asks for.
+  CallOutput call(const std::vector<data::Batch>& batches);
 
   nn::Classifier& model() { return *model_; }
   optim::Optimizer& optimizer() { return *optimizer_; }
@@ -146,9 +198,11 @@ class Trainer {
  private:
   void train_steps(TrainResult& result);
   void apply_precision();
-  // One optimizer step on a batch: forward and loss in the configured precision, scaled
-  // backward, the fused step; returns the (unscaled) loss and the output for accuracy.
-  std::pair<float, Tensor> train_step(const data::Batch& batch);
+  // One optimizer step on gradient_accumulation micro-batches: forward and loss in the
+  // configured precision, scaled backward (the scale fixed for the step), the reduction of the
+  // micro-batch gradients, the fused step. Returns the mean (unscaled) loss, and when asked the
+  // number of correctly classified images.
+  float train_step(const data::Batch* micro, int64_t* correct);
 
   TrainConfig config_;
   TrainStreams streams_;
@@ -159,6 +213,7 @@ class Trainer {
   std::unique_ptr<data::Loader> loader_;
   int64_t step_ = 0;
   std::vector<float> step_losses_;
+  double compute_seconds_ = 0;  // inside train_step, this run
   amp::PrecisionMode mode_;
   ops::AutocastPolicy policy_;
   std::unique_ptr<ops::AutocastLog> log_;
