@@ -19,6 +19,7 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;   // an unexpected internal failure
 inline constexpr int kExitBadInput = 2;  // bad flags, values or files
 inline constexpr int kExitOutOfMemory = 3;
+inline constexpr int kExitAnomaly = 4;        // --detect-anomaly found inf/NaN
 inline constexpr int kExitInterrupted = 130;  // Ctrl-C: stopped cleanly (128 + SIGINT)
 
 int run_formats(const std::vector<std::string>& args, std::ostream& out);

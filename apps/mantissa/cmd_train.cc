@@ -79,6 +79,9 @@ constexpr const char* kTrainUsage =
     "  --partials T          accumulation type of matmul and convolution: fp32 (default), fp16\n"
     "  --accum-type T        gradient type (default: the parameter's)\n"
     "  --first-moment-type T --second-moment-type T   optimizer state: fp32, fp16, bf16\n"
+    "debugging:\n"
+    "  --detect-anomaly      check every op's output and gradient for inf/NaN; stop at the\n"
+    "                        first with the op, module, dtype and input statistics (exit 4)\n"
     "memory:\n"
     "  --memory-budget SIZE  behave as a device with this much memory (e.g. 512MiB, 1.5GiB):\n"
     "                        past it, an out-of-memory report and exit status 3\n"
@@ -222,6 +225,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--output-return-period", i64("--output-return-period", c.output_return_period, 1)},
       {"--async-dataloader", on(c.async_loader, true)},
       {"--eight-bit-io", on(c.eight_bit_io, true)},
+      {"--detect-anomaly", on(c.detect_anomaly, true)},
       {"--workers", Flag{true,
                          [&](const std::string& v) {
                            workers = to_int("--workers", v, 1);

@@ -46,6 +46,10 @@ int main(int argc, char** argv) {
     std::cout.flush();
     std::cerr << "mantissa: " << e.what() << '\n';
     return kExitOutOfMemory;
+  } catch (const mantissa::autograd::AnomalyError& e) {
+    std::cout.flush();
+    std::cerr << "mantissa: " << e.what() << '\n';
+    return kExitAnomaly;
   } catch (const mantissa::Error& e) {
     // One line: the problem, then how to fix it.
     std::cout.flush();

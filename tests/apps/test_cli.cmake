@@ -153,6 +153,8 @@ expect(train_pipeline 0 "epoch 1: loss .*waited [0-9.]+ s for data \\(4.12 KiB a
 expect(train_accumulation_bad 2 "" "--accumulation-reduction 'avg' is not valid \\(use mean, running or sum\\)" train --accumulation-reduction avg)
 expect(train_accumulation_too_many 2 "" "an epoch has 16 batches, fewer than the 17 micro-batches of one optimizer step" train ${TRAIN_PIPE} --gradient-accumulation 17)
 expect(train_workers_bad 2 "" "--workers '0' is not an integer >= 1" train --workers 0)
+expect(train_detect_anomaly 4 "" "^mantissa: step 2: anomaly in forward: linear in module 'fc1' produced [0-9]+ inf/nan values \\(f16 \\(12, 120\\).*input 1: f16 \\(120, 16\\).*HINT: .*--keep-fp32 fc1"
+       train ${TRAIN_PIPE} --precision 16-true --optimizer sgd --lr 1e5 --detect-anomaly)
 # Ctrl-C: the run stops at a step boundary, saves its checkpoint and exits with 130.
 find_program(SH sh)
 string(REPLACE ";" " " TRAIN_PIPE_LINE "${TRAIN_PIPE}")

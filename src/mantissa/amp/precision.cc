@@ -114,7 +114,7 @@ std::string PrecisionMode::describe() const {
 
 DType parse_float_type(const std::string& text, const std::string& flag) {
   const std::optional<DType> t = parse_dtype(text);  // the names and aliases of core/dtype.h
-  if (t && (*t == DType::f32 || *t == DType::f16 || *t == DType::bf16)) return *t;
+  if (t && is_compute_float(*t)) return *t;
   throw Error(flag + " '" + text + "' is not a type", "use fp32, fp16 or bf16");
 }
 

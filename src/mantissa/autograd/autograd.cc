@@ -1,5 +1,7 @@
 #include "mantissa/autograd/autograd.h"
 
+#include <cmath>
+#include <cstdio>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -10,9 +12,57 @@ namespace mantissa::autograd {
 
 namespace {
 thread_local bool t_grad_enabled = true;
-}
+thread_local const std::string* t_module_path = nullptr;
+// 0: off; 1: inf and NaN; 2: NaN only in backward (forward checks both).
+thread_local int t_anomaly = 0;
+const std::string kNoPath;
+}  // namespace
 
 bool grad_enabled() { return t_grad_enabled; }
+
+const std::string& current_module_path() { return t_module_path ? *t_module_path : kNoPath; }
+ModulePathScope::ModulePathScope(const std::string* path) : previous_(t_module_path) {
+  t_module_path = path;
+}
+ModulePathScope::~ModulePathScope() { t_module_path = previous_; }
+
+DetectAnomalyGuard::DetectAnomalyGuard(bool inf_in_backward) : previous_(t_anomaly) {
+  t_anomaly = inf_in_backward ? 1 : 2;
+}
+DetectAnomalyGuard::~DetectAnomalyGuard() { t_anomaly = previous_; }
+bool detect_anomaly() { return t_anomaly != 0; }
+
+int64_t count_nonfinite(const Tensor& t) {
+  if (!t.defined() || !is_compute_float(t.dtype())) return 0;
+  int64_t n = 0;
+  for (float v : t.to_float_vector()) n += !std::isfinite(v);
+  return n;
+}
+
+std::string describe_values(const Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::string s = std::string(dtype_name(t.dtype())) + " " + shape_str(t.shape());
+  if (!is_compute_float(t.dtype()) || t.numel() == 0) return s;
+  float lo = INFINITY, hi = -INFINITY, big = 0;
+  int64_t bad = 0;
+  for (float v : t.to_float_vector()) {
+    if (!std::isfinite(v)) {
+      ++bad;
+      continue;
+    }
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+    big = std::max(big, std::fabs(v));
+  }
+  char buf[200];
+  if (bad == t.numel())
+    std::snprintf(buf, sizeof buf, ": all %lld values inf/nan", static_cast<long long>(bad));
+  else
+    std::snprintf(buf, sizeof buf, ": min %.6g, max %.6g, largest |x| %.6g, %lld of %lld inf/nan",
+                  static_cast<double>(lo), static_cast<double>(hi), static_cast<double>(big),
+                  static_cast<long long>(bad), static_cast<long long>(t.numel()));
+  return s + buf;
+}
 
 NoGradGuard::NoGradGuard() : previous_(t_grad_enabled) { t_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { t_grad_enabled = previous_; }
@@ -31,6 +81,7 @@ void record(Tensor& out, std::shared_ptr<Node> node, std::initializer_list<const
 void record_many(Tensor& out, std::shared_ptr<Node> node,
                  const std::vector<const Tensor*>& inputs) {
   node->inputs_.clear();
+  node->module_path_ = current_module_path();
   for (const Tensor* t : inputs) {
     Node::Input in;
     if (t && t->defined()) {
@@ -77,6 +128,29 @@ void accumulate_leaf(AutogradMeta& meta, Tensor g, DType tensor_dtype) {
     return;
   }
   *meta.grad = kernels::add(*meta.grad, converted, dtype, MemoryCategory::gradients).detach();
+}
+
+// Anomaly detection in backward: the first gradient with inf/NaN (NaN only when asked) stops.
+void check_gradients(const Node& node, const Tensor& grad_output,
+                     const std::vector<Tensor>& grads) {
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const Tensor& gi = grads[i];
+    if (!gi.defined() || !is_compute_float(gi.dtype())) continue;
+    int64_t bad = 0;
+    for (float v : gi.to_float_vector()) bad += t_anomaly == 1 ? !std::isfinite(v) : std::isnan(v);
+    if (bad == 0) continue;
+    const std::string where = node.module_path().empty() ? "outside any module"
+                                                         : "in module '" + node.module_path() + "'";
+    throw AnomalyError(
+        "anomaly in backward: the gradient of " + std::string(node.name()) + " " + where +
+            " for its input " + std::to_string(i) + " has " + std::to_string(bad) + " " +
+            (t_anomaly == 1 ? "inf/nan" : "nan") + " values (" + describe_values(gi) +
+            ")\n  gradient of its output: " + describe_values(grad_output),
+        is_16bit_float(gi.dtype())
+            ? "a 16-bit gradient overflowed or lost its range: scale the loss down (or use "
+              "dynamic loss scaling), keep this module in FP32 (--keep-fp32), or use bf16"
+            : "lower the learning rate, or clip gradients (--max-grad-norm)");
+  }
 }
 
 }  // namespace
@@ -136,6 +210,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
                        std::to_string(grads.size()) + " gradients for " +
                        std::to_string(node->inputs().size()) + " inputs",
                    "report this as a bug");
+    if (t_anomaly) check_gradients(*node, g, grads);
     for (size_t i = 0; i < grads.size(); ++i) {
       const Node::Input& in = node->inputs()[i];
       if (!in.needs_grad() || !grads[i].defined()) continue;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "mantissa/core/error.h"
 #include "mantissa/core/tensor.h"
 
 namespace mantissa::autograd {
@@ -31,11 +32,55 @@ class NoGradGuard {
   bool previous_;
 };
 
+// The module whose forward runs on this thread ("layer1.0.conv1"; "" outside modules):
+// nn::Module sets it, nodes recorded meanwhile remember it, reports name it.
+const std::string& current_module_path();
+class ModulePathScope {
+ public:
+  explicit ModulePathScope(const std::string* path);
+  ~ModulePathScope();
+  ModulePathScope(const ModulePathScope&) = delete;
+  ModulePathScope& operator=(const ModulePathScope&) = delete;
+
+ private:
+  const std::string* previous_;
+};
+
+// ---- Anomaly detection (the answer to the IPU's floating-point exception traps) ----
+// While a guard is alive on this thread, every op's output (forward, checked by the ops layer)
+// and every gradient a node computes (backward, checked here) is checked for inf and NaN; the
+// first one throws AnomalyError naming the op, the module path, the dtype and statistics of
+// the op's inputs. inf_in_backward = false lets infinite gradients through (only NaN stops):
+// under loss scaling an infinite scaled gradient is the scaler's overflow signal, not a fault.
+class DetectAnomalyGuard {
+ public:
+  explicit DetectAnomalyGuard(bool inf_in_backward = true);
+  ~DetectAnomalyGuard();
+  DetectAnomalyGuard(const DetectAnomalyGuard&) = delete;
+  DetectAnomalyGuard& operator=(const DetectAnomalyGuard&) = delete;
+
+ private:
+  int previous_;
+};
+bool detect_anomaly();
+
+class AnomalyError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Number of inf/NaN values of t.
+int64_t count_nonfinite(const Tensor& t);
+// "f16 (12, 100): min -3.25, max 4.5, largest |x| 4.5, 0 of 1200 inf/nan".
+std::string describe_values(const Tensor& t);
+
 // A recorded op. It keeps only what its backward needs (subclasses hold those tensors).
 class Node {
  public:
   virtual ~Node() = default;
   virtual const char* name() const = 0;
+  // The module whose forward recorded it ("" outside modules).
+  const std::string& module_path() const { return module_path_; }
   // Gradients of the inputs, given the gradient of the output (same shape and dtype as the
   // output). One entry per input; an undefined tensor where an input needs none.
   virtual std::vector<Tensor> backward(const Tensor& grad_output) = 0;
@@ -54,6 +99,7 @@ class Node {
  private:
   friend void record_many(Tensor&, std::shared_ptr<Node>, const std::vector<const Tensor*>&);
   std::vector<Input> inputs_;
+  std::string module_path_;
 };
 
 // Whether an op on these inputs must record: grad mode is on and an input requires grad.

@@ -82,6 +82,11 @@ constexpr DTypeKind dtype_kind(DType t) {
 }
 
 constexpr bool is_floating(DType t) { return dtype_kind(t) == DTypeKind::kFloat; }
+// The types kernels compute and store activations in: f32, f16, bf16 (8-bit floats are storage).
+constexpr bool is_compute_float(DType t) {
+  return t == DType::f32 || t == DType::f16 || t == DType::bf16;
+}
+constexpr bool is_16bit_float(DType t) { return t == DType::f16 || t == DType::bf16; }
 // The 16- and 8-bit floating-point storage formats (the ones with a FloatFormat).
 constexpr bool is_narrow_float(DType t) {
   return t == DType::f16 || t == DType::bf16 || t == DType::e4m3 || t == DType::e5m2;

@@ -157,7 +157,7 @@ Shape broadcast_strides(const Tensor& t, const Shape& shape) { return t.expand(s
 float apply_unary(UnaryOp op, float x) {
   switch (op) {
     case UnaryOp::kRelu:
-      return x > 0.0f ? x : 0.0f;
+      return x > 0.0f || x != x ? x : 0.0f;  // NaN propagates, as in PyTorch
     case UnaryOp::kGelu:
       return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f));
     case UnaryOp::kSigmoid:
@@ -324,8 +324,9 @@ template <UnaryOp kOp>
 void backward_loop(const float* g, const float* x, const float* y, float* dx, int64_t n) {
   if constexpr (kOp == UnaryOp::kRelu) {
     // A selection, as PyTorch's threshold_backward: where the output is 0 the gradient is 0 even
-    // if the incoming one is inf or nan. A branch-free loop the compiler vectorizes.
-    for (int64_t i = 0; i < n; ++i) dx[i] = y[i] > 0.0f ? g[i] : 0.0f;
+    // if the incoming one is inf or nan (and where it is NaN, the gradient passes). A
+    // branch-free loop the compiler vectorizes.
+    for (int64_t i = 0; i < n; ++i) dx[i] = y[i] <= 0.0f ? 0.0f : g[i];
   } else {
     for (int64_t i = 0; i < n; ++i) dx[i] = g[i] * unary_derivative(kOp, x[i], y[i]);
   }

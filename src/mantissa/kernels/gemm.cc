@@ -157,7 +157,7 @@ void check_dtypes(ConstMatrix A, ConstMatrix B, Matrix C) {
                      ")",
                  "convert the operands to a supported float dtype");
   MANTISSA_CHECK(
-      C.dtype == DType::f32 || C.dtype == DType::f16 || C.dtype == DType::bf16,
+      is_compute_float(C.dtype),
       "gemm: the output must be f32, f16 or bf16 (got " + std::string(dtype_name(C.dtype)) + ")",
       "write into an f32, f16 or bf16 tensor");
 }

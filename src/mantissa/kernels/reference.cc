@@ -170,7 +170,7 @@ Array unary(Unary op, const Array& x) {
   for (double& v : y.v) {
     switch (op) {
       case Unary::kRelu:
-        v = v > 0 ? v : 0;
+        v = v > 0 || std::isnan(v) ? v : 0;
         break;
       case Unary::kGelu:
         v = 0.5 * v * (1 + std::erf(v / std::sqrt(2.0)));

@@ -24,7 +24,6 @@ struct Context {
   const AutocastPolicy* policy = nullptr;
   AutocastLog* log = nullptr;
   CastCache* cache = nullptr;
-  const std::string* module_path = nullptr;
   kernels::Partials partials = kernels::Partials::kF32;
   bool stochastic = false;
   uint64_t sr_seed = 0, sr_stream = 0;
@@ -32,11 +31,6 @@ struct Context {
 };
 
 thread_local Context ctx;
-const std::string kNoPath;
-
-bool is_float(DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; }
-
-bool is_16bit(DType t) { return t == DType::f16 || t == DType::bf16; }
 
 std::vector<OpId> parse_list(const std::vector<std::string>& names, const char* which,
                              std::set<OpId>& seen_here) {
@@ -154,7 +148,7 @@ struct AutocastScope::Saved {
 
 AutocastScope::AutocastScope(DType lower, const AutocastPolicy& policy, AutocastLog* log)
     : saved_(std::make_unique<Saved>()) {
-  MANTISSA_CHECK(is_16bit(lower),
+  MANTISSA_CHECK(is_16bit_float(lower),
                  std::string("autocast to ") + std::string(dtype_name(lower)) + " is not supported",
                  "use f16 or bf16");
   saved_->previous = ctx;
@@ -185,12 +179,6 @@ AutocastDisabled::~AutocastDisabled() { ctx.autocast = previous_; }
 
 bool autocast_enabled() { return ctx.autocast; }
 DType autocast_dtype() { return ctx.lower; }
-
-const std::string& current_module_path() { return ctx.module_path ? *ctx.module_path : kNoPath; }
-ModulePathScope::ModulePathScope(const std::string* path) : previous_(ctx.module_path) {
-  ctx.module_path = path;
-}
-ModulePathScope::~ModulePathScope() { ctx.module_path = previous_; }
 
 kernels::Partials default_partials() { return ctx.partials; }
 PartialsScope::PartialsScope(kernels::Partials p) : previous_(ctx.partials) { ctx.partials = p; }
@@ -234,21 +222,26 @@ Tensor cached_cast(const Tensor& t, DType to) {
 }  // namespace
 
 OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor*> inputs) {
-  if (ctx.in_op || !(ctx.autocast || ctx.stochastic)) return;
+  const bool anomaly = autograd::detect_anomaly();
+  if (ctx.in_op || !(ctx.autocast || ctx.stochastic || anomaly)) return;
   const AutocastCategory cat = ctx.autocast ? ctx.policy->category(op) : op_info(op).category;
-  if (cat == AutocastCategory::kNever) return;
+  if (cat == AutocastCategory::kNever && !anomaly) return;
   active_ = true;
   ctx.in_op = true;
+  op_ = op;
+  check_ = anomaly;
   opt_ = std::make_unique<OpOptions>(opt);
+  if (anomaly)
+    for (const Tensor* t : inputs) originals_.push_back(t ? *t : Tensor());
   inputs_.reserve(inputs.size());
   std::optional<DType> first, widest;
   for (const Tensor* t : inputs) {
     inputs_.push_back(t ? *t : Tensor());
-    if (!t || !t->defined() || !is_float(t->dtype())) continue;
+    if (!t || !t->defined() || !is_compute_float(t->dtype())) continue;
     if (!first) first = t->dtype();
     widest = widest ? promote_types(*widest, t->dtype()) : t->dtype();
   }
-  if (!first) return;  // no floating input: nothing to decide
+  if (!first || cat == AutocastCategory::kNever) return;  // nothing to decide
   // The type the op runs in under autocast (what it does without: follow or promote).
   std::optional<DType> target;
   if (ctx.autocast && !opt.out) {
@@ -256,7 +249,7 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor
       case AutocastCategory::kLowerPrecision:
         target = ctx.lower;
         for (Tensor& t : inputs_) {
-          if (!t.defined() || !is_float(t.dtype()) || t.dtype() == ctx.lower) continue;
+          if (!t.defined() || !is_compute_float(t.dtype()) || t.dtype() == ctx.lower) continue;
           t = t.requires_grad() && !t.grad_fn() && ctx.cache ? cached_cast(t, ctx.lower)
                                                              : cast(t, ctx.lower);
         }
@@ -275,7 +268,7 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor
     if (target && ctx.log) {
       // Logged when an input changes type: the first that does (inputs_ may already be cast).
       for (const Tensor* t : inputs) {
-        if (!t || !t->defined() || !is_float(t->dtype()) || t->dtype() == *target) continue;
+        if (!t || !t->defined() || !is_compute_float(t->dtype()) || t->dtype() == *target) continue;
         ctx.log->record(
             {std::string(op_info(op).name), current_module_path(), t->dtype(), *target, cat});
         break;
@@ -289,7 +282,7 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor
                                    cat == AutocastCategory::kPromote
                                ? *widest
                                : *first);
-    if (is_16bit(out)) {
+    if (is_16bit_float(out)) {
       round_to_ = out;
       opt_->out = DType::f32;
     }
@@ -303,14 +296,50 @@ OpCall::~OpCall() {
 const OpOptions& OpCall::options() const { return *opt_; }
 
 Tensor OpCall::finish(Tensor y) {
-  if (!round_to_ || !y.defined() || y.dtype() != DType::f32) return y;
-  CastOptions o;
-  o.rounding = Rounding::kStochastic;
-  o.seed = ctx.sr_seed;
-  o.stream = ctx.sr_stream++;
-  ctx.in_op = false;  // the cast is an op of its own
-  active_ = false;
-  return cast(y, *round_to_, o);
+  if (round_to_ && y.defined() && y.dtype() == DType::f32) {
+    CastOptions o;
+    o.rounding = Rounding::kStochastic;
+    o.seed = ctx.sr_seed;
+    o.stream = ctx.sr_stream++;
+    ctx.in_op = false;  // the cast is an op of its own (and checks its output itself)
+    active_ = false;
+    return cast(y, *round_to_, o);
+  }
+  if (check_) check_output(y);
+  return y;
+}
+
+void OpCall::check_output(const Tensor& y) const {
+  const int64_t bad = autograd::count_nonfinite(y);
+  if (bad == 0) return;
+  const std::string& path = current_module_path();
+  std::string msg = "anomaly in forward: " + std::string(op_info(op_).name) +
+                    (path.empty() ? " outside any module" : " in module '" + path + "'") +
+                    " produced " + std::to_string(bad) + " inf/nan values (" +
+                    autograd::describe_values(y) + ")";
+  int64_t bad_inputs = 0, bad_originals = 0;
+  for (size_t i = 0; i < inputs_.size(); ++i) {
+    if (!inputs_[i].defined()) continue;
+    msg += "\n  input " + std::to_string(i) + ": " + autograd::describe_values(inputs_[i]);
+    if (originals_[i].dtype() != inputs_[i].dtype())
+      msg += " (cast by autocast from " + autograd::describe_values(originals_[i]) + ")";
+    bad_inputs += autograd::count_nonfinite(inputs_[i]);
+    bad_originals += autograd::count_nonfinite(originals_[i]);
+  }
+  std::string hint;
+  if (bad_inputs > 0 && bad_originals == 0)
+    hint = "automatic casting overflowed an input: put " + std::string(op_info(op_).name) +
+           " on the FP32 list (--autocast-fp32-list), or keep this module in FP32";
+  else if (bad_inputs > 0)
+    hint = "its inputs were already inf/nan, from outside any op (the data, or the parameters)";
+  else if (is_16bit_float(y.dtype()))
+    hint = "the result passed the range of " + std::string(dtype_name(y.dtype())) +
+           " (largest finite " + (y.dtype() == DType::f16 ? "65504" : "3.4e38") +
+           "): run this module in FP32 (--keep-fp32" + (path.empty() ? "" : " " + path) +
+           "), or use bf16, or lower the learning rate";
+  else
+    hint = "lower the learning rate, or clip gradients (--max-grad-norm)";
+  throw autograd::AnomalyError(msg, hint);
 }
 
 }  // namespace detail

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "mantissa/autograd/autograd.h"
 #include "mantissa/core/tensor.h"
 #include "mantissa/kernels/gemm.h"
 #include "mantissa/ops/op_table.h"
@@ -111,18 +112,10 @@ DType autocast_dtype();
 
 // ---- The rest of the op context ----
 
-// The module running on this thread ("layer1.0.conv1"; "" outside modules). nn::Module sets it.
-const std::string& current_module_path();
-class ModulePathScope {
- public:
-  explicit ModulePathScope(const std::string* path);
-  ~ModulePathScope();
-  ModulePathScope(const ModulePathScope&) = delete;
-  ModulePathScope& operator=(const ModulePathScope&) = delete;
-
- private:
-  const std::string* previous_;
-};
+// The module running on this thread ("layer1.0.conv1"; "" outside modules). nn::Module sets it;
+// it lives in the autograd layer, which records it in every node.
+using autograd::current_module_path;
+using autograd::ModulePathScope;
 
 // Default accumulation type of linear, matmul and conv2d when OpOptions::partials is not given.
 kernels::Partials default_partials();
@@ -156,8 +149,9 @@ namespace detail {
 
 // What an op does at its entry: the inputs it should use (cast where the policy says), the
 // options (output dtype and partials resolved), and at its exit the output it should return.
-// Inactive (no copies, no changes) when neither autocast nor stochastic outputs are on, or when
-// the op is called from inside another op's call.
+// Inactive (no copies, no changes) when neither autocast, stochastic outputs nor anomaly
+// detection (autograd::DetectAnomalyGuard: the output is checked for inf/NaN) are on, or when the
+// op is called from inside another op's call.
 class OpCall {
  public:
   OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor*> inputs);
@@ -171,8 +165,13 @@ class OpCall {
   Tensor finish(Tensor y);
 
  private:
+  void check_output(const Tensor& y) const;  // anomaly detection
+
   bool active_ = false;
+  bool check_ = false;
+  OpId op_ = OpId::cast;
   std::vector<Tensor> inputs_;
+  std::vector<Tensor> originals_;  // as the caller passed them (anomaly detection only)
   std::unique_ptr<OpOptions> opt_;
   std::optional<DType> round_to_;
 };

@@ -114,7 +114,7 @@ Optimizer::Optimizer(ParamList params, double lr, StateTypes types)
                  "learning rate " + std::to_string(lr) + " is not valid",
                  "use a finite, non-negative --lr");
   for (DType t : {types.first_moment, types.second_moment})
-    MANTISSA_CHECK(t == DType::f32 || t == DType::f16 || t == DType::bf16,
+    MANTISSA_CHECK(is_compute_float(t),
                    "optimizer state type " + std::string(dtype_name(t)) + " is not supported",
                    "use f32, f16 or bf16");
 }
@@ -401,7 +401,7 @@ bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScala
 #if MANTISSA_HAVE_X86_SIMD
   static const bool avx2 =
       cpu_features().avx2 && cpu_features().f16c && active_simd_path() == SimdPath::kAvx2;
-  auto ok = [](DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; };
+  auto ok = [](DType t) { return is_compute_float(t); };
   // All-FP32 tensors gain nothing from it: the staged path reads them in place.
   const bool all_f32 =
       c.pt == DType::f32 && c.gt == DType::f32 && c.mt == DType::f32 && c.vt == DType::f32;

@@ -455,6 +455,8 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   // The loss scale is read once: every micro-batch of the step is scaled alike.
   const float scale = scaler_ ? scaler_->scale() : 1.0f;
   const auto t0 = Clock::now();
+  std::optional<autograd::DetectAnomalyGuard> anomaly;
+  if (config_.detect_anomaly) anomaly.emplace(/*inf_in_backward=*/!scaler_.has_value());
   double loss_sum = 0;
   for (int64_t f = 0; f < N; ++f) {
     const data::Batch& batch = micro[f];
@@ -483,6 +485,7 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
     loss_sum += loss.item();
     if (correct) *correct += count_correct(out, batch.labels);
   }
+  anomaly.reset();
   optim::StepOptions so;
   // "mean" divides the summed gradients by N here, with the unscaling (one pass).
   so.grad_scale = static_cast<float>(
@@ -513,7 +516,13 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
     nn::set_random_context({config_.seed, static_cast<uint64_t>(step_)});
     optimizer_->set_lr(schedule_.lr_at(config_.lr, step_));
     int64_t correct = 0;
-    const float l = train_step(&batches[static_cast<size_t>(k * N)], returned ? &correct : nullptr);
+    float l = 0;
+    try {
+      l = train_step(&batches[static_cast<size_t>(k * N)], returned ? &correct : nullptr);
+    } catch (const autograd::AnomalyError& e) {
+      throw autograd::AnomalyError("step " + std::to_string(step_ + 1) + ": " + e.message(),
+                                   e.hint());
+    }
     MANTISSA_CHECK(std::isfinite(l),
                    "the loss became " + std::string(std::isnan(l) ? "nan" : "inf") + " at step " +
                        std::to_string(step_ + 1),
@@ -801,6 +810,7 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
                  {"output_mode", c.output_mode},
                  {"output_return_period", c.output_return_period},
                  {"eight_bit_io", c.eight_bit_io},
+                 {"detect_anomaly", c.detect_anomaly},
                  {"async_dataloader", c.async_loader},
                  {"workers", c.async_loader ? c.workers : 0}};
   j["step_losses"] = r.step_losses;

@@ -92,6 +92,11 @@ struct TrainConfig {
   int workers = 1;            // with async_loader
   int prefetch = 2;           // with async_loader: batches made ahead at most
 
+  // Check every op's output (forward) and every gradient (backward) for inf/NaN and stop at the
+  // first, naming the op, module, dtype and input statistics (autograd::AnomalyError). Under loss
+  // scaling, infinite gradients are the scaler's business: only NaN stops the backward pass.
+  bool detect_anomaly = false;
+
   bool progress = true;  // progress bar on the progress stream
   bool evaluate = true;  // test accuracy after training
 
