@@ -59,6 +59,8 @@ constexpr const char* kTrainUsage =
     "  --output-return-period N   with --output-mode every: every N-th step\n"
     "  --eight-bit-io        the loader hands over uint8 images; the model's first op\n"
     "                        normalizes them and casts to the compute type\n"
+    "  --recompute           recompute each ResNet block's activations in the backward pass\n"
+    "                        (keeps only block inputs: less memory, one more forward)\n"
     "  --async-dataloader    background workers prepare batches while the step runs\n"
     "  --workers N           workers of the asynchronous loader (default 1; implies it)\n"
     "  --prefetch N          batches the workers make ahead at most (default 2)\n"
@@ -226,6 +228,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--async-dataloader", on(c.async_loader, true)},
       {"--eight-bit-io", on(c.eight_bit_io, true)},
       {"--detect-anomaly", on(c.detect_anomaly, true)},
+      {"--recompute", on(c.recompute, true)},
       {"--workers", Flag{true,
                          [&](const std::string& v) {
                            workers = to_int("--workers", v, 1);
@@ -319,6 +322,83 @@ int run_eval(const std::vector<std::string>& args, std::ostream& out) {
   std::snprintf(line, sizeof line, "%s: test accuracy %.2f%% (%lld images), mean loss %.4f\n",
                 r.model.c_str(), r.accuracy * 100, static_cast<long long>(r.examples), r.loss);
   out << line;
+  return kExitOk;
+}
+
+constexpr const char* kMemoryUsage =
+    "usage: mantissa memory [--model NAME] [--batch-size N] [--precision P [--precision P2 ...]]\n"
+    "                       [options] [--json FILE] [--html FILE]\n"
+    "Measures what one training step holds (it runs one step on synthetic data of the model's\n"
+    "shape; no dataset, nothing saved): memory at the peak by category and by layer, each\n"
+    "category's own peak, and memory over the step (liveness), for each precision given (the\n"
+    "PopTorch seed's FP32-against-FP16 comparison: --precision 32-true --precision 16-true).\n"
+    "options:\n"
+    "  --model NAME --batch-size N --image-size N --imagenet-stem --optimizer NAME\n"
+    "  --precision P         repeatable (default 32-true)   --half-type fp16|bf16\n"
+    "  --gradient-accumulation N  --device-iterations K  --eight-bit-io  --recompute\n"
+    "  --memory-budget SIZE  say whether each precision fits (exit status 3 if one does not)\n"
+    "  --json FILE           the figures, with the liveness timeline\n"
+    "  --html FILE           a self-contained page with SVG charts (opens offline)\n"
+    "  --threads N\n";
+
+int run_memory(const std::vector<std::string>& args, std::ostream& out) {
+  train::TrainConfig c;
+  std::vector<std::string> precisions;
+  std::string json_path, html_path;
+  int64_t threads = 0;
+  bool help = false;
+  auto str = [](std::string& dst) { return Flag{true, [&dst](const std::string& v) { dst = v; }}; };
+  auto i64 = [](const char* name, int64_t& dst, int64_t min) {
+    return Flag{true, [name, &dst, min](const std::string& v) { dst = to_int(name, v, min); }};
+  };
+  auto on = [](bool& dst) { return Flag{false, [&dst](const std::string&) { dst = true; }}; };
+  std::map<std::string, Flag> flags = {
+      {"--help", on(help)},
+      {"--model", str(c.model)},
+      {"--batch-size", i64("--batch-size", c.batch_size, 1)},
+      {"--image-size", i64("--image-size", c.image_size, 1)},
+      {"--imagenet-stem", on(c.imagenet_stem)},
+      {"--optimizer", str(c.optimizer)},
+      {"--precision", Flag{true, [&](const std::string& v) { precisions.push_back(v); }}},
+      {"--half-type", str(c.half_type)},
+      {"--gradient-accumulation", i64("--gradient-accumulation", c.gradient_accumulation, 1)},
+      {"--device-iterations", i64("--device-iterations", c.device_iterations, 1)},
+      {"--eight-bit-io", on(c.eight_bit_io)},
+      {"--recompute", on(c.recompute)},
+      {"--memory-budget", str(c.memory_budget)},
+      {"--json", str(json_path)},
+      {"--html", str(html_path)},
+      {"--threads", i64("--threads", threads, 1)},
+  };
+  parse_flags(args, flags, "memory");
+  if (help) {
+    out << kMemoryUsage;
+    return kExitOk;
+  }
+  if (precisions.empty()) precisions.push_back(c.precision);
+  c.threads = static_cast<int>(std::min<int64_t>(threads, 1024));
+  c.metrics_json = json_path;  // checked like --metrics-json: the directory must exist
+  train::validate(c);
+  c.metrics_json = html_path;
+  train::validate(c);
+  c.metrics_json.clear();
+  std::vector<train::StepMemory> runs;
+  for (const std::string& p : precisions) {
+    train::TrainConfig rc = c;
+    rc.precision = p;
+    runs.push_back(train::profile_step(rc));
+  }
+  out << "memory of one training step: " << c.model << ", batch " << c.batch_size << ", "
+      << c.effective_image_size() << "x" << c.effective_image_size() << ", " << c.optimizer
+      << (c.gradient_accumulation > 1
+              ? ", gradient accumulation " + std::to_string(c.gradient_accumulation)
+              : std::string())
+      << (c.recompute ? ", recomputation" : "") << "\n"
+      << train::memory_text(runs);
+  if (!json_path.empty()) train::write_file_atomic(json_path, train::memory_json(c, runs));
+  if (!html_path.empty()) train::write_file_atomic(html_path, train::memory_html(c, runs));
+  for (const train::StepMemory& r : runs)
+    if (!r.fits) return kExitOutOfMemory;
   return kExitOk;
 }
 

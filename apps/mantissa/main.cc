@@ -15,6 +15,7 @@ constexpr const char* kUsage =
     "  cast      convert values to f16, bf16, e4m3 or e5m2 (nearest-even or stochastic)\n"
     "  train     train a model (default: the tutorial CNN on Fashion-MNIST)\n"
     "  eval      evaluate a checkpoint on a test set\n"
+    "  memory    memory of one training step by category, layer and over time; two precisions\n"
     "Run 'mantissa <command> --help' for a command's options.\n";
 
 }  // namespace
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
     if (command == "cast") return run_cast(args, std::cin, std::cout);
     if (command == "train") return run_train(args, std::cout, std::cerr);
     if (command == "eval") return run_eval(args, std::cout);
+    if (command == "memory") return run_memory(args, std::cout);
     if (command == "--version" || command == "version") {
       std::cout << "mantissa 0.1.0\n";
       return kExitOk;

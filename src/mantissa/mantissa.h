@@ -23,4 +23,5 @@
 #include "mantissa/ops/autocast.h"
 #include "mantissa/ops/ops.h"
 #include "mantissa/optim/optim.h"
+#include "mantissa/train/memory_report.h"
 #include "mantissa/train/trainer.h"

@@ -155,6 +155,18 @@ expect(train_accumulation_too_many 2 "" "an epoch has 16 batches, fewer than the
 expect(train_workers_bad 2 "" "--workers '0' is not an integer >= 1" train --workers 0)
 expect(train_detect_anomaly 4 "" "^mantissa: step 2: anomaly in forward: linear in module 'fc1' produced [0-9]+ inf/nan values \\(f16 \\(12, 120\\).*input 1: f16 \\(120, 16\\).*HINT: .*--keep-fp32 fc1"
        train ${TRAIN_PIPE} --precision 16-true --optimizer sgd --lr 1e5 --detect-anomaly)
+# ---- mantissa memory ----
+set(MEM memory --model lenet5 --image-size 16 --batch-size 8 --threads 2)
+expect(memory_two_precisions 0 "memory of one training step: lenet5, batch 8, 16x16.*total at the peak .*ratio to 32-true: 16-true [0-9.]+%.*largest holders at the peak, 32-true:\n  fc2 " ""
+       ${MEM} --precision 32-true --precision 16-true --json ${WORK}/mem.json --html ${WORK}/mem.html)
+file(READ ${WORK}/mem.html mem_html)
+file(READ ${WORK}/mem.json mem_json)
+if(NOT mem_html MATCHES "<svg.*<svg.*<svg" OR NOT mem_json MATCHES "\"timeline\": \\[")
+  message(SEND_ERROR "FAILED memory_files")
+  math(EXPR failures "${failures} + 1")
+endif()
+expect(memory_over_budget 3 "32-true: does NOT fit in the budget of 100.00 KiB" "" ${MEM} --memory-budget 100KiB)
+expect(memory_bad_precision 2 "" "unknown precision '17-true'" ${MEM} --precision 17-true)
 # Ctrl-C: the run stops at a step boundary, saves its checkpoint and exits with 130.
 find_program(SH sh)
 string(REPLACE ";" " " TRAIN_PIPE_LINE "${TRAIN_PIPE}")

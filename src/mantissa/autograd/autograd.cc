@@ -12,19 +12,11 @@ namespace mantissa::autograd {
 
 namespace {
 thread_local bool t_grad_enabled = true;
-thread_local const std::string* t_module_path = nullptr;
 // 0: off; 1: inf and NaN; 2: NaN only in backward (forward checks both).
 thread_local int t_anomaly = 0;
-const std::string kNoPath;
 }  // namespace
 
 bool grad_enabled() { return t_grad_enabled; }
-
-const std::string& current_module_path() { return t_module_path ? *t_module_path : kNoPath; }
-ModulePathScope::ModulePathScope(const std::string* path) : previous_(t_module_path) {
-  t_module_path = path;
-}
-ModulePathScope::~ModulePathScope() { t_module_path = previous_; }
 
 DetectAnomalyGuard::DetectAnomalyGuard(bool inf_in_backward) : previous_(t_anomaly) {
   t_anomaly = inf_in_backward ? 1 : 2;
@@ -66,6 +58,8 @@ std::string describe_values(const Tensor& t) {
 
 NoGradGuard::NoGradGuard() : previous_(t_grad_enabled) { t_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { t_grad_enabled = previous_; }
+EnableGradGuard::EnableGradGuard() : previous_(t_grad_enabled) { t_grad_enabled = true; }
+EnableGradGuard::~EnableGradGuard() { t_grad_enabled = previous_; }
 
 bool needs_grad(std::initializer_list<const Tensor*> inputs) {
   if (!t_grad_enabled) return false;
@@ -204,6 +198,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
     if (found == pending.end()) continue;  // no gradient flowed here
     const Tensor g = found->second;
     pending.erase(found);
+    ModulePathScope module(&node->module_path());
     std::vector<Tensor> grads = node->backward(g);
     MANTISSA_CHECK(grads.size() == node->inputs().size(),
                    std::string("internal: ") + node->name() + " returned " +

@@ -32,19 +32,11 @@ class NoGradGuard {
   bool previous_;
 };
 
-// The module whose forward runs on this thread ("layer1.0.conv1"; "" outside modules):
-// nn::Module sets it, nodes recorded meanwhile remember it, reports name it.
-const std::string& current_module_path();
-class ModulePathScope {
- public:
-  explicit ModulePathScope(const std::string* path);
-  ~ModulePathScope();
-  ModulePathScope(const ModulePathScope&) = delete;
-  ModulePathScope& operator=(const ModulePathScope&) = delete;
-
- private:
-  const std::string* previous_;
-};
+// The module whose forward runs on this thread ("layer1.0.conv1"; "" outside modules), kept by
+// core/memory.h as the owner of allocations: nodes recorded meanwhile remember it, and backward
+// runs each node under it again, so gradients are charged to their layer.
+using mantissa::current_module_path;
+using mantissa::ModulePathScope;
 
 // ---- Anomaly detection (the answer to the IPU's floating-point exception traps) ----
 // While a guard is alive on this thread, every op's output (forward, checked by the ops layer)
@@ -73,6 +65,19 @@ class AnomalyError : public Error {
 int64_t count_nonfinite(const Tensor& t);
 // "f16 (12, 100): min -3.25, max 4.5, largest |x| 4.5, 0 of 1200 inf/nan".
 std::string describe_values(const Tensor& t);
+
+// Ops record again while one of these is alive, inside a NoGradGuard (recomputation runs a
+// forward inside the backward pass).
+class EnableGradGuard {
+ public:
+  EnableGradGuard();
+  ~EnableGradGuard();
+  EnableGradGuard(const EnableGradGuard&) = delete;
+  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
 
 // A recorded op. It keeps only what its backward needs (subclasses hold those tensors).
 class Node {

@@ -50,7 +50,41 @@ void MemoryTracker::on_allocate(size_t bytes, MemoryCategory category, std::stri
   ++stats_.allocations;
   ++stats_.live_allocations;
   by_owner_[std::string(owner.empty() ? "(unnamed)" : owner)] += bytes;
+  if (recording_) record(static_cast<int64_t>(bytes), category, owner);
 }
+
+void MemoryTracker::record(int64_t delta, MemoryCategory category, std::string_view owner) {
+  events_.push_back({delta, category, std::string(owner.empty() ? "(unnamed)" : owner),
+                     stats_.current, stats_.current_total, phase_});
+}
+
+void MemoryTracker::start_recording() {
+  std::lock_guard<std::mutex> lock(mu_);
+  events_.clear();
+  recording_ = true;
+}
+
+std::vector<MemoryEvent> MemoryTracker::stop_recording() {
+  std::lock_guard<std::mutex> lock(mu_);
+  recording_ = false;
+  return std::move(events_);
+}
+
+void MemoryTracker::set_phase(std::string phase) {
+  std::lock_guard<std::mutex> lock(mu_);
+  phase_ = std::move(phase);
+}
+
+namespace {
+thread_local const std::string* t_module_path = nullptr;
+const std::string kNoModule;
+}  // namespace
+
+const std::string& current_module_path() { return t_module_path ? *t_module_path : kNoModule; }
+ModulePathScope::ModulePathScope(const std::string* path) : previous_(t_module_path) {
+  t_module_path = path;
+}
+ModulePathScope::~ModulePathScope() { t_module_path = previous_; }
 
 void MemoryTracker::on_free(size_t bytes, MemoryCategory category, std::string_view owner) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -63,6 +97,7 @@ void MemoryTracker::on_free(size_t bytes, MemoryCategory category, std::string_v
     it->second -= std::min(bytes, it->second);
     if (it->second == 0) by_owner_.erase(it);
   }
+  if (recording_) record(-static_cast<int64_t>(bytes), category, owner);
 }
 
 MemoryStats MemoryTracker::stats() const {

@@ -61,6 +61,17 @@ struct MemoryStats {
   size_t peak_of(MemoryCategory c) const { return peak[static_cast<size_t>(c)]; }
 };
 
+// One allocation or free, as recorded between start_recording() and stop_recording(): the
+// liveness of one training step.
+struct MemoryEvent {
+  int64_t delta = 0;  // + allocated, - freed
+  MemoryCategory category = MemoryCategory::workspace;
+  std::string owner;
+  std::array<size_t, kNumMemoryCategories> current{};  // after the event
+  size_t total = 0;                                    // after the event
+  std::string phase;                                   // set_phase()'s label at the time
+};
+
 class MemoryTracker {
  public:
   explicit MemoryTracker(std::string device_name = "cpu");
@@ -82,16 +93,40 @@ class MemoryTracker {
   std::vector<std::pair<std::string, size_t>> largest_owners(size_t k) const;
   // A table of current and peak bytes by category.
   std::string report() const;
+
+  // Liveness: every allocation and free from start_recording() on, with the phase label of the
+  // moment ("forward", "backward", "optimizer": the trainer sets them).
+  void start_recording();
+  std::vector<MemoryEvent> stop_recording();
+  void set_phase(std::string phase);
   const std::string& device_name() const { return device_name_; }
 
  private:
   std::string oom_report(size_t bytes, MemoryCategory category, std::string_view owner) const;
+  void record(int64_t delta, MemoryCategory category, std::string_view owner);  // mu_ held
 
   mutable std::mutex mu_;
   std::string device_name_;
   std::optional<size_t> budget_;
   MemoryStats stats_;
   std::unordered_map<std::string, size_t> by_owner_;
+  bool recording_ = false;
+  std::vector<MemoryEvent> events_;
+  std::string phase_;
+};
+
+// The owner label of allocations that name none: the module whose forward (or backward) runs on
+// this thread, "layer1.0.conv1" ("" outside modules). nn::Module and the autograd engine set it.
+const std::string& current_module_path();
+class ModulePathScope {
+ public:
+  explicit ModulePathScope(const std::string* path);
+  ~ModulePathScope();
+  ModulePathScope(const ModulePathScope&) = delete;
+  ModulePathScope& operator=(const ModulePathScope&) = delete;
+
+ private:
+  const std::string* previous_;
 };
 
 // The tracker of the CPU device, which tensors use unless told otherwise.

@@ -96,7 +96,8 @@ std::shared_ptr<Storage> Storage::allocate(size_t bytes, MemoryCategory category
         "cannot allocate on " + device.str() + ": this build of Mantissa has no CUDA support",
         "use the CPU device, or rebuild with CUDA on a machine that has it");
   if (!tracker) tracker = &default_memory_tracker();
-  tracker->on_allocate(bytes, category, owner);  // throws over budget, before anything is held
+  if (owner.empty()) owner = current_module_path();  // the module running, if any
+  tracker->on_allocate(bytes, category, owner);      // throws over budget, before anything is held
   std::shared_ptr<Storage> s(new Storage());
   s->bytes_ = bytes;
   s->category_ = category;

@@ -113,12 +113,17 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   MANTISSA_CHECK(x.dim() == 4 && x.size(1) == channels_,
                  "BatchNorm2d(" + std::to_string(channels_) + ") got input " + shape_str(x.shape()),
                  "the input must be (N, " + std::to_string(channels_) + ", H, W)");
-  if (is_training()) {
+  // A recomputed forward (Module::set_recompute) normalizes with the batch's statistics again
+  // but does not update the running ones a second time.
+  const bool update = is_training() && !recomputing();
+  if (update) {
     Tensor& n = buffer("num_batches_tracked");
     n.data<int64_t>()[0] += 1;
   }
-  return ops::batch_norm(x, param("weight"), param("bias"), buffer("running_mean"),
-                         buffer("running_var"), is_training(), momentum_, eps_);
+  const bool use_running = update || !is_training();
+  return ops::batch_norm(
+      x, param("weight"), param("bias"), use_running ? buffer("running_mean") : Tensor(),
+      use_running ? buffer("running_var") : Tensor(), is_training(), momentum_, eps_);
 }
 
 std::string BatchNorm2d::extra_repr() const {
@@ -237,6 +242,11 @@ Tensor Dropout::forward(const Tensor& x) {
   // One stream per (layer, step, call within the step): masks never repeat.
   const uint64_t stream = (salt_ << 48) ^ (c.step << 8) ^ calls_++;
   return ops::dropout(x, p_, true, c.seed, stream);
+}
+
+std::vector<uint64_t> Dropout::random_state() const { return {last_step_, calls_}; }
+void Dropout::set_random_state(const std::vector<uint64_t>& s) {
+  if (s.size() == 2) last_step_ = s[0], calls_ = s[1];
 }
 
 std::string Dropout::extra_repr() const { return "p=" + num(p_) + ", inplace=False"; }

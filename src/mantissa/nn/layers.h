@@ -145,6 +145,8 @@ class Dropout : public Module {
  public:
   explicit Dropout(InitStreams& init, double p = 0.5);
   Tensor forward(const Tensor& x) override;
+  std::vector<uint64_t> random_state() const override;
+  void set_random_state(const std::vector<uint64_t>& s) override;
   std::string extra_repr() const override;
 
  private:

@@ -235,6 +235,13 @@ class ResNet : public Classifier {
     return (*fc)(y);
   }
 
+  std::vector<Module*> recompute_blocks() override {
+    std::vector<Module*> blocks;
+    for (auto& l : layers)
+      for (auto& [name, block] : l->children()) blocks.push_back(block.get());
+    return blocks;
+  }
+
  private:
   std::shared_ptr<Module> conv1, bn1, relu, maxpool, layers[4], avgpool, fc;
 };

@@ -35,6 +35,9 @@ class Classifier : public Module {
   void set_input_normalization(std::vector<float> mean, std::vector<float> std, DType dtype);
   // The model: the input op, then classify().
   Tensor forward(const Tensor& x) final;
+  // Where activation recomputation checkpoints go (Module::set_recompute): each ResNet block.
+  // Empty for models without blocks.
+  virtual std::vector<Module*> recompute_blocks() { return {}; }
 
  protected:
   // The model proper, on float images.

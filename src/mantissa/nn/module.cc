@@ -4,7 +4,9 @@
 #include <set>
 #include <sstream>
 
+#include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
+#include "mantissa/nn/layers.h"
 #include "mantissa/ops/autocast.h"
 #include "mantissa/ops/ops.h"
 
@@ -58,7 +60,94 @@ void Module::set_path(const std::string& path) {
   for (auto& [name, child] : children_) child->set_path(join(path_, name));
 }
 
+namespace {
+thread_local bool t_recomputing = false;
+
+// The backward of a recomputed module: runs the module's forward again (recording this time) on
+// the saved input, under the op context and random state of the first run, and backpropagates
+// the output's gradient through it. Parameter gradients accumulate there directly; the input's
+// is returned. Parameters are inputs of the node only so that it runs when they need gradients.
+class RecomputeNode : public autograd::Node {
+ public:
+  RecomputeNode(Module* m, Tensor input, std::vector<std::pair<Module*, std::vector<uint64_t>>> rng)
+      : module_(m),
+        input_(std::move(input)),
+        rng_(std::move(rng)),
+        context_(ops::OpContextSnapshot::save()),
+        random_(random_context()) {}
+  const char* name() const override { return "recompute"; }
+  std::vector<Tensor> backward(const Tensor& grad_output) override {
+    std::vector<Tensor> grads(inputs().size());
+    Tensor y, x;
+    {
+      autograd::EnableGradGuard grad;
+      ops::OpContextRestore context(context_);
+      const RandomContext outer = random_context();
+      set_random_context(random_);
+      std::vector<std::vector<uint64_t>> now;
+      for (auto& [m, state] : rng_) {
+        now.push_back(m->random_state());
+        m->set_random_state(state);
+      }
+      const bool was = t_recomputing;
+      t_recomputing = true;
+      try {
+        x = input_.detach();
+        if (needs_input_grad(0)) x.set_requires_grad(true);
+        y = module_->call(x);
+      } catch (...) {
+        t_recomputing = was;
+        set_random_context(outer);
+        throw;
+      }
+      t_recomputing = was;
+      set_random_context(outer);
+      for (size_t i = 0; i < rng_.size(); ++i) rng_[i].first->set_random_state(now[i]);
+    }
+    if (y.requires_grad()) autograd::backward(y, grad_output);
+    if (needs_input_grad(0)) grads[0] = x.grad();
+    return grads;
+  }
+
+ private:
+  Module* module_;
+  Tensor input_;
+  std::vector<std::pair<Module*, std::vector<uint64_t>>> rng_;
+  ops::OpContextSnapshot context_;
+  RandomContext random_;
+};
+}  // namespace
+
+bool recomputing() { return t_recomputing; }
+
 Tensor Module::operator()(const Tensor& x) {
+  if (recompute_ && autograd::grad_enabled() && !t_recomputing) return recomputed(x);
+  return call(x);
+}
+
+Tensor Module::recomputed(const Tensor& x) {
+  std::vector<const Tensor*> inputs{&x};
+  for (Tensor* p : parameters())
+    if (p->requires_grad()) inputs.push_back(p);
+  bool any = false;
+  for (const Tensor* t : inputs) any = any || (t->defined() && t->requires_grad());
+  if (!any) return call(x);
+  // The random state the forward starts from, for the replay.
+  std::vector<std::pair<Module*, std::vector<uint64_t>>> rng;
+  for (auto& [path, m] : named_modules())
+    if (!m->random_state().empty()) rng.emplace_back(m, m->random_state());
+  auto node = std::make_shared<RecomputeNode>(this, x.detach(), std::move(rng));
+  Tensor y;
+  {
+    autograd::NoGradGuard no_record;  // nothing inside is kept for backward
+    y = call(x);
+  }
+  ops::ModulePathScope scope(&path_);
+  autograd::record_many(y, node, inputs);
+  return y;
+}
+
+Tensor Module::call(const Tensor& x) {
   ops::ModulePathScope scope(&path_);
   if (!precision_) return forward(x);
   ops::AutocastDisabled no_autocast;

@@ -27,8 +27,21 @@ class Module {
   // throws naming its type.
   virtual Tensor forward(const Tensor& x);
   // How a module is called: forward() with the module's path as the ops' context (autocast log,
-  // anomaly reports), and with its precision applied when one is set (see set_precision()).
+  // anomaly reports, memory owners), with its precision applied when one is set (see
+  // set_precision()), and recomputed in the backward pass when set_recompute() says so.
   Tensor operator()(const Tensor& x);
+
+  // Activation recomputation (torch.utils.checkpoint; the IPU guide's recomputation
+  // checkpoints): the module's forward runs without recording, so only its input and output are
+  // kept, and runs again in the backward pass, under the same op context, to compute its
+  // gradients. Takes effect when grad mode is on.
+  void set_recompute(bool on) { recompute_ = on; }
+  // operator() without recomputation (what the recomputation runs).
+  Tensor call(const Tensor& x);
+  bool recompute() const { return recompute_; }
+  // Random state a recomputed forward must replay (Dropout's per-step call counter).
+  virtual std::vector<uint64_t> random_state() const { return {}; }
+  virtual void set_random_state(const std::vector<uint64_t>&) {}
 
   // "Conv2d", "Sequential", ...; and the arguments shown in the printout ("1, 5, kernel_size=3").
   const std::string& type() const { return type_; }
@@ -114,15 +127,21 @@ class Module {
   void visit(const std::string& prefix, F&& f);
 
   void set_path(const std::string& path);
+  Tensor recomputed(const Tensor& x);  // operator() with recomputation
 
   std::string type_;
   std::string path_;
   std::optional<DType> precision_;
+  bool recompute_ = false;
   bool training_ = true;
   // unique_ptr: stable addresses for NamedTensor and the optimizers.
   std::vector<std::pair<std::string, std::unique_ptr<Tensor>>> params_;
   std::vector<std::pair<std::string, std::unique_ptr<Tensor>>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
 };
+
+// True while a recomputed forward runs: layers with side effects in training (BatchNorm's running
+// statistics) do not apply them twice.
+bool recomputing();
 
 }  // namespace mantissa::nn

@@ -196,6 +196,51 @@ StochasticOutputsScope::~StochasticOutputsScope() {
   ctx.sr_stream = previous_stream_;
 }
 
+// ---- Snapshots (recomputation) ----
+
+struct OpContextSnapshot::Data {
+  Context ctx;
+};
+
+OpContextSnapshot OpContextSnapshot::save() {
+  OpContextSnapshot s;
+  auto d = std::make_shared<Data>();
+  d->ctx = ctx;
+  d->ctx.log = nullptr;
+  d->ctx.cache = nullptr;
+  d->ctx.in_op = false;
+  s.data_ = std::move(d);
+  return s;
+}
+
+struct OpContextRestore::Saved {
+  Context previous;
+  std::unique_ptr<CastCache> cache;
+};
+
+OpContextRestore::OpContextRestore(const OpContextSnapshot& s) : saved_(std::make_unique<Saved>()) {
+  saved_->previous = ctx;
+  const Context& want = s.data_->ctx;
+  ctx.autocast = want.autocast;
+  ctx.lower = want.lower;
+  ctx.policy = want.policy;
+  ctx.log = nullptr;
+  ctx.partials = want.partials;
+  ctx.stochastic = want.stochastic;
+  ctx.sr_seed = want.sr_seed;
+  ctx.sr_stream = want.sr_stream;
+  ctx.in_op = false;
+  if (ctx.autocast && !ctx.cache) {
+    saved_->cache = std::make_unique<CastCache>();
+    ctx.cache = saved_->cache.get();
+  }
+}
+
+OpContextRestore::~OpContextRestore() {
+  // The stream counter goes back too: the replay must not shift later ops' streams.
+  ctx = saved_->previous;
+}
+
 // ---- The op entry ----
 
 namespace detail {

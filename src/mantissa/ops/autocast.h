@@ -114,8 +114,8 @@ DType autocast_dtype();
 
 // The module running on this thread ("layer1.0.conv1"; "" outside modules). nn::Module sets it;
 // it lives in the autograd layer, which records it in every node.
-using autograd::current_module_path;
-using autograd::ModulePathScope;
+using mantissa::current_module_path;
+using mantissa::ModulePathScope;
 
 // Default accumulation type of linear, matmul and conv2d when OpOptions::partials is not given.
 kernels::Partials default_partials();
@@ -143,6 +143,31 @@ class StochasticOutputsScope {
  private:
   bool previous_on_;
   uint64_t previous_seed_, previous_stream_;
+};
+
+// The op context of this thread (autocast type and policy, partials, stochastic outputs and
+// their stream counter), saved when a block's forward starts and put back to run it again for
+// recomputation: the same ops then make the same values. The log is not kept (each decision was
+// logged the first time), and the cast cache is the restoring scope's own.
+class OpContextSnapshot {
+ public:
+  static OpContextSnapshot save();
+
+ private:
+  friend class OpContextRestore;
+  struct Data;
+  std::shared_ptr<const Data> data_;
+};
+class OpContextRestore {
+ public:
+  explicit OpContextRestore(const OpContextSnapshot& s);
+  ~OpContextRestore();
+  OpContextRestore(const OpContextRestore&) = delete;
+  OpContextRestore& operator=(const OpContextRestore&) = delete;
+
+ private:
+  struct Saved;
+  std::unique_ptr<Saved> saved_;
 };
 
 namespace detail {

@@ -343,8 +343,10 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
                                   training, momentum, eps, call.options()));
   const Tensor xd = x.detach(), wd = weight.defined() ? weight.detach() : Tensor();
   auto [y, mean, rstd] =
-      kernels::batch_norm(xd, wd, bias.defined() ? bias.detach() : Tensor(), running_mean.detach(),
-                          running_var.detach(), training, momentum, eps, out_or(opt, x.dtype()));
+      kernels::batch_norm(xd, wd, bias.defined() ? bias.detach() : Tensor(),
+                          running_mean.defined() ? running_mean.detach() : Tensor(),
+                          running_var.defined() ? running_var.detach() : Tensor(), training,
+                          momentum, eps, out_or(opt, x.dtype()));
   return recorded(
       y, "batch_norm", {&x, &weight, &bias},
       [xd, wd, mean = mean, rstd = rstd, training](const Tensor& g,

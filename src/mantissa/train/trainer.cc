@@ -435,6 +435,12 @@ void Trainer::apply_precision() {
     const DType t = amp::parse_float_type(config_.accum_type, "--accum-type");
     for (auto& p : m.named_parameters()) p.tensor->autograd_meta()->grad_dtype = t;
   }
+  if (config_.recompute) {
+    const std::vector<nn::Module*> blocks = model_->recompute_blocks();
+    MANTISSA_CHECK(!blocks.empty(), "--recompute: " + config_.model + " has no blocks to recompute",
+                   "use it with a ResNet (each block is a recomputation checkpoint)");
+    for (nn::Module* b : blocks) b->set_recompute(true);
+  }
   if (config_.eight_bit_io) {
     const data::Transform t = loader_config(config_, true, train_data_.channels()).transform;
     model_->set_input_normalization(t.mean, t.std, mode_.input_dtype);
@@ -461,6 +467,7 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   for (int64_t f = 0; f < N; ++f) {
     const data::Batch& batch = micro[f];
     Tensor out, loss;
+    default_memory_tracker().set_phase("forward");
     {
       ops::PartialsScope partials(partials_);
       std::optional<ops::AutocastScope> autocast;
@@ -480,12 +487,14 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
       factor = 1.0 / static_cast<double>(f + 1);
     }
     // Scaled in FP32: S * loss; the optimizer multiplies the gradients by 1/S.
+    default_memory_tracker().set_phase("backward");
     const double s = scale * factor;
     autograd::backward(s != 1.0 ? ops::mul_scalar(loss, s) : loss);
     loss_sum += loss.item();
     if (correct) *correct += count_correct(out, batch.labels);
   }
   anomaly.reset();
+  default_memory_tracker().set_phase("optimizer");
   optim::StepOptions so;
   // "mean" divides the summed gradients by N here, with the unscaling (one pass).
   so.grad_scale = static_cast<float>(
@@ -495,6 +504,7 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   const optim::StepReport report = optimizer_->step(so);
   if (scaler_) scaler_->update(!report.nonfinite.empty(), report.nonfinite);
   optimizer_->zero_grad();
+  default_memory_tracker().set_phase("");
   compute_seconds_ += seconds_since(t0);
   return static_cast<float>(loss_sum / static_cast<double>(N));
 }
@@ -811,6 +821,7 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
                  {"output_return_period", c.output_return_period},
                  {"eight_bit_io", c.eight_bit_io},
                  {"detect_anomaly", c.detect_anomaly},
+                 {"recompute", c.recompute},
                  {"async_dataloader", c.async_loader},
                  {"workers", c.async_loader ? c.workers : 0}};
   j["step_losses"] = r.step_losses;

@@ -88,6 +88,9 @@ struct TrainConfig {
   // 8-bit I/O: the loader hands over u8 images; the model's first op normalizes them and casts
   // to the mode's input type (4x fewer bytes than FP32 input, 2x fewer than FP16).
   bool eight_bit_io = false;
+  // Activation recomputation at block boundaries (each ResNet block): a block keeps only its
+  // input in the forward pass and runs again in the backward.
+  bool recompute = false;
   bool async_loader = false;  // background workers prepare batches while the step runs
   int workers = 1;            // with async_loader
   int prefetch = 2;           // with async_loader: batches made ahead at most

@@ -1,0 +1,414 @@
+#include "mantissa/train/memory_report.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "mantissa/core/error.h"
+
+namespace mantissa::train {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr size_t kMaxPoints = 1000;
+
+// The layer an owner label belongs to: the longest module path it starts with ("conv1.weight"
+// and "conv1.weight.exp_avg" belong to conv1); labels of no module stand for themselves.
+std::string layer_of(const std::string& owner, const std::set<std::string>& paths) {
+  if (owner == "(unnamed)" || owner.empty()) return "(top level)";
+  std::string p = owner;
+  for (;;) {
+    if (paths.count(p)) return p;
+    const size_t dot = p.rfind('.');
+    if (dot == std::string::npos) return owner;
+    p.resize(dot);
+  }
+}
+
+std::string mib(size_t bytes) { return format_bytes(bytes); }
+
+std::string html_escape(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    switch (ch) {
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += ch;
+    }
+  }
+  return out;
+}
+
+json category_json(const CategoryBytes& b) {
+  json j = json::object();
+  for (MemoryCategory c : kAllMemoryCategories)
+    j[std::string(memory_category_name(c))] = b[static_cast<size_t>(c)];
+  return j;
+}
+
+constexpr const char* kColors[kNumMemoryCategories] = {"#4e79a7", "#f28e2b", "#59a14f", "#b07aa1",
+                                                       "#e15759", "#9c755f", "#76b7b2"};
+
+}  // namespace
+
+StepMemory profile_step(TrainConfig c) {
+  // Two calls of the training step on synthetic data (nothing read, nothing written): the first
+  // allocates the optimizer's state, the second is measured (the steady state).
+  const int64_t per_call = c.batch_size * c.gradient_accumulation * c.device_iterations;
+  c.dataset = "synthetic";
+  c.synthetic_size = std::max<int64_t>(2 * per_call, 4);
+  c.train_limit = c.test_limit = 0;
+  c.max_steps = 2 * c.device_iterations;
+  c.epochs = 1;
+  c.evaluate = false;
+  c.progress = false;
+  c.save.clear();
+  c.resume.clear();
+  c.metrics_json.clear();
+  c.init_from.clear();
+  validate(c);
+
+  // The model's module paths, from a copy built before anything is measured.
+  std::set<std::string> paths;
+  {
+    nn::ModelConfig mc;
+    mc.in_channels = c.model == "tutorial-cnn" || c.model == "lenet5" ? 1 : 3;
+    mc.image_size = c.effective_image_size();
+    mc.imagenet_stem = c.imagenet_stem;
+    auto model = nn::make_model(c.model, mc);
+    for (auto& [path, m] : model->named_modules())
+      if (!path.empty()) paths.insert(path);
+  }
+
+  MemoryTracker& tracker = default_memory_tracker();
+  StepMemory m;
+  if (!c.memory_budget.empty()) m.budget = parse_bytes(c.memory_budget);
+  const CategoryBytes before = tracker.stats().current;
+  tracker.set_phase("setup");
+  tracker.start_recording();
+  try {
+    Trainer trainer(c, {});
+    m.precision = trainer.precision().name;
+    m.description = trainer.precision().describe();
+    trainer.run();
+  } catch (const OutOfMemoryError& e) {
+    m.fits = false;
+    m.oom_report = e.what();
+  } catch (...) {
+    tracker.stop_recording();
+    tracker.set_phase("");
+    throw;
+  }
+  const std::vector<MemoryEvent> events = tracker.stop_recording();
+  tracker.set_phase("");
+  if (m.precision.empty()) m.precision = c.precision;
+
+  // The measured step: from the last optimizer step's first forward event (a forward that
+  // follows the set-up or an optimizer update; accumulation's later forwards do not count).
+  size_t first = 0;
+  for (size_t i = 0; i < events.size(); ++i) {
+    if (events[i].phase != "forward") continue;
+    size_t j = i;
+    while (j > 0 && events[j - 1].phase == "") --j;  // between steps: the loader's batches
+    if (j == 0 || events[j - 1].phase == "optimizer" || events[j - 1].phase == "setup") first = i;
+  }
+  // ... to its optimizer update's last event (then the trainer is taken down).
+  size_t end = events.size();
+  if (m.fits) {
+    while (end > first && events[end - 1].phase != "optimizer") --end;
+    if (end == first) end = events.size();
+  } else {
+    first = 0;  // it failed: everything up to the failure
+  }
+  // The peak of the step and what it was made of.
+  size_t peak = first;
+  for (size_t i = first; i < end; ++i)
+    if (events[i].total > events[peak].total) peak = i;
+  m.at_peak = events.empty() ? before : events[peak].current;
+  m.peak_total = 0;
+  for (size_t b : m.at_peak) m.peak_total += b;
+  m.category_peaks = events.empty() ? before : events[first].current;
+  for (size_t i = first; i < end; ++i)
+    for (size_t k = 0; k < m.category_peaks.size(); ++k)
+      m.category_peaks[k] = std::max(m.category_peaks[k], events[i].current[k]);
+
+  // By layer at the peak: replay the step's allocations and frees up to it.
+  // Frees of memory allocated before the recording come off what was held before.
+  const std::string kBefore = "(held before the step)";
+  std::map<std::string, CategoryBytes> layers;
+  for (size_t k = 0; k < before.size(); ++k)
+    if (before[k] > 0) layers[kBefore][k] = before[k];
+  for (size_t i = 0; i < events.size() && i <= peak; ++i) {
+    const MemoryEvent& e = events[i];
+    const size_t k = static_cast<size_t>(e.category);
+    size_t& v = layers[layer_of(e.owner, paths)][k];
+    if (e.delta >= 0) {
+      v += static_cast<size_t>(e.delta);
+      continue;
+    }
+    const size_t freed = static_cast<size_t>(-e.delta), here = std::min(v, freed);
+    v -= here;
+    size_t& held = layers[kBefore][k];
+    held -= std::min(held, freed - here);
+  }
+  for (auto& [name, bytes] : layers) {
+    LayerMemory l{name, bytes, 0};
+    for (size_t b : bytes) l.total += b;
+    if (l.total > 0) m.layers.push_back(l);
+  }
+  std::stable_sort(m.layers.begin(), m.layers.end(),
+                   [](const LayerMemory& a, const LayerMemory& b) { return a.total > b.total; });
+
+  // The liveness of the step, thinned to at most ~kMaxPoints points, the peak kept.
+  const size_t n = end - std::min(first, end);
+  m.events = n;
+  const size_t stride = std::max<size_t>(1, (n + kMaxPoints - 1) / kMaxPoints);
+  for (size_t i = first; i < end; ++i)
+    if ((i - first) % stride == 0 || i == peak || i + 1 == end)
+      m.timeline.push_back({i - first, events[i].phase.empty() ? "loader" : events[i].phase,
+                            events[i].current, events[i].total});
+  return m;
+}
+
+std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers) {
+  std::ostringstream out;
+  char line[256];
+  std::snprintf(line, sizeof line, "%-22s", "category (at the peak)");
+  out << line;
+  for (const StepMemory& r : runs) {
+    std::snprintf(line, sizeof line, " %14s", r.precision.c_str());
+    out << line;
+  }
+  out << "\n";
+  for (MemoryCategory c : kAllMemoryCategories) {
+    std::snprintf(line, sizeof line, "%-22s", std::string(memory_category_name(c)).c_str());
+    out << line;
+    for (const StepMemory& r : runs) {
+      std::snprintf(line, sizeof line, " %14s", mib(r.at_peak[static_cast<size_t>(c)]).c_str());
+      out << line;
+    }
+    out << "\n";
+  }
+  std::snprintf(line, sizeof line, "%-22s", "total at the peak");
+  out << line;
+  for (const StepMemory& r : runs) {
+    std::snprintf(line, sizeof line, " %14s", mib(r.peak_total).c_str());
+    out << line;
+  }
+  out << "\n";
+  if (runs.size() > 1 && runs[0].peak_total > 0) {
+    out << "ratio to " << runs[0].precision << ":";
+    for (size_t i = 1; i < runs.size(); ++i) {
+      std::snprintf(line, sizeof line, " %s %.1f%%", runs[i].precision.c_str(),
+                    100.0 * static_cast<double>(runs[i].peak_total) /
+                        static_cast<double>(runs[0].peak_total));
+      out << line;
+    }
+    out << "\n";
+  }
+  for (const StepMemory& r : runs)
+    if (r.budget)
+      out << r.precision << ": " << (r.fits ? "fits in" : "does NOT fit in") << " the budget of "
+          << format_bytes(*r.budget) << "\n";
+  for (const StepMemory& r : runs) {
+    out << "largest holders at the peak, " << r.precision << ":\n";
+    for (size_t i = 0; i < r.layers.size() && i < top_layers; ++i) {
+      const LayerMemory& l = r.layers[i];
+      std::string parts;
+      for (MemoryCategory c : kAllMemoryCategories) {
+        const size_t b = l.bytes[static_cast<size_t>(c)];
+        if (b == 0) continue;
+        parts += (parts.empty() ? "" : ", ") + std::string(memory_category_name(c)) + " " + mib(b);
+      }
+      std::snprintf(line, sizeof line, "  %-28s %12s  (%s)\n", l.layer.c_str(),
+                    mib(l.total).c_str(), parts.c_str());
+      out << line;
+    }
+  }
+  return out.str();
+}
+
+std::string memory_json(const TrainConfig& c, const std::vector<StepMemory>& runs) {
+  json j;
+  j["model"] = c.model;
+  j["batch_size"] = c.batch_size;
+  j["image_size"] = c.effective_image_size();
+  j["gradient_accumulation"] = c.gradient_accumulation;
+  j["device_iterations"] = c.device_iterations;
+  j["optimizer"] = c.optimizer;
+  j["runs"] = json::array();
+  for (const StepMemory& r : runs) {
+    json run;
+    run["precision"] = r.precision;
+    run["settings"] = r.description;
+    run["peak_total_bytes"] = r.peak_total;
+    run["at_peak_bytes"] = category_json(r.at_peak);
+    run["category_peak_bytes"] = category_json(r.category_peaks);
+    run["budget_bytes"] = r.budget ? json(*r.budget) : json(nullptr);
+    run["fits"] = r.fits;
+    run["oom_report"] = r.fits ? json(nullptr) : json(r.oom_report);
+    json layers = json::array();
+    for (const LayerMemory& l : r.layers)
+      layers.push_back({{"layer", l.layer}, {"total", l.total}, {"bytes", category_json(l.bytes)}});
+    run["layers_at_peak"] = layers;
+    run["events"] = r.events;
+    json timeline = json::array();
+    for (const MemoryPoint& p : r.timeline)
+      timeline.push_back({{"event", p.event},
+                          {"phase", p.phase},
+                          {"total", p.total},
+                          {"bytes", category_json(p.bytes)}});
+    run["timeline"] = timeline;
+    j["runs"].push_back(run);
+  }
+  return j.dump(2) + "\n";
+}
+
+std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& runs) {
+  std::ostringstream h;
+  h << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Mantissa memory: "
+    << html_escape(c.model) << "</title>\n<style>body{font:14px sans-serif;margin:24px;color:#222}"
+    << "table{border-collapse:collapse}td,th{padding:3px 10px;border-bottom:1px solid #ddd;"
+    << "text-align:right}td:first-child,th:first-child{text-align:left}"
+    << ".key span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px}</style>"
+    << "</head><body>\n";
+  h << "<h1>Memory of one training step: " << html_escape(c.model) << ", batch " << c.batch_size
+    << ", " << c.effective_image_size() << "x" << c.effective_image_size() << "</h1>\n";
+  h << "<p class=\"key\">";
+  for (MemoryCategory cat : kAllMemoryCategories)
+    h << "<span style=\"background:" << kColors[static_cast<size_t>(cat)] << "\"></span>"
+      << memory_category_name(cat);
+  h << "</p>\n";
+
+  // Peak by category: one stacked bar per precision.
+  size_t top = 1;
+  for (const StepMemory& r : runs) top = std::max(top, r.peak_total);
+  if (runs[0].budget) top = std::max(top, *runs[0].budget);
+  const double W = 640, bar_x = 110;
+  h << "<h2>At the peak, by category</h2>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
+    << bar_x + W + 120 << "\" height=\"" << 40 * runs.size() + 20 << "\">\n";
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const StepMemory& r = runs[i];
+    const double y = 10 + 40.0 * static_cast<double>(i);
+    h << "<text x=\"0\" y=\"" << y + 18 << "\">" << html_escape(r.precision) << "</text>\n";
+    double x = bar_x;
+    for (MemoryCategory cat : kAllMemoryCategories) {
+      const double w =
+          W * static_cast<double>(r.at_peak[static_cast<size_t>(cat)]) / static_cast<double>(top);
+      if (w <= 0) continue;
+      h << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"26\" fill=\""
+        << kColors[static_cast<size_t>(cat)] << "\"><title>" << memory_category_name(cat) << ": "
+        << mib(r.at_peak[static_cast<size_t>(cat)]) << "</title></rect>\n";
+      x += w;
+    }
+    h << "<text x=\"" << x + 6 << "\" y=\"" << y + 18 << "\">" << mib(r.peak_total)
+      << (r.fits ? "" : " (does not fit)") << "</text>\n";
+  }
+  if (runs[0].budget) {
+    const double bx = bar_x + W * static_cast<double>(*runs[0].budget) / static_cast<double>(top);
+    h << "<line x1=\"" << bx << "\" x2=\"" << bx << "\" y1=\"0\" y2=\"" << 40 * runs.size() + 10
+      << "\" stroke=\"#c00\" stroke-dasharray=\"4 3\"/><text x=\"" << bx + 3
+      << "\" y=\"10\" fill=\"#c00\">budget " << mib(*runs[0].budget) << "</text>\n";
+  }
+  h << "</svg>\n";
+
+  // Liveness: stacked areas by category over the step's allocations and frees.
+  h << "<h2>Over the step (liveness)</h2>\n";
+  for (const StepMemory& r : runs) {
+    if (r.timeline.size() < 2) continue;
+    const double CW = 760, CH = 220, L = 70, T = 20;
+    const double n = static_cast<double>(r.timeline.back().event);
+    auto X = [&](size_t e) { return L + CW * static_cast<double>(e) / std::max(1.0, n); };
+    auto Y = [&](size_t b) {
+      return T + CH - CH * static_cast<double>(b) / static_cast<double>(top);
+    };
+    h << "<h3>" << html_escape(r.precision) << " (" << r.events
+      << " allocations and frees)</h3>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
+      << L + CW + 20 << "\" height=\"" << T + CH + 40 << "\">\n";
+    // Phase bands.
+    size_t start = 0;
+    for (size_t i = 1; i <= r.timeline.size(); ++i) {
+      if (i < r.timeline.size() && r.timeline[i].phase == r.timeline[start].phase) continue;
+      const double x0 = X(r.timeline[start].event), x1 = X(r.timeline[i - 1].event);
+      h << "<rect x=\"" << x0 << "\" y=\"" << T << "\" width=\"" << std::max(0.5, x1 - x0)
+        << "\" height=\"" << CH << "\" fill=\"" << ((start / 1) % 2 ? "#f4f4f4" : "#fafafa")
+        << "\"/><text x=\"" << x0 + 2 << "\" y=\"" << T + CH + 30 << "\" font-size=\"11\">"
+        << html_escape(r.timeline[start].phase) << "</text>\n";
+      start = i;
+    }
+    // Areas, bottom category first.
+    std::vector<size_t> base(r.timeline.size(), 0);
+    for (MemoryCategory cat : kAllMemoryCategories) {
+      const size_t k = static_cast<size_t>(cat);
+      std::string up, down;
+      bool any = false;
+      for (size_t i = 0; i < r.timeline.size(); ++i) {
+        const size_t lo = base[i], hi = lo + r.timeline[i].bytes[k];
+        any = any || r.timeline[i].bytes[k] > 0;
+        up += std::to_string(X(r.timeline[i].event)) + "," + std::to_string(Y(hi)) + " ";
+        base[i] = hi;
+        (void)lo;
+      }
+      for (size_t i = r.timeline.size(); i-- > 0;)
+        down += std::to_string(X(r.timeline[i].event)) + "," +
+                std::to_string(Y(base[i] - r.timeline[i].bytes[k])) + " ";
+      if (any)
+        h << "<polygon points=\"" << up << down << "\" fill=\"" << kColors[k]
+          << "\" fill-opacity=\"0.85\"><title>" << memory_category_name(cat)
+          << "</title></polygon>\n";
+    }
+    h << "<line x1=\"" << L << "\" x2=\"" << L << "\" y1=\"" << T << "\" y2=\"" << T + CH
+      << "\" stroke=\"#444\"/><line x1=\"" << L << "\" x2=\"" << L + CW << "\" y1=\"" << T + CH
+      << "\" y2=\"" << T + CH << "\" stroke=\"#444\"/>\n";
+    h << "<text x=\"0\" y=\"" << T + 4 << "\" font-size=\"11\">" << mib(top)
+      << "</text><text x=\"0\" y=\"" << T + CH << "\" font-size=\"11\">0</text>\n";
+    h << "<line x1=\"" << L << "\" x2=\"" << L + CW << "\" y1=\"" << Y(r.peak_total) << "\" y2=\""
+      << Y(r.peak_total) << "\" stroke=\"#000\" stroke-dasharray=\"2 3\"/><text x=\"" << L + 4
+      << "\" y=\"" << Y(r.peak_total) - 3 << "\" font-size=\"11\">peak " << mib(r.peak_total)
+      << "</text>\n</svg>\n";
+  }
+
+  // By layer.
+  h << "<h2>Largest holders at the peak</h2>\n<table><tr><th>layer</th>";
+  for (const StepMemory& r : runs) h << "<th>" << html_escape(r.precision) << "</th>";
+  h << "<th>made of (" << html_escape(runs[0].precision) << ")</th></tr>\n";
+  for (size_t i = 0; i < runs[0].layers.size() && i < 40; ++i) {
+    const LayerMemory& l = runs[0].layers[i];
+    h << "<tr><td>" << html_escape(l.layer) << "</td>";
+    for (const StepMemory& r : runs) {
+      size_t b = 0;
+      for (const LayerMemory& o : r.layers)
+        if (o.layer == l.layer) b = o.total;
+      h << "<td>" << mib(b) << "</td>";
+    }
+    std::string parts;
+    for (MemoryCategory cat : kAllMemoryCategories)
+      if (l.bytes[static_cast<size_t>(cat)] > 0)
+        parts += (parts.empty() ? "" : ", ") + std::string(memory_category_name(cat)) + " " +
+                 mib(l.bytes[static_cast<size_t>(cat)]);
+    h << "<td>" << parts << "</td></tr>\n";
+  }
+  h << "</table>\n";
+  for (const StepMemory& r : runs)
+    h << "<h3>" << html_escape(r.precision) << "</h3><p>" << html_escape(r.description) << "</p>"
+      << (r.fits ? "" : "<pre>" + html_escape(r.oom_report) + "</pre>") << "\n";
+  h << "</body></html>\n";
+  return h.str();
+}
+
+}  // namespace mantissa::train

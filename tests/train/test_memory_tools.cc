@@ -1,0 +1,161 @@
+// The memory tools: activation recomputation (the same training, bit for bit, with less memory),
+// the one-step memory profile behind `mantissa memory` (by category, by layer, liveness, JSON and
+// HTML), and the IPU guide's story at small scale: a ResNet on CIFAR-shaped data whose 32.32 run
+// exceeds a budget, and whose 16.16 run fits with recomputation.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "mantissa/mantissa.h"
+#include "support/errors.h"
+#include "support/train.h"
+
+namespace mantissa {
+namespace {
+
+std::vector<float> values(const std::vector<nn::Module::NamedTensor>& ts) {
+  std::vector<float> v;
+  for (auto& t : ts) {
+    const std::vector<float> x = t.tensor->to_float_vector();
+    v.insert(v.end(), x.begin(), x.end());
+  }
+  return v;
+}
+
+TEST(Recompute, TrainsBitForBitAsWithoutIt) {
+  for (const std::string precision : {"32-true", "16-mixed"}) {
+    train::TrainConfig c = testing::small_run("resnet18", 64);
+    c.batch_size = 8;
+    c.max_steps = 2;
+    c.precision = precision;
+    train::Trainer plain(c);
+    const train::TrainResult a = plain.run();
+    c.recompute = true;
+    train::Trainer again(c);
+    const train::TrainResult b = again.run();
+    EXPECT_EQ(a.step_losses, b.step_losses) << precision;
+    EXPECT_EQ(values(plain.model().named_parameters()), values(again.model().named_parameters()))
+        << precision;
+    // BatchNorm's running statistics are updated once per step, not again when recomputed.
+    EXPECT_EQ(values(plain.model().named_buffers()), values(again.model().named_buffers()))
+        << precision;
+  }
+  train::TrainConfig c = testing::small_run("lenet5", 64);
+  c.recompute = true;
+  EXPECT_NE(
+      testing::error_of([&] { train::Trainer t(c); }).find("lenet5 has no blocks to recompute"),
+      std::string::npos);
+}
+
+TEST(Recompute, ReplaysDropoutMasksAndGivesTheSameGradients) {
+  auto make = [] {
+    nn::InitStreams init(3);
+    auto seq = std::make_shared<nn::Sequential>();
+    seq->add(std::make_shared<nn::Linear>(8, 16, init));
+    seq->add(std::make_shared<nn::Dropout>(init, 0.5));
+    seq->add(std::make_shared<nn::Linear>(16, 4, init));
+    return seq;
+  };
+  const Tensor x = Tensor::from_floats(std::vector<float>(24, 0.5f), {3, 8});
+  std::vector<std::vector<float>> grads;
+  for (bool recompute : {false, true}) {
+    auto seq = make();
+    seq->set_recompute(recompute);
+    nn::set_random_context({7, 1});
+    (*seq)(x);  // an earlier call in the step: the replay must not reuse its mask
+    seq->zero_grad();
+    autograd::backward(ops::sum(ops::mul((*seq)(x), (*seq)(x))));
+    grads.push_back({});
+    for (auto& p : seq->named_parameters()) {
+      const std::vector<float> g = p.tensor->grad().to_float_vector();
+      grads.back().insert(grads.back().end(), g.begin(), g.end());
+    }
+  }
+  EXPECT_EQ(grads[0], grads[1]);
+}
+
+TEST(MemoryProfile, ReportsCategoriesLayersAndLivenessOfOneStep) {
+  train::TrainConfig c = testing::small_run("resnet18", 64);
+  c.batch_size = 8;
+  c.threads = 2;
+  std::vector<train::StepMemory> runs;
+  for (const std::string p : {"32-true", "16-true"}) {
+    c.precision = p;
+    runs.push_back(train::profile_step(c));
+  }
+  for (const train::StepMemory& r : runs) {
+    size_t sum = 0;
+    for (size_t b : r.at_peak) sum += b;
+    EXPECT_EQ(sum, r.peak_total);
+    EXPECT_GT(r.at_peak[static_cast<size_t>(MemoryCategory::optimizer_state)], 0u)
+        << "the measured step is the second: the optimizer's state exists";
+    size_t layers = 0;
+    bool conv = false;
+    for (const train::LayerMemory& l : r.layers) {
+      layers += l.total;
+      conv = conv || l.layer == "layer1.0.conv1";
+    }
+    EXPECT_EQ(layers, r.peak_total) << "the layers at the peak add up to it";
+    EXPECT_TRUE(conv);
+    std::set<std::string> phases;
+    size_t top = 0;
+    for (const train::MemoryPoint& p : r.timeline) {
+      phases.insert(p.phase);
+      top = std::max(top, p.total);
+    }
+    EXPECT_TRUE(phases.count("forward") && phases.count("backward") && phases.count("optimizer"));
+    EXPECT_EQ(top, r.peak_total);
+    EXPECT_TRUE(r.fits);
+  }
+  // The 16-bit model holds a bit more than half (the normalization layers' FP32 staging).
+  EXPECT_LT(static_cast<double>(runs[1].peak_total), 0.6 * static_cast<double>(runs[0].peak_total));
+  const auto at = [&](int run, MemoryCategory cat) {
+    return static_cast<double>(runs[static_cast<size_t>(run)].at_peak[static_cast<size_t>(cat)]);
+  };
+  EXPECT_EQ(2 * at(1, MemoryCategory::optimizer_state), at(0, MemoryCategory::optimizer_state));
+  // Parameters halve but for BatchNorm's running statistics, which stay FP32.
+  EXPECT_NEAR(2 * at(1, MemoryCategory::parameters) / at(0, MemoryCategory::parameters), 1.0, 2e-3);
+
+  const nlohmann::json j = nlohmann::json::parse(train::memory_json(c, runs));
+  ASSERT_EQ(j["runs"].size(), 2u);
+  EXPECT_EQ(j["runs"][1]["precision"], "16-true");
+  EXPECT_EQ(j["runs"][0]["peak_total_bytes"].get<size_t>(), runs[0].peak_total);
+  EXPECT_FALSE(j["runs"][0]["timeline"].empty());
+  const std::string html = train::memory_html(c, runs);
+  size_t svgs = 0;
+  for (size_t at = html.find("<svg"); at != std::string::npos; at = html.find("<svg", at + 1))
+    ++svgs;
+  EXPECT_EQ(svgs, 3u);  // categories, and the liveness of each run
+  EXPECT_EQ(html.find("<script"), std::string::npos);
+  EXPECT_EQ(html.find("src="), std::string::npos) << "self-contained: nothing to fetch";
+  EXPECT_NE(train::memory_text(runs).find("ratio to 32-true: 16-true"), std::string::npos);
+}
+
+// The hands-on guide's path at small scale (ResNet-18 for its ResNet-101, batch 16 for 64):
+// 32.32 with gradient accumulation 3 runs out of memory; half precision halves most of it; with
+// recomputation it fits.
+TEST(MemoryProfile, TheGuidesStoryOutOfMemoryInFp32FitsInHalfWithRecomputation) {
+  train::TrainConfig c = testing::small_run("resnet18", 64);
+  c.image_size = 32;  // CIFAR's
+  c.batch_size = 16;
+  c.gradient_accumulation = 3;
+  c.threads = 2;  // the GEMM's per-thread workspace is part of the figure
+  c.memory_budget = "132MiB";
+  c.precision = "32.32";
+  const train::StepMemory fp32 = train::profile_step(c);
+  c.precision = "16.16";
+  const train::StepMemory half = train::profile_step(c);
+  c.recompute = true;
+  const train::StepMemory half_rc = train::profile_step(c);
+  EXPECT_FALSE(fp32.fits);
+  EXPECT_NE(fp32.oom_report.find("of the 132.00 MiB budget"), std::string::npos) << fp32.oom_report;
+  EXPECT_FALSE(half.fits) << half.peak_total;
+  EXPECT_TRUE(half_rc.fits) << half_rc.peak_total;
+  EXPECT_LE(half_rc.peak_total, size_t{132} << 20);
+  // (profile_step ran the trainer itself under the budget, for two optimizer steps.)
+  EXPECT_FALSE(default_memory_tracker().budget().has_value()) << "the budget ends with the run";
+}
+
+}  // namespace
+}  // namespace mantissa
