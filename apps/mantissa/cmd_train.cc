@@ -84,6 +84,10 @@ constexpr const char* kTrainUsage =
     "debugging:\n"
     "  --detect-anomaly      check every op's output and gradient for inf/NaN; stop at the\n"
     "                        first with the op, module, dtype and input statistics (exit 4)\n"
+    "  --numerics-report FILE  log2 histograms of each layer's activations and gradients, the\n"
+    "                        fractions that overflow or flush to zero in FP16 and BF16, and a\n"
+    "                        suggested loss scale: JSON to FILE, HTML beside it\n"
+    "  --numerics-every N    record step 1 and every N-th step (default 50)\n"
     "memory:\n"
     "  --memory-budget SIZE  behave as a device with this much memory (e.g. 512MiB, 1.5GiB):\n"
     "                        past it, an out-of-memory report and exit status 3\n"
@@ -229,6 +233,8 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--eight-bit-io", on(c.eight_bit_io, true)},
       {"--detect-anomaly", on(c.detect_anomaly, true)},
       {"--recompute", on(c.recompute, true)},
+      {"--numerics-report", str(c.numerics_report)},
+      {"--numerics-every", i64("--numerics-every", c.numerics_every, 1)},
       {"--workers", Flag{true,
                          [&](const std::string& v) {
                            workers = to_int("--workers", v, 1);

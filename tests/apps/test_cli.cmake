@@ -155,6 +155,8 @@ expect(train_accumulation_too_many 2 "" "an epoch has 16 batches, fewer than the
 expect(train_workers_bad 2 "" "--workers '0' is not an integer >= 1" train --workers 0)
 expect(train_detect_anomaly 4 "" "^mantissa: step 2: anomaly in forward: linear in module 'fc1' produced [0-9]+ inf/nan values \\(f16 \\(12, 120\\).*input 1: f16 \\(120, 16\\).*HINT: .*--keep-fp32 fc1"
        train ${TRAIN_PIPE} --precision 16-true --optimizer sgd --lr 1e5 --detect-anomaly)
+expect(train_numerics_report 0 "numerics report: .*num.json and .*num.html \\(1 steps\\); suggested loss scale [0-9]+" ""
+       train ${TRAIN_PIPE} --max-steps 3 --precision 16-mixed --numerics-report ${WORK}/num.json)
 # ---- mantissa memory ----
 set(MEM memory --model lenet5 --image-size 16 --batch-size 8 --threads 2)
 expect(memory_two_precisions 0 "memory of one training step: lenet5, batch 8, 16x16.*total at the peak .*ratio to 32-true: 16-true [0-9.]+%.*largest holders at the peak, 32-true:\n  fc2 " ""

@@ -7,6 +7,7 @@
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
 #include "mantissa/nn/layers.h"
+#include "mantissa/nn/numerics.h"
 #include "mantissa/ops/autocast.h"
 #include "mantissa/ops/ops.h"
 
@@ -116,6 +117,35 @@ class RecomputeNode : public autograd::Node {
   ops::OpContextSnapshot context_;
   RandomContext random_;
 };
+// The numerics report's probe: an identity whose backward records the gradient reaching a
+// module's output.
+class ObserveNode : public autograd::Node {
+ public:
+  ObserveNode(NumericsRecorder* r, std::string layer, double scale)
+      : recorder_(r), layer_(std::move(layer)), scale_(scale) {}
+  const char* name() const override { return "observe"; }
+  std::vector<Tensor> backward(const Tensor& g) override {
+    recorder_->record(layer_, "activation_gradient", g, scale_);
+    return {g};
+  }
+
+ private:
+  NumericsRecorder* recorder_;
+  std::string layer_;
+  double scale_;
+};
+
+// Records a leaf module's output (and, through a probe, its gradient) when a report is on.
+Tensor observe(const std::string& path, Tensor y) {
+  NumericsRecorder* r = numerics_recorder();
+  if (!r || t_recomputing || !y.defined()) return y;
+  r->record(path, "activation", y);
+  if (!y.requires_grad() || !autograd::grad_enabled()) return y;
+  Tensor out = y.detach();
+  autograd::record(out, std::make_shared<ObserveNode>(r, path, r->gradient_scale()), {&y});
+  return out;
+}
+
 }  // namespace
 
 bool recomputing() { return t_recomputing; }
@@ -149,11 +179,16 @@ Tensor Module::recomputed(const Tensor& x) {
 
 Tensor Module::call(const Tensor& x) {
   ops::ModulePathScope scope(&path_);
-  if (!precision_) return forward(x);
-  ops::AutocastDisabled no_autocast;
-  if (x.defined() && is_float(x.dtype()) && x.dtype() != *precision_)
-    return forward(ops::cast(x, *precision_));
-  return forward(x);
+  Tensor y;
+  if (!precision_) {
+    y = forward(x);
+  } else {
+    ops::AutocastDisabled no_autocast;
+    y = forward(x.defined() && is_float(x.dtype()) && x.dtype() != *precision_
+                    ? ops::cast(x, *precision_)
+                    : x);
+  }
+  return children_.empty() && numerics_recorder() ? observe(path_, std::move(y)) : y;
 }
 
 template <class F>

@@ -296,6 +296,8 @@ void validate(const TrainConfig& c) {
   MANTISSA_CHECK(c.prefetch >= 0 && c.prefetch <= 64, "--prefetch must lie in [0, 64]", "");
   check_output_path(c.save, "--save");
   check_output_path(c.metrics_json, "--metrics-json");
+  check_output_path(c.numerics_report, "--numerics-report");
+  MANTISSA_CHECK(c.numerics_every >= 1, "--numerics-every must be at least 1", "");
   MANTISSA_CHECK(c.init_from.empty() || c.resume.empty(),
                  "--init-from and --resume cannot be used together",
                  "--resume restores the weights itself; use one of them");
@@ -435,6 +437,7 @@ void Trainer::apply_precision() {
     const DType t = amp::parse_float_type(config_.accum_type, "--accum-type");
     for (auto& p : m.named_parameters()) p.tensor->autograd_meta()->grad_dtype = t;
   }
+  if (!config_.numerics_report.empty()) numerics_ = std::make_unique<nn::NumericsRecorder>();
   if (config_.recompute) {
     const std::vector<nn::Module*> blocks = model_->recompute_blocks();
     MANTISSA_CHECK(!blocks.empty(), "--recompute: " + config_.model + " has no blocks to recompute",
@@ -463,9 +466,16 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   const auto t0 = Clock::now();
   std::optional<autograd::DetectAnomalyGuard> anomaly;
   if (config_.detect_anomaly) anomaly.emplace(/*inf_in_backward=*/!scaler_.has_value());
+  nn::NumericsRecorder* numerics =
+      numerics_ && step_ % config_.numerics_every == 0 ? numerics_.get() : nullptr;
   double loss_sum = 0;
   for (int64_t f = 0; f < N; ++f) {
     const data::Batch& batch = micro[f];
+    // "running" scales micro-batch f's loss by 1/(f+1) (below), "mean" and "sum" do not.
+    const double micro_factor =
+        reduction == "running" && f > 0 ? 1.0 / static_cast<double>(f + 1) : 1.0;
+    std::optional<nn::NumericsScope> probe;
+    if (numerics) probe.emplace(*numerics, 1.0 / (scale * micro_factor));
     Tensor out, loss;
     default_memory_tracker().set_phase("forward");
     {
@@ -499,6 +509,10 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   // "mean" divides the summed gradients by N here, with the unscaling (one pass).
   so.grad_scale = static_cast<float>(
       1.0 / (static_cast<double>(scale) * (reduction == "mean" ? static_cast<double>(N) : 1.0)));
+  if (numerics) {
+    numerics->record_parameter_gradients(*model_, 1.0 / static_cast<double>(so.grad_scale));
+    numerics->count_step();
+  }
   so.max_grad_norm = config_.max_grad_norm;
   so.skip_nonfinite = scaler_.has_value();
   const optim::StepReport report = optimizer_->step(so);
@@ -768,6 +782,20 @@ TrainResult Trainer::run() {
                   << std::endl;
   if (!config_.metrics_json.empty())
     write_file_atomic(config_.metrics_json, metrics_json(config_, r));
+  if (numerics_) {
+    const std::string& path = config_.numerics_report;
+    const std::string html = (path.size() > 5 && path.compare(path.size() - 5, 5, ".json") == 0
+                                  ? path.substr(0, path.size() - 5)
+                                  : path) +
+                             ".html";
+    write_file_atomic(path, numerics_->json());
+    write_file_atomic(html, numerics_->html(config_.model + ", " + mode_.name + ", batch " +
+                                            std::to_string(config_.batch_size)));
+    if (streams_.out)
+      *streams_.out << "numerics report: " << path << " and " << html << " (" << numerics_->steps()
+                    << " steps); suggested loss scale "
+                    << fmt("%g", numerics_->suggested_loss_scale().scale) << std::endl;
+  }
   return r;
 }
 
@@ -822,6 +850,7 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
                  {"eight_bit_io", c.eight_bit_io},
                  {"detect_anomaly", c.detect_anomaly},
                  {"recompute", c.recompute},
+                 {"numerics_report", c.numerics_report},
                  {"async_dataloader", c.async_loader},
                  {"workers", c.async_loader ? c.workers : 0}};
   j["step_losses"] = r.step_losses;

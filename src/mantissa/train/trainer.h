@@ -16,6 +16,7 @@
 #include "mantissa/amp/precision.h"
 #include "mantissa/data/loader.h"
 #include "mantissa/nn/models.h"
+#include "mantissa/nn/numerics.h"
 #include "mantissa/ops/autocast.h"
 #include "mantissa/optim/optim.h"
 
@@ -99,6 +100,11 @@ struct TrainConfig {
   // first, naming the op, module, dtype and input statistics (autograd::AnomalyError). Under loss
   // scaling, infinite gradients are the scaler's business: only NaN stops the backward pass.
   bool detect_anomaly = false;
+  // Log2 histograms of every layer's activations and gradients, their FP16/BF16 overflow and
+  // underflow fractions, and a suggested loss scale (nn/numerics.h): JSON to this file, HTML
+  // beside it (.html). Recorded on step 1 and every numerics_every-th step after.
+  std::string numerics_report;
+  int64_t numerics_every = 50;
 
   bool progress = true;  // progress bar on the progress stream
   bool evaluate = true;  // test accuracy after training
@@ -222,6 +228,7 @@ class Trainer {
   int64_t step_ = 0;
   std::vector<float> step_losses_;
   double compute_seconds_ = 0;  // inside train_step, this run
+  std::unique_ptr<nn::NumericsRecorder> numerics_;
   amp::PrecisionMode mode_;
   ops::AutocastPolicy policy_;
   std::unique_ptr<ops::AutocastLog> log_;
