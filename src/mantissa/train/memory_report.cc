@@ -116,7 +116,16 @@ StepMemory profile_step(TrainConfig c) {
   }
   const std::vector<MemoryEvent> events = tracker.stop_recording();
   tracker.set_phase("");
-  if (m.precision.empty()) m.precision = c.precision;
+  if (!m.fits) {
+    // What it would need: the same step without the budget; the verdict and report stay.
+    TrainConfig unlimited = c;
+    unlimited.memory_budget.clear();
+    StepMemory need = profile_step(unlimited);
+    need.budget = m.budget;
+    need.fits = false;
+    need.oom_report = std::move(m.oom_report);
+    return need;
+  }
 
   // The measured step: from the last optimizer step's first forward event (a forward that
   // follows the set-up or an optimizer update; accumulation's later forwards do not count).
@@ -129,12 +138,8 @@ StepMemory profile_step(TrainConfig c) {
   }
   // ... to its optimizer update's last event (then the trainer is taken down).
   size_t end = events.size();
-  if (m.fits) {
-    while (end > first && events[end - 1].phase != "optimizer") --end;
-    if (end == first) end = events.size();
-  } else {
-    first = 0;  // it failed: everything up to the failure
-  }
+  while (end > first && events[end - 1].phase != "optimizer") --end;
+  if (end == first) end = events.size();
   // The peak of the step and what it was made of.
   size_t peak = first;
   for (size_t i = first; i < end; ++i)
@@ -224,7 +229,7 @@ std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers) 
   for (const StepMemory& r : runs)
     if (r.budget)
       out << r.precision << ": " << (r.fits ? "fits in" : "does NOT fit in") << " the budget of "
-          << format_bytes(*r.budget) << "\n";
+          << format_bytes(*r.budget) << " (needs " << format_bytes(r.peak_total) << ")\n";
   for (const StepMemory& r : runs) {
     out << "largest holders at the peak, " << r.precision << ":\n";
     for (size_t i = 0; i < r.layers.size() && i < top_layers; ++i) {

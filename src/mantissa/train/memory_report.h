@@ -49,7 +49,8 @@ struct StepMemory {
 
 // One training step of `c` (its model, batch size, precision and levers; the dataset is made
 // synthetic, one optimizer step, no evaluation, nothing written), measured. With a memory
-// budget, a step that passes it is reported as not fitting, with the report, not thrown.
+// budget, a step that passes it is reported as not fitting, with the out-of-memory report, and
+// with the figures of the whole step measured again without the budget (what it needs).
 StepMemory profile_step(TrainConfig c);
 
 // Text table (by category, then the largest layers), JSON, and HTML page of one or more runs of
