@@ -87,5 +87,31 @@ TEST(Numerics, ATrainingRunReportsEveryLayersActivationsAndGradients) {
   EXPECT_NE(page.find("Suggested loss scale"), std::string::npos);
 }
 
+// Recomputed blocks run their first forward without recording: their layers' gradients are
+// probed when the blocks run again in the backward pass, and activations are counted once.
+TEST(Numerics, RecomputedBlocksAreReportedLikeOthers) {
+  std::map<std::string, nlohmann::json> seen[2];
+  for (bool recompute : {false, true}) {
+    const testing::TempDir dir;
+    train::TrainConfig c = testing::small_run("resnet18", 32);
+    c.batch_size = 4;
+    c.max_steps = 1;
+    c.recompute = recompute;
+    c.numerics_report = dir.file("n.json");
+    train::Trainer(c).run();
+    std::ifstream in(c.numerics_report);
+    const nlohmann::json j = nlohmann::json::parse(in);  // held: the loop reads into it
+    for (auto& e : j["entries"])
+      seen[recompute][e["layer"].get<std::string>() + "/" + e["kind"].get<std::string>()] = e;
+  }
+  ASSERT_TRUE(seen[1].count("layer1.0.conv1/activation_gradient"));
+  EXPECT_EQ(seen[0].size(), seen[1].size());
+  for (auto& [k, e] : seen[0]) {
+    ASSERT_TRUE(seen[1].count(k)) << k;
+    EXPECT_EQ(seen[1][k]["count"], e["count"]) << k;
+    EXPECT_EQ(seen[1][k]["log2_histogram"], e["log2_histogram"]) << k;
+  }
+}
+
 }  // namespace
 }  // namespace mantissa

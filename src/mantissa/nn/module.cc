@@ -138,8 +138,10 @@ class ObserveNode : public autograd::Node {
 // Records a leaf module's output (and, through a probe, its gradient) when a report is on.
 Tensor observe(const std::string& path, Tensor y) {
   NumericsRecorder* r = numerics_recorder();
-  if (!r || t_recomputing || !y.defined()) return y;
-  r->record(path, "activation", y);
+  if (!r || !y.defined()) return y;
+  // A recomputed forward was recorded the first time; it only gets its gradient probe (the first
+  // run, without recording, could not have one).
+  if (!t_recomputing) r->record(path, "activation", y);
   if (!y.requires_grad() || !autograd::grad_enabled()) return y;
   Tensor out = y.detach();
   autograd::record(out, std::make_shared<ObserveNode>(r, path, r->gradient_scale()), {&y});
