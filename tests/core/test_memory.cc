@@ -106,5 +106,17 @@ TEST(Memory, FormatsAndParsesSizes) {
   EXPECT_EQ(parse_bytes("-5"), std::nullopt);
 }
 
+TEST(Memory, OwnersGroupUnderTheirLayer) {
+  register_layer_name("blockA.conv");
+  register_layer_name("blockA");
+  EXPECT_EQ(layer_of_owner("blockA.conv.weight.exp_avg"), "blockA.conv");
+  EXPECT_EQ(layer_of_owner("blockA.conv"), "blockA.conv");
+  EXPECT_EQ(layer_of_owner("blockA.bn.weight"), "blockA");
+  EXPECT_EQ(layer_of_owner("blockAB.weight"), "blockAB.weight");  // prefixes end at a '.'
+  EXPECT_EQ(layer_of_owner("gemm packing"), "gemm packing");
+  EXPECT_EQ(layer_of_owner("(unnamed)"), "(top level)");
+  EXPECT_EQ(layer_of_owner(""), "(top level)");
+}
+
 }  // namespace
 }  // namespace mantissa

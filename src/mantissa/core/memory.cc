@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <set>
 #include <sstream>
 
 #include "mantissa/core/error.h"
@@ -73,6 +74,33 @@ std::vector<MemoryEvent> MemoryTracker::stop_recording() {
 void MemoryTracker::set_phase(std::string phase) {
   std::lock_guard<std::mutex> lock(mu_);
   phase_ = std::move(phase);
+}
+
+namespace {
+std::mutex g_layers_mu;
+std::set<std::string>& layer_names() {
+  static std::set<std::string> names;
+  return names;
+}
+}  // namespace
+
+void register_layer_name(const std::string& path) {
+  if (path.empty()) return;
+  std::lock_guard<std::mutex> lock(g_layers_mu);
+  layer_names().insert(path);
+}
+
+std::string layer_of_owner(const std::string& owner) {
+  if (owner.empty() || owner == "(unnamed)") return "(top level)";
+  std::lock_guard<std::mutex> lock(g_layers_mu);
+  const std::set<std::string>& names = layer_names();
+  std::string p = owner;
+  for (;;) {
+    if (names.count(p)) return p;
+    const size_t dot = p.rfind('.');
+    if (dot == std::string::npos) return owner;
+    p.resize(dot);
+  }
 }
 
 namespace {
@@ -169,6 +197,13 @@ std::string MemoryTracker::oom_report(size_t bytes, MemoryCategory category,
   if (!owners.empty()) {
     out << "\n  largest holders:";
     for (const auto& [name, b] : owners) out << "\n    " << name << ": " << format_bytes(b);
+  }
+  std::unordered_map<std::string, size_t> by_layer;
+  for (const auto& [name, b] : by_owner_) by_layer[layer_of_owner(name)] += b;
+  const auto layers = top_owners(by_layer, 5);
+  if (!layers.empty()) {
+    out << "\n  largest holders by layer (parameters, their gradients and state, activations):";
+    for (const auto& [name, b] : layers) out << "\n    " << name << ": " << format_bytes(b);
   }
   return out.str();
 }

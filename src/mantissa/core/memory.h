@@ -115,6 +115,13 @@ class MemoryTracker {
   std::string phase_;
 };
 
+// Layers that memory reports group owners under: nn::Module registers its path, so
+// "layer1.0.conv1" holds "layer1.0.conv1.weight", its ".exp_avg" and its activations. Returns
+// the longest registered path that the owner equals or starts with (at a '.'), "(top level)" for
+// an unnamed owner, and the owner itself otherwise ("gemm packing").
+void register_layer_name(const std::string& path);
+std::string layer_of_owner(const std::string& owner);
+
 // The owner label of allocations that name none: the module whose forward (or backward) runs on
 // this thread, "layer1.0.conv1" ("" outside modules). nn::Module and the autograd engine set it.
 const std::string& current_module_path();

@@ -58,6 +58,7 @@ void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
 
 void Module::set_path(const std::string& path) {
   path_ = path;
+  register_layer_name(path_);
   for (auto& [name, child] : children_) child->set_path(join(path_, name));
 }
 

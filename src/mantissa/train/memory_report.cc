@@ -16,19 +16,6 @@ using json = nlohmann::json;
 
 constexpr size_t kMaxPoints = 1000;
 
-// The layer an owner label belongs to: the longest module path it starts with ("conv1.weight"
-// and "conv1.weight.exp_avg" belong to conv1); labels of no module stand for themselves.
-std::string layer_of(const std::string& owner, const std::set<std::string>& paths) {
-  if (owner == "(unnamed)" || owner.empty()) return "(top level)";
-  std::string p = owner;
-  for (;;) {
-    if (paths.count(p)) return p;
-    const size_t dot = p.rfind('.');
-    if (dot == std::string::npos) return owner;
-    p.resize(dot);
-  }
-}
-
 std::string mib(size_t bytes) { return format_bytes(bytes); }
 
 std::string html_escape(const std::string& s) {
@@ -82,18 +69,6 @@ StepMemory profile_step(TrainConfig c) {
   c.metrics_json.clear();
   c.init_from.clear();
   validate(c);
-
-  // The model's module paths, from a copy built before anything is measured.
-  std::set<std::string> paths;
-  {
-    nn::ModelConfig mc;
-    mc.in_channels = c.model == "tutorial-cnn" || c.model == "lenet5" ? 1 : 3;
-    mc.image_size = c.effective_image_size();
-    mc.imagenet_stem = c.imagenet_stem;
-    auto model = nn::make_model(c.model, mc);
-    for (auto& [path, m] : model->named_modules())
-      if (!path.empty()) paths.insert(path);
-  }
 
   MemoryTracker& tracker = default_memory_tracker();
   StepMemory m;
@@ -161,7 +136,7 @@ StepMemory profile_step(TrainConfig c) {
   for (size_t i = 0; i < events.size() && i <= peak; ++i) {
     const MemoryEvent& e = events[i];
     const size_t k = static_cast<size_t>(e.category);
-    size_t& v = layers[layer_of(e.owner, paths)][k];
+    size_t& v = layers[layer_of_owner(e.owner)][k];
     if (e.delta >= 0) {
       v += static_cast<size_t>(e.delta);
       continue;
