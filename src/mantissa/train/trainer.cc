@@ -471,11 +471,11 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   double loss_sum = 0;
   for (int64_t f = 0; f < N; ++f) {
     const data::Batch& batch = micro[f];
-    // "running" scales micro-batch f's loss by 1/(f+1) (below), "mean" and "sum" do not.
-    const double micro_factor =
-        reduction == "running" && f > 0 ? 1.0 / static_cast<double>(f + 1) : 1.0;
+    // "running" keeps the mean so far, s = f/(f+1) s + g/(f+1): micro-batch f's loss is scaled
+    // by 1/(f+1) and the accumulator by f/(f+1). "mean" and "sum" add gradients as they come.
+    const double factor = reduction == "running" && f > 0 ? 1.0 / static_cast<double>(f + 1) : 1.0;
     std::optional<nn::NumericsScope> probe;
-    if (numerics) probe.emplace(*numerics, 1.0 / (scale * micro_factor));
+    if (numerics) probe.emplace(*numerics, 1.0 / (scale * factor));
     Tensor out, loss;
     default_memory_tracker().set_phase("forward");
     {
@@ -489,13 +489,7 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
       if (mode_.fp32_loss && out.dtype() != DType::f32) out = ops::cast(out, DType::f32);
       loss = model_->loss(out, batch.labels);
     }
-    // "running": s = f/(f+1) s + g/(f+1), so the accumulator holds the mean so far.
-    double factor = 1;
-    if (reduction == "running" && f > 0) {
-      optim::scale_grads(optimizer_->params(),
-                         static_cast<float>(static_cast<double>(f) / static_cast<double>(f + 1)));
-      factor = 1.0 / static_cast<double>(f + 1);
-    }
+    if (factor != 1.0) optim::scale_grads(optimizer_->params(), static_cast<float>(1.0 - factor));
     // Scaled in FP32: S * loss; the optimizer multiplies the gradients by 1/S.
     default_memory_tracker().set_phase("backward");
     const double s = scale * factor;
@@ -524,6 +518,7 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
 }
 
 CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
+  if (!model_->is_training()) model_->train();
   const int64_t N = config_.gradient_accumulation;
   const int64_t n = static_cast<int64_t>(batches.size());
   MANTISSA_CHECK(n > 0 && n % N == 0,
