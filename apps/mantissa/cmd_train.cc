@@ -155,34 +155,45 @@ double to_double(const std::string& flag, const std::string& v) {
   }
 }
 
+// Flags that set a field: a string, an integer >= min, a number, an optional number, a
+// comma-separated list, or a switch that stores `value`.
+Flag str_flag(std::string& dst) {
+  return Flag{true, [&dst](const std::string& v) { dst = v; }};
+}
+Flag int_flag(const char* name, int64_t& dst, int64_t min) {
+  return Flag{true, [name, &dst, min](const std::string& v) { dst = to_int(name, v, min); }};
+}
+Flag num_flag(const char* name, double& dst) {
+  return Flag{true, [name, &dst](const std::string& v) { dst = to_double(name, v); }};
+}
+Flag opt_num_flag(const char* name, std::optional<double>& dst) {
+  return Flag{true, [name, &dst](const std::string& v) { dst = to_double(name, v); }};
+}
+Flag list_flag(std::vector<std::string>& dst) {
+  return Flag{true, [&dst](const std::string& v) {
+                size_t b = 0;
+                while (b <= v.size()) {
+                  const size_t e = std::min(v.find(',', b), v.size());
+                  if (e > b) dst.push_back(v.substr(b, e - b));
+                  b = e + 1;
+                }
+              }};
+}
+Flag switch_flag(bool& dst, bool value = true) {
+  return Flag{false, [&dst, value](const std::string&) { dst = value; }};
+}
+
 }  // namespace
 
 int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   train::TrainConfig c;
   bool print_model = false, help = false;
-  auto str = [](std::string& dst) { return Flag{true, [&dst](const std::string& v) { dst = v; }}; };
-  auto i64 = [](const char* name, int64_t& dst, int64_t min) {
-    return Flag{true, [name, &dst, min](const std::string& v) { dst = to_int(name, v, min); }};
-  };
-  auto dbl = [](const char* name, double& dst) {
-    return Flag{true, [name, &dst](const std::string& v) { dst = to_double(name, v); }};
-  };
-  auto list = [](std::vector<std::string>& dst) {
-    return Flag{true, [&dst](const std::string& v) {
-                  size_t b = 0;
-                  while (b <= v.size()) {
-                    const size_t e = std::min(v.find(',', b), v.size());
-                    if (e > b) dst.push_back(v.substr(b, e - b));
-                    b = e + 1;
-                  }
-                }};
-  };
-  auto opt_dbl = [](const char* name, std::optional<double>& dst) {
-    return Flag{true, [name, &dst](const std::string& v) { dst = to_double(name, v); }};
-  };
-  auto on = [](bool& dst, bool value) {
-    return Flag{false, [&dst, value](const std::string&) { dst = value; }};
-  };
+  const auto str = str_flag;
+  const auto i64 = int_flag;
+  const auto dbl = num_flag;
+  const auto opt_dbl = opt_num_flag;
+  const auto list = list_flag;
+  const auto on = switch_flag;
   int64_t threads = 0, prefetch = 2, workers = 1;
   int64_t seed = 0;
   double wd = 0;
@@ -353,24 +364,21 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   std::string json_path, html_path;
   int64_t threads = 0;
   bool help = false;
-  auto str = [](std::string& dst) { return Flag{true, [&dst](const std::string& v) { dst = v; }}; };
-  auto i64 = [](const char* name, int64_t& dst, int64_t min) {
-    return Flag{true, [name, &dst, min](const std::string& v) { dst = to_int(name, v, min); }};
-  };
-  auto on = [](bool& dst) { return Flag{false, [&dst](const std::string&) { dst = true; }}; };
+  const auto str = str_flag;
+  const auto i64 = int_flag;
   std::map<std::string, Flag> flags = {
-      {"--help", on(help)},
+      {"--help", switch_flag(help)},
       {"--model", str(c.model)},
       {"--batch-size", i64("--batch-size", c.batch_size, 1)},
       {"--image-size", i64("--image-size", c.image_size, 1)},
-      {"--imagenet-stem", on(c.imagenet_stem)},
+      {"--imagenet-stem", switch_flag(c.imagenet_stem)},
       {"--optimizer", str(c.optimizer)},
       {"--precision", Flag{true, [&](const std::string& v) { precisions.push_back(v); }}},
       {"--half-type", str(c.half_type)},
       {"--gradient-accumulation", i64("--gradient-accumulation", c.gradient_accumulation, 1)},
       {"--device-iterations", i64("--device-iterations", c.device_iterations, 1)},
-      {"--eight-bit-io", on(c.eight_bit_io)},
-      {"--recompute", on(c.recompute)},
+      {"--eight-bit-io", switch_flag(c.eight_bit_io)},
+      {"--recompute", switch_flag(c.recompute)},
       {"--memory-budget", str(c.memory_budget)},
       {"--json", str(json_path)},
       {"--html", str(html_path)},
@@ -383,11 +391,9 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   }
   if (precisions.empty()) precisions.push_back(c.precision);
   c.threads = static_cast<int>(std::min<int64_t>(threads, 1024));
-  c.metrics_json = json_path;  // checked like --metrics-json: the directory must exist
   train::validate(c);
-  c.metrics_json = html_path;
-  train::validate(c);
-  c.metrics_json.clear();
+  train::check_output_path(json_path, "--json");
+  train::check_output_path(html_path, "--html");
   std::vector<train::StepMemory> runs;
   for (const std::string& p : precisions) {
     train::TrainConfig rc = c;

@@ -169,6 +169,7 @@ if(NOT mem_html MATCHES "<svg.*<svg.*<svg" OR NOT mem_json MATCHES "\"timeline\"
 endif()
 expect(memory_over_budget 3 "32-true: does NOT fit in the budget of 100.00 KiB" "" ${MEM} --memory-budget 100KiB)
 expect(memory_bad_precision 2 "" "unknown precision '17-true'" ${MEM} --precision 17-true)
+expect(memory_bad_html 2 "" "--html /nonexistent-dir/m.html: directory /nonexistent-dir does not exist" ${MEM} --html /nonexistent-dir/m.html)
 # Ctrl-C: the run stops at a step boundary, saves its checkpoint and exits with 130.
 find_program(SH sh)
 string(REPLACE ";" " " TRAIN_PIPE_LINE "${TRAIN_PIPE}")

@@ -220,7 +220,8 @@ class ProgressBar {
   Clock::time_point last_{};
 };
 
-// Output files are checked before training starts, so a run does not end in a write error.
+}  // namespace
+
 void check_output_path(const std::string& path, const char* flag) {
   if (path.empty()) return;
   namespace fs = std::filesystem;
@@ -237,6 +238,8 @@ void check_output_path(const std::string& path, const char* flag) {
   MANTISSA_CHECK(!fs::is_directory(p, ec), std::string(flag) + " " + path + " is a directory",
                  "give a file name");
 }
+
+namespace {
 
 volatile std::sig_atomic_t g_stop = 0;
 
