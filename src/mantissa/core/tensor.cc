@@ -1,7 +1,5 @@
 #include "mantissa/core/tensor.h"
 
-#include "mantissa/core/parallel.h"
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>

@@ -100,8 +100,7 @@ Loader::Loader(const Dataset& data, const LoaderConfig& config) : data_(data), c
                      " examples, fewer than one batch of " + std::to_string(config.batch_size),
                  "lower --batch-size, or use more examples (--train-limit, --synthetic-size)");
   MANTISSA_CHECK(config.transform.crop_padding >= 0, "crop padding must be non-negative", "");
-  MANTISSA_CHECK(config.dtype == DType::u8 || config.dtype == DType::f32 ||
-                     config.dtype == DType::f16 || config.dtype == DType::bf16,
+  MANTISSA_CHECK(config.dtype == DType::u8 || is_compute_float(config.dtype),
                  "the loader cannot deliver " + std::string(dtype_name(config.dtype)) + " images",
                  "use u8 (8-bit I/O), f32, f16 or bf16");
   out_size_ = config.transform.image_size > 0 ? config.transform.image_size : data.height();

@@ -113,7 +113,7 @@ DType autocast_dtype();
 // ---- The rest of the op context ----
 
 // The module running on this thread ("layer1.0.conv1"; "" outside modules). nn::Module sets it;
-// it lives in the autograd layer, which records it in every node.
+// it lives in core/memory.h (the owner of allocations), and autograd records it in every node.
 using mantissa::current_module_path;
 using mantissa::ModulePathScope;
 

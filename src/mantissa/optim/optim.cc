@@ -401,11 +401,11 @@ bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScala
 #if MANTISSA_HAVE_X86_SIMD
   static const bool avx2 =
       cpu_features().avx2 && cpu_features().f16c && active_simd_path() == SimdPath::kAvx2;
-  auto ok = [](DType t) { return is_compute_float(t); };
   // All-FP32 tensors gain nothing from it: the staged path reads them in place.
   const bool all_f32 =
       c.pt == DType::f32 && c.gt == DType::f32 && c.mt == DType::f32 && c.vt == DType::f32;
-  if (avx2 && !all_f32 && ok(c.pt) && ok(c.gt) && ok(c.mt) && ok(c.vt)) {
+  if (avx2 && !all_f32 && is_compute_float(c.pt) && is_compute_float(c.gt) &&
+      is_compute_float(c.mt) && is_compute_float(c.vt)) {
     adam_update_direct_avx2(c, n, s);
     return true;
   }

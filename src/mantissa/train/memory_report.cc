@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <sstream>
 
 #include "mantissa/core/error.h"
@@ -15,8 +14,6 @@ namespace {
 using json = nlohmann::json;
 
 constexpr size_t kMaxPoints = 1000;
-
-std::string mib(size_t bytes) { return format_bytes(bytes); }
 
 std::string html_escape(const std::string& s) {
   std::string out;
@@ -179,7 +176,8 @@ std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers) 
     std::snprintf(line, sizeof line, "%-22s", std::string(memory_category_name(c)).c_str());
     out << line;
     for (const StepMemory& r : runs) {
-      std::snprintf(line, sizeof line, " %14s", mib(r.at_peak[static_cast<size_t>(c)]).c_str());
+      std::snprintf(line, sizeof line, " %14s",
+                    format_bytes(r.at_peak[static_cast<size_t>(c)]).c_str());
       out << line;
     }
     out << "\n";
@@ -187,7 +185,7 @@ std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers) 
   std::snprintf(line, sizeof line, "%-22s", "total at the peak");
   out << line;
   for (const StepMemory& r : runs) {
-    std::snprintf(line, sizeof line, " %14s", mib(r.peak_total).c_str());
+    std::snprintf(line, sizeof line, " %14s", format_bytes(r.peak_total).c_str());
     out << line;
   }
   out << "\n";
@@ -213,10 +211,11 @@ std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers) 
       for (MemoryCategory c : kAllMemoryCategories) {
         const size_t b = l.bytes[static_cast<size_t>(c)];
         if (b == 0) continue;
-        parts += (parts.empty() ? "" : ", ") + std::string(memory_category_name(c)) + " " + mib(b);
+        parts += (parts.empty() ? "" : ", ") + std::string(memory_category_name(c)) + " " +
+                 format_bytes(b);
       }
       std::snprintf(line, sizeof line, "  %-28s %12s  (%s)\n", l.layer.c_str(),
-                    mib(l.total).c_str(), parts.c_str());
+                    format_bytes(l.total).c_str(), parts.c_str());
       out << line;
     }
   }
@@ -293,17 +292,17 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
       if (w <= 0) continue;
       h << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"26\" fill=\""
         << kColors[static_cast<size_t>(cat)] << "\"><title>" << memory_category_name(cat) << ": "
-        << mib(r.at_peak[static_cast<size_t>(cat)]) << "</title></rect>\n";
+        << format_bytes(r.at_peak[static_cast<size_t>(cat)]) << "</title></rect>\n";
       x += w;
     }
-    h << "<text x=\"" << x + 6 << "\" y=\"" << y + 18 << "\">" << mib(r.peak_total)
+    h << "<text x=\"" << x + 6 << "\" y=\"" << y + 18 << "\">" << format_bytes(r.peak_total)
       << (r.fits ? "" : " (does not fit)") << "</text>\n";
   }
   if (runs[0].budget) {
     const double bx = bar_x + W * static_cast<double>(*runs[0].budget) / static_cast<double>(top);
     h << "<line x1=\"" << bx << "\" x2=\"" << bx << "\" y1=\"0\" y2=\"" << 40 * runs.size() + 10
       << "\" stroke=\"#c00\" stroke-dasharray=\"4 3\"/><text x=\"" << bx + 3
-      << "\" y=\"10\" fill=\"#c00\">budget " << mib(*runs[0].budget) << "</text>\n";
+      << "\" y=\"10\" fill=\"#c00\">budget " << format_bytes(*runs[0].budget) << "</text>\n";
   }
   h << "</svg>\n";
 
@@ -355,12 +354,12 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
     h << "<line x1=\"" << L << "\" x2=\"" << L << "\" y1=\"" << T << "\" y2=\"" << T + CH
       << "\" stroke=\"#444\"/><line x1=\"" << L << "\" x2=\"" << L + CW << "\" y1=\"" << T + CH
       << "\" y2=\"" << T + CH << "\" stroke=\"#444\"/>\n";
-    h << "<text x=\"0\" y=\"" << T + 4 << "\" font-size=\"11\">" << mib(top)
+    h << "<text x=\"0\" y=\"" << T + 4 << "\" font-size=\"11\">" << format_bytes(top)
       << "</text><text x=\"0\" y=\"" << T + CH << "\" font-size=\"11\">0</text>\n";
     h << "<line x1=\"" << L << "\" x2=\"" << L + CW << "\" y1=\"" << Y(r.peak_total) << "\" y2=\""
       << Y(r.peak_total) << "\" stroke=\"#000\" stroke-dasharray=\"2 3\"/><text x=\"" << L + 4
-      << "\" y=\"" << Y(r.peak_total) - 3 << "\" font-size=\"11\">peak " << mib(r.peak_total)
-      << "</text>\n</svg>\n";
+      << "\" y=\"" << Y(r.peak_total) - 3 << "\" font-size=\"11\">peak "
+      << format_bytes(r.peak_total) << "</text>\n</svg>\n";
   }
 
   // By layer.
@@ -374,13 +373,13 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
       size_t b = 0;
       for (const LayerMemory& o : r.layers)
         if (o.layer == l.layer) b = o.total;
-      h << "<td>" << mib(b) << "</td>";
+      h << "<td>" << format_bytes(b) << "</td>";
     }
     std::string parts;
     for (MemoryCategory cat : kAllMemoryCategories)
       if (l.bytes[static_cast<size_t>(cat)] > 0)
         parts += (parts.empty() ? "" : ", ") + std::string(memory_category_name(cat)) + " " +
-                 mib(l.bytes[static_cast<size_t>(cat)]);
+                 format_bytes(l.bytes[static_cast<size_t>(cat)]);
     h << "<td>" << parts << "</td></tr>\n";
   }
   h << "</table>\n";
