@@ -84,27 +84,10 @@ class RecomputeNode : public autograd::Node {
     {
       autograd::EnableGradGuard grad;
       ops::OpContextRestore context(context_);
-      const RandomContext outer = random_context();
-      set_random_context(random_);
-      std::vector<std::vector<uint64_t>> now;
-      for (auto& [m, state] : rng_) {
-        now.push_back(m->random_state());
-        m->set_random_state(state);
-      }
-      const bool was = t_recomputing;
-      t_recomputing = true;
-      try {
-        x = input_.detach();
-        if (needs_input_grad(0)) x.set_requires_grad(true);
-        y = module_->call(x);
-      } catch (...) {
-        t_recomputing = was;
-        set_random_context(outer);
-        throw;
-      }
-      t_recomputing = was;
-      set_random_context(outer);
-      for (size_t i = 0; i < rng_.size(); ++i) rng_[i].first->set_random_state(now[i]);
+      Replay replay(*this);
+      x = input_.detach();
+      if (needs_input_grad(0)) x.set_requires_grad(true);
+      y = module_->call(x);
     }
     if (y.requires_grad()) autograd::backward(y, grad_output);
     if (needs_input_grad(0)) grads[0] = x.grad();
@@ -112,6 +95,34 @@ class RecomputeNode : public autograd::Node {
   }
 
  private:
+  // While alive: the first run's random state (the step's context, the layers' counters) and
+  // the recomputing flag; what was there before comes back, also when the forward throws.
+  class Replay {
+   public:
+    explicit Replay(const RecomputeNode& n)
+        : node_(n), outer_(random_context()), was_(t_recomputing) {
+      set_random_context(n.random_);
+      for (auto& [m, state] : n.rng_) {
+        now_.push_back(m->random_state());
+        m->set_random_state(state);
+      }
+      t_recomputing = true;
+    }
+    ~Replay() {
+      t_recomputing = was_;
+      set_random_context(outer_);
+      for (size_t i = 0; i < node_.rng_.size(); ++i) node_.rng_[i].first->set_random_state(now_[i]);
+    }
+    Replay(const Replay&) = delete;
+    Replay& operator=(const Replay&) = delete;
+
+   private:
+    const RecomputeNode& node_;
+    RandomContext outer_;
+    bool was_;
+    std::vector<std::vector<uint64_t>> now_;
+  };
+
   Module* module_;
   Tensor input_;
   std::vector<std::pair<Module*, std::vector<uint64_t>>> rng_;
