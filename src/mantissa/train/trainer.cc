@@ -350,6 +350,7 @@ Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
   model_ = nn::make_model(config_.model, mc);
   if (!config_.init_from.empty()) init_from(config_.init_from);
   apply_precision();
+  apply_levers();
 
   auto params = model_->named_parameters();
   optim::StateTypes types{mode_.first_moment, mode_.second_moment};
@@ -440,6 +441,17 @@ void Trainer::apply_precision() {
     const DType t = amp::parse_float_type(config_.accum_type, "--accum-type");
     for (auto& p : m.named_parameters()) p.tensor->autograd_meta()->grad_dtype = t;
   }
+  policy_ = policy_of(config_);
+  std::function<void(const std::string&)> sink;
+  if (config_.autocast_log && streams_.out) {
+    std::ostream* os = streams_.out;
+    sink = [os](const std::string& line) { *os << line << std::endl; };
+  }
+  log_ = std::make_unique<ops::AutocastLog>(sink);
+  partials_ = config_.partials == "fp16" ? kernels::Partials::kF16 : kernels::Partials::kF32;
+}
+
+void Trainer::apply_levers() {
   if (!config_.numerics_report.empty()) numerics_ = std::make_unique<nn::NumericsRecorder>();
   if (config_.recompute) {
     const std::vector<nn::Module*> blocks = model_->recompute_blocks();
@@ -451,14 +463,6 @@ void Trainer::apply_precision() {
     const data::Transform t = loader_config(config_, true, train_data_.channels()).transform;
     model_->set_input_normalization(t.mean, t.std, mode_.input_dtype);
   }
-  policy_ = policy_of(config_);
-  std::function<void(const std::string&)> sink;
-  if (config_.autocast_log && streams_.out) {
-    std::ostream* os = streams_.out;
-    sink = [os](const std::string& line) { *os << line << std::endl; };
-  }
-  log_ = std::make_unique<ops::AutocastLog>(sink);
-  partials_ = config_.partials == "fp16" ? kernels::Partials::kF16 : kernels::Partials::kF32;
 }
 
 float Trainer::train_step(const data::Batch* micro, int64_t* correct) {

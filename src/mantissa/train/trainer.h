@@ -212,6 +212,9 @@ class Trainer {
  private:
   void train_steps(TrainResult& result);
   void apply_precision();
+  // Recomputation blocks, 8-bit input normalization, the numerics recorder (after the precision:
+  // the normalization casts to the mode's input type).
+  void apply_levers();
   // One optimizer step on gradient_accumulation micro-batches: forward and loss in the
   // configured precision, scaled backward (the scale fixed for the step), the reduction of the
   // micro-batch gradients, the fused step. Returns the mean (unscaled) loss, and when asked the
