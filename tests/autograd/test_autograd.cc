@@ -1,6 +1,7 @@
 // The autograd engine: accumulation, graph shapes, no-grad scope, saved tensors, errors.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 
 #include "mantissa/autograd/autograd.h"
@@ -205,6 +206,32 @@ TEST(Autograd, ReluGradientSelectsInsteadOfMultiplying) {
   EXPECT_EQ(g[0], 0.0f);
   EXPECT_EQ(g[1], 0.0f);
   EXPECT_EQ(g[2], 3.0f);
+}
+
+// The same selection over a row long enough for the vectorized loop (and its scalar tail): where
+// the output is NaN the gradient passes (as in PyTorch), where it is <= 0 it is +0.
+TEST(Autograd, ReluGradientSelectionVectorized) {
+  constexpr int n = 45;
+  std::vector<float> xv(n), gv(n);
+  for (int i = 0; i < n; ++i) {
+    xv[i] = i % 5 == 0 ? NAN : (i % 3 == 0 ? -0.5f * static_cast<float>(i) : 0.25f * i);
+    gv[i] = i % 7 == 0 ? INFINITY : (i % 11 == 0 ? NAN : static_cast<float>(i) - 20.0f);
+  }
+  xv[1] = -0.0f;
+  Tensor x = Tensor::from_floats(xv, {n});
+  x.set_requires_grad(true);
+  autograd::backward(ops::relu(x), Tensor::from_floats(gv, {n}));
+  const std::vector<float> g = x.grad().to_float_vector();
+  for (int i = 0; i < n; ++i) {
+    const bool passes = std::isnan(xv[i]) || xv[i] > 0.0f;
+    if (!passes) {
+      EXPECT_EQ(std::bit_cast<uint32_t>(g[i]), 0u) << i;  // +0
+    } else if (std::isnan(gv[i])) {
+      EXPECT_TRUE(std::isnan(g[i])) << i;
+    } else {
+      EXPECT_EQ(g[i], gv[i]) << i;
+    }
+  }
 }
 
 }  // namespace
