@@ -2,6 +2,7 @@
 // for every storage combination, layout, edge size and thread count; and against exact results.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -97,6 +98,75 @@ TEST(Gemm, ResultDoesNotDependOnThreads) {
   for (int threads : {1, 2, 3, 8})
     expect_same(150, 260, 300, DType::f32, DType::f32, DType::f32, false, true, false, 1.0f, 0.0f,
                 Partials::kF32, threads);
+}
+
+// B given by listed rows or columns (OffsetMatrix) against the reference on the same matrix stored
+// densely. The listed rows/columns are scattered in a larger buffer in a shuffled order, so an
+// offset taken from the wrong entry, or a read past a row, gives a different result.
+void expect_offset_same(int64_t M, int64_t N, int64_t K, bool rows_listed, DType ta, DType tc,
+                        float beta, Partials p, int threads) {
+  const Stored A = random_matrix(M, K, ta, false, 11);
+  const Stored dense = random_matrix(K, N, DType::f32, false, 12);  // (K, N) row-major
+  const float* d = reinterpret_cast<const float*>(dense.bytes.data());
+  const int64_t lines = rows_listed ? K : N, len = rows_listed ? N : K, gap = 5;
+  std::vector<int64_t> order(static_cast<size_t>(lines)), offset(static_cast<size_t>(lines));
+  for (int64_t i = 0; i < lines; ++i) order[static_cast<size_t>(i)] = i;
+  std::shuffle(order.begin(), order.end(), std::mt19937(13));
+  std::vector<float> buf(static_cast<size_t>(lines * (len + gap) + gap), NAN);
+  for (int64_t slot = 0; slot < lines; ++slot) {
+    const int64_t line = order[static_cast<size_t>(slot)], at = gap + slot * (len + gap);
+    offset[static_cast<size_t>(line)] = at;
+    for (int64_t e = 0; e < len; ++e)
+      buf[static_cast<size_t>(at + e)] = rows_listed ? d[line * N + e] : d[e * N + line];
+  }
+  OffsetMatrix B;
+  B.data = buf.data();
+  (rows_listed ? B.row_offset : B.col_offset) = offset.data();
+  Stored C1 = random_matrix(M, N, tc, false, 14);
+  Stored C2 = C1;
+  gemm_reference(M, N, K, 1.0f, A.view(), dense.view(), beta, C1.mut(), p);
+  GemmOptions opt;
+  opt.partials = p;
+  opt.threads = threads;
+  gemm(M, N, K, 1.0f, A.view(), B, beta, C2.mut(), opt);
+  EXPECT_EQ(C1.bytes, C2.bytes) << "M=" << M << " N=" << N << " K=" << K
+                                << (rows_listed ? " rows" : " columns") << " listed, A "
+                                << dtype_name(ta) << " C " << dtype_name(tc) << " beta " << beta
+                                << " threads " << threads;
+}
+
+TEST(Gemm, OffsetMatrixMatchesTheReference) {
+  const Case cases[] = {{1, 1, 1},      {6, 16, 16},   {7, 17, 5},   {12, 100, 125},
+                        {13, 1100, 40}, {70, 45, 400}, {5, 3000, 12}};
+  for (const Case& c : cases)
+    for (bool rows : {true, false})
+      for (int threads : {1, 2, 3}) {
+        expect_offset_same(c.M, c.N, c.K, rows, DType::f32, DType::f32, 0.0f, Partials::kF32,
+                           threads);
+        expect_offset_same(c.M, c.N, c.K, rows, DType::bf16, DType::f16, 0.5f, Partials::kF16,
+                           threads);
+      }
+}
+
+TEST(Gemm, OffsetMatrixNeedsExactlyOneTable) {
+  const float x = 1.0f;
+  float y = 0.0f;
+  const int64_t off = 0;
+  OffsetMatrix none{&x, nullptr, nullptr}, both{&x, &off, &off};
+  EXPECT_THROW(gemm(1, 1, 1, 1.0f, {&x, DType::f32, 1, 1}, none, 0.0f, {&y, DType::f32, 1, 1}),
+               Error);
+  EXPECT_THROW(gemm(1, 1, 1, 1.0f, {&x, DType::f32, 1, 1}, both, 0.0f, {&y, DType::f32, 1, 1}),
+               Error);
+}
+
+// An FP32 B with contiguous rows is packed by copying straight from its rows: the edges of that
+// path (a partial last sliver, several column blocks, beta, FP16 partials, strided C).
+TEST(Gemm, Fp32RowsOfBPackedDirectly) {
+  for (const Case& c : {Case{12, 2061, 100}, Case{1, 17, 3}, Case{64, 40, 700}, Case{5, 16, 1}})
+    for (int layout : {0, 4})
+      for (Partials p : {Partials::kF32, Partials::kF16})
+        expect_same(c.M, c.N, c.K, DType::f16, DType::f32, DType::f32, false, false, layout & 4,
+                    1.0f, 0.25f, p, 2);
 }
 
 TEST(Gemm, ExactOnSmallIntegers) {

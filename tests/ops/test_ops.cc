@@ -202,6 +202,13 @@ std::vector<OpCase> all_cases() {
   conv_case("conv2d_gemm_stride2_pad1", {2, 6, 9, 9}, {4, 6, 3, 3}, true, {2, 2, 1, 1, 1, 1, 1});
   conv_case("conv2d_groups2", {2, 4, 6, 5}, {6, 2, 3, 3}, true, {1, 2, 1, 1, 1, 1, 2});
   conv_case("conv2d_5x5", {2, 5, 9, 9}, {12, 5, 5, 5}, true, {});
+  // Stride 1, one group, planes of 64+ outputs: implicit GEMM (forward, and backward-input as the
+  // convolution of the padded gradient with the flipped weights), with padding and dilation.
+  conv_case("conv2d_implicit_3x3_pad1", {1, 4, 16, 17}, {5, 4, 3, 3}, true, {1, 1, 1, 1, 1, 1, 1});
+  conv_case("conv2d_implicit_5x5_pad2", {1, 2, 30, 30}, {3, 2, 5, 5}, true, {1, 1, 2, 2, 1, 1, 1});
+  conv_case("conv2d_implicit_dilation2", {1, 4, 30, 30}, {2, 4, 3, 3}, false,
+            {1, 1, 2, 2, 2, 2, 1});
+  conv_case("conv2d_implicit_pad2x0", {1, 4, 16, 26}, {3, 4, 3, 3}, true, {1, 1, 2, 0, 1, 1, 1});
 
   // ---- pooling ----
   auto pool = [](int64_t k, int64_t s, int64_t p, bool ceil, bool include_pad) {

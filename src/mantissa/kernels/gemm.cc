@@ -23,16 +23,18 @@ namespace {
 
 float round_f16(float v) { return static_cast<float>(f16(v)); }
 
+// b_off null: b is a packed sliver (kc x 16); otherwise row k of B is at b + b_off[k].
 template <bool kF16Partials>
-void portable_6x16(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool load_c,
-                   float beta) {
+void portable_6x16(int64_t kc, const float* a, const float* b, const int64_t* b_off, float* c,
+                   int64_t ldc, bool load_c, float beta) {
   float acc[kMR][kNR];
   for (int i = 0; i < kMR; ++i)
     for (int j = 0; j < kNR; ++j)
       acc[i][j] = load_c ? (beta == 1.0f ? c[i * ldc + j] : beta * c[i * ldc + j]) : 0.0f;
   for (int64_t k = 0; k < kc; ++k) {
+    const float* bk = b_off ? b + b_off[k] : b + k * kNR;
     for (int i = 0; i < kMR; ++i)
-      for (int j = 0; j < kNR; ++j) acc[i][j] = std::fma(a[k * kMR + i], b[k * kNR + j], acc[i][j]);
+      for (int j = 0; j < kNR; ++j) acc[i][j] = std::fma(a[k * kMR + i], bk[j], acc[i][j]);
     if (kF16Partials && (k + 1) % 16 == 0)
       for (auto& row : acc)
         for (float& v : row) v = round_f16(v);
@@ -44,9 +46,17 @@ void portable_6x16(int64_t kc, const float* a, const float* b, float* c, int64_t
 void portable_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool load_c,
                      float beta, bool f16_partials) {
   if (f16_partials)
-    portable_6x16<true>(kc, a, b, c, ldc, load_c, beta);
+    portable_6x16<true>(kc, a, b, nullptr, c, ldc, load_c, beta);
   else
-    portable_6x16<false>(kc, a, b, c, ldc, load_c, beta);
+    portable_6x16<false>(kc, a, b, nullptr, c, ldc, load_c, beta);
+}
+
+void portable_rows_kernel(int64_t kc, const float* a, const float* b, const int64_t* b_off,
+                          float* c, int64_t ldc, bool load_c, float beta, bool f16_partials) {
+  if (f16_partials)
+    portable_6x16<true>(kc, a, b, b_off, c, ldc, load_c, beta);
+  else
+    portable_6x16<false>(kc, a, b, b_off, c, ldc, load_c, beta);
 }
 
 }  // namespace
@@ -58,6 +68,7 @@ void portable_interleave_fn(const float* src, int64_t ld, int rows, int64_t kc, 
 }
 
 MicroKernel portable_micro_kernel() { return portable_kernel; }
+RowsMicroKernel portable_rows_micro_kernel() { return portable_rows_kernel; }
 InterleaveFn portable_interleave() { return portable_interleave_fn; }
 
 }  // namespace detail
@@ -78,6 +89,7 @@ constexpr double kMinParallelWork = 1 << 18;
 
 struct Kernels {
   detail::MicroKernel micro;
+  detail::RowsMicroKernel rows_micro;
   detail::InterleaveFn interleave;
 };
 
@@ -85,9 +97,11 @@ const Kernels& kernels() {
   static const Kernels k = [] {
 #if defined(MANTISSA_HAVE_X86_SIMD)
     if (cpu_features().avx2 && cpu_features().fma && cpu_features().f16c)
-      return Kernels{detail::avx2_micro_kernel(), detail::avx2_interleave()};
+      return Kernels{detail::avx2_micro_kernel(), detail::avx2_rows_micro_kernel(),
+                     detail::avx2_interleave()};
 #endif
-    return Kernels{detail::portable_micro_kernel(), detail::portable_interleave()};
+    return Kernels{detail::portable_micro_kernel(), detail::portable_rows_micro_kernel(),
+                   detail::portable_interleave()};
   }();
   return k;
 }
@@ -137,7 +151,20 @@ void pack(const void* base, DType t, int64_t line_stride, int64_t pos_stride, in
         for (int64_t k = 0; k < kc; ++k) std::fill(d + k * width + rows, d + (k + 1) * width, 0.0f);
     }
   } else {
-    // Lines are the contiguous direction: convert a run across all lines for each position.
+    // Lines are the contiguous direction: convert a run across all lines for each position
+    // (FP32 lines are copied straight from the source).
+    if (t == DType::f32 && line_stride == 1) {
+      for (int64_t k = 0; k < kc; ++k) {
+        const float* src = static_cast<const float*>(base) + k * pos_stride;
+        for (int64_t s = 0; s < slivers; ++s) {
+          const int64_t w = std::min<int64_t>(width, lines - s * width);
+          float* d = dst + s * kc * width + k * width;
+          std::memcpy(d, src + s * width, static_cast<size_t>(w) * sizeof(float));
+          if (w < width) std::fill(d + w, d + width, 0.0f);
+        }
+      }
+      return;
+    }
     float* run = scratch(kRun, static_cast<size_t>(slivers * width));
     std::fill(run + lines, run + slivers * width, 0.0f);
     for (int64_t k = 0; k < kc; ++k) {
@@ -162,14 +189,44 @@ void check_dtypes(ConstMatrix A, ConstMatrix B, Matrix C) {
       "write into an f32, f16 or bf16 tensor");
 }
 
+// B as gemm_block reads it: a strided matrix (any dtype), or FP32 with its rows or its columns
+// listed by offset (OffsetMatrix). A plain FP32 matrix with contiguous rows is read as rows listed
+// when A is short (see in_place_rows).
+struct BSource {
+  ConstMatrix plain{};
+  const float* data = nullptr;  // listed: rows (row_offset) or columns (col_offset)
+  const int64_t* row_offset = nullptr;
+  const int64_t* col_offset = nullptr;
+  bool listed() const { return data != nullptr; }
+};
+
+// Packs columns [j0, j0 + lines) of a column-listed B, depth [pc, pc + kc), into 16-wide slivers
+// (as pack does): each column's kc values are contiguous at data + col_offset[j] + pc.
+void pack_listed_columns(const BSource& B, int64_t j0, int64_t lines, int64_t pc, int64_t kc,
+                         float* dst) {
+  const int64_t slivers = (lines + kNR - 1) / kNR;
+  float* run = scratch(kRun, static_cast<size_t>(kNR * kc));
+  for (int64_t s = 0; s < slivers; ++s) {
+    const int rows = static_cast<int>(std::min<int64_t>(kNR, lines - s * kNR));
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(run + r * kc, B.data + B.col_offset[j0 + s * kNR + r] + pc,
+                  static_cast<size_t>(kc) * sizeof(float));
+    float* d = dst + s * kc * kNR;
+    for (int r0 = 0; r0 < rows; r0 += 8)
+      kernels().interleave(run + r0 * kc, kc, std::min(8, rows - r0), kc, d + r0, kNR);
+    if (rows < kNR)
+      for (int64_t k = 0; k < kc; ++k) std::fill(d + k * kNR + rows, d + (k + 1) * kNR, 0.0f);
+  }
+}
+
 // One thread's whole GEMM on the block C[m0:m1, n0:n1]: the BLIS loop nest (NC columns, KC depth,
 // MC rows, then 16 x 6 micro-tiles), with its own packing buffers and no synchronisation.
 void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float alpha,
-                const ConstMatrix& A, const ConstMatrix& B, float beta, const Matrix& C,
-                bool f16p) {
+                const ConstMatrix& A, const BSource& B, float beta, const Matrix& C, bool f16p) {
   const int64_t M = m1 - m0;
   if (M <= 0 || n1 <= n0) return;
   const detail::MicroKernel micro = kernels().micro;
+  const detail::RowsMicroKernel rows_micro = kernels().rows_micro;
   // C in FP32 accumulates in place; a 16-bit C is staged in FP32 a block of columns at a time
   // (rounding it to 16 bits between depth panels would not be FP32 accumulation).
   const bool direct = C.dtype == DType::f32;
@@ -202,9 +259,38 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
     const int64_t k_blocks = K == 0 ? 1 : (K + kKC - 1) / kKC;
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
       const int64_t pc = kb * kKC, kc = std::min(kKC, K - pc);
-      float* bp = scratch(kPackB, static_cast<size_t>(n_slivers * std::max<int64_t>(kc, 1) * kNR));
-      // B's lines are its columns (16 per sliver), positions run along k.
-      pack(at(B.data, B.dtype, pc * B.rs + jc * B.cs), B.dtype, B.cs, B.rs, nc, kc, kNR, bp);
+      // Row-listed B: whole 16-column slivers are read in place by the rows micro-kernel (no
+      // packing); only a last partial sliver is packed (zero-filled), so no column past N is read.
+      const bool in_place = B.row_offset != nullptr;
+      const int64_t full_slivers = in_place ? nc / kNR : 0;
+      float* bp = scratch(
+          kPackB, static_cast<size_t>((n_slivers - full_slivers) * std::max<int64_t>(kc, 1) * kNR));
+      if (in_place) {
+        if (full_slivers < n_slivers) {
+          const int64_t j0 = jc + full_slivers * kNR, w = jc + nc - j0;
+          for (int64_t k = 0; k < kc; ++k) {
+            std::memcpy(bp + k * kNR, B.data + B.row_offset[pc + k] + j0,
+                        static_cast<size_t>(w) * sizeof(float));
+            std::fill(bp + k * kNR + w, bp + (k + 1) * kNR, 0.0f);
+          }
+        }
+      } else if (B.col_offset) {
+        pack_listed_columns(B, jc, nc, pc, kc, bp);
+      } else {
+        // B's lines are its columns (16 per sliver), positions run along k.
+        const ConstMatrix& Bm = B.plain;
+        pack(at(Bm.data, Bm.dtype, pc * Bm.rs + jc * Bm.cs), Bm.dtype, Bm.cs, Bm.rs, nc, kc, kNR,
+             bp);
+      }
+      // One 6 x 16 tile: sliver s of B against the packed A sliver as.
+      auto tile = [&](int64_t s, const float* as, float* c, int64_t ldc, bool load_c,
+                      float bscale) {
+        if (s < full_slivers)
+          rows_micro(kc, as, B.data + jc + s * kNR, B.row_offset + pc, c, ldc, load_c, bscale,
+                     f16p);
+        else
+          micro(kc, as, bp + (s - full_slivers) * kc * kNR, c, ldc, load_c, bscale, f16p);
+      };
       // beta applies on the first depth panel only; later panels add to what is there.
       const bool load_c = kb > 0 || beta != 0.0f;
       const float bscale = kb == 0 ? beta : 1.0f;
@@ -228,11 +314,10 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
             const int64_t s = rows_outer ? q : o, i = (rows_outer ? o : q) * kMR;
             const int64_t j = s * kNR, nr = std::min<int64_t>(kNR, nc - j);
             const int64_t mr = std::min<int64_t>(kMR, mc - i);
-            const float* bs = bp + s * kc * kNR;
             const float* as = ap + (i / kMR) * kc * kMR;
             float* c = c_base + (ic + i) * c_rs + j * c_cs;
             if (mr == kMR && nr == kNR && c_cs == 1) {
-              micro(kc, as, bs, c, c_rs, load_c, bscale, f16p);
+              tile(s, as, c, c_rs, load_c, bscale);
               continue;
             }
             // An edge or strided tile goes through a local 6 x 16 tile.
@@ -240,7 +325,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
               for (int64_t col = 0; col < kNR; ++col)
                 edge[r * kNR + col] =
                     (r < mr && col < nr && load_c) ? c[r * c_rs + col * c_cs] : 0.0f;
-            micro(kc, as, bs, edge, kNR, load_c, bscale, f16p);
+            tile(s, as, edge, kNR, load_c, bscale);
             for (int64_t r = 0; r < mr; ++r)
               for (int64_t col = 0; col < nr; ++col) c[r * c_rs + col * c_cs] = edge[r * kNR + col];
           }
@@ -265,9 +350,11 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
 
 }  // namespace
 
-void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B, float beta,
-          Matrix C, const GemmOptions& opt) {
-  check_dtypes(A, B, C);
+namespace {
+
+// Splits C among the threads and runs gemm_block on each part.
+void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix& A,
+                 const BSource& B, float beta, const Matrix& C, const GemmOptions& opt) {
   if (M <= 0 || N <= 0) return;
   int threads = opt.threads > 0 ? opt.threads : default_num_threads();
   if (static_cast<double>(M) * static_cast<double>(N) *
@@ -294,6 +381,30 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
                    f16p);
     }
   });
+}
+
+}  // namespace
+
+void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B, float beta,
+          Matrix C, const GemmOptions& opt) {
+  check_dtypes(A, B, C);
+  BSource src;
+  src.plain = B;
+  gemm_driver(M, N, K, alpha, A, src, beta, C, opt);
+}
+
+void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, const OffsetMatrix& B,
+          float beta, Matrix C, const GemmOptions& opt) {
+  check_dtypes(A, {B.data, DType::f32, 0, 0}, C);
+  MANTISSA_CHECK((B.row_offset != nullptr) != (B.col_offset != nullptr),
+                 "gemm: an OffsetMatrix lists its rows or its columns, not both or neither",
+                 "set exactly one of row_offset and col_offset");
+  BSource src;
+  src.plain = {B.data, DType::f32, 0, 0};
+  src.data = B.data;
+  src.row_offset = B.row_offset;
+  src.col_offset = B.col_offset;
+  gemm_driver(M, N, K, alpha, A, src, beta, C, opt);
 }
 
 }  // namespace mantissa::kernels

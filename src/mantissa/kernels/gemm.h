@@ -44,6 +44,20 @@ struct GemmOptions {
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B, float beta,
           Matrix C, const GemmOptions& opt = {});
 
+// An FP32 B operand located by where its rows, or its columns, start: element (k, n) at
+//   data + row_offset[k] + n   (rows listed, K entries: each row's N values contiguous), or
+//   data + col_offset[n] + k   (columns listed, N entries: each column's K values contiguous).
+// Exactly one table is given. Implicit-GEMM convolution reads an image this way (row k of the
+// column matrix is the image shifted by tap k) instead of materializing the columns.
+struct OffsetMatrix {
+  const float* data = nullptr;
+  const int64_t* row_offset = nullptr;
+  const int64_t* col_offset = nullptr;
+};
+// C = alpha * A B + beta * C with B so given; the same arithmetic as gemm above.
+void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, const OffsetMatrix& B,
+          float beta, Matrix C, const GemmOptions& opt = {});
+
 // The scalar reference: the same arithmetic, one element at a time. Always built; the oracle of
 // the fast path's tests.
 void gemm_reference(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B,

@@ -1,5 +1,6 @@
 // The AVX2 + FMA micro-kernel: a 6 x 16 tile of C in 12 ymm accumulators; per k, two loads of B
-// and six broadcasts of A feed 12 FMAs.
+// and six broadcasts of A feed 12 FMAs. B is a packed sliver, or (kRows) 16 floats read in place
+// from the row that b_off lists for each k.
 #include <immintrin.h>
 
 #include "mantissa/kernels/gemm_kernels.h"
@@ -17,9 +18,9 @@ MANTISSA_AVX2 inline __attribute__((always_inline)) __m256 round_f16(__m256 v) {
 // the copies it adds around an unrolled array loop (measured: 75-80 against 56-65 GFLOP/s).
 #define MANTISSA_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
-template <bool kF16Partials>
-MANTISSA_AVX2 void micro_6x16(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
-                              bool load_c, float beta) {
+template <bool kF16Partials, bool kRows>
+MANTISSA_AVX2 void micro_6x16(int64_t kc, const float* a, const float* b, const int64_t* b_off,
+                              float* c, int64_t ldc, bool load_c, float beta) {
 #define MANTISSA_DECL(i) __m256 c##i##0, c##i##1;
   MANTISSA_ROWS(MANTISSA_DECL)
 #undef MANTISSA_DECL
@@ -48,12 +49,20 @@ MANTISSA_AVX2 void micro_6x16(int64_t kc, const float* a, const float* b, float*
   c##i##0 = round_f16(c##i##0); \
   c##i##1 = round_f16(c##i##1);
   for (int64_t k = 0; k < kc; ++k) {
-    // Packed B slivers are 64-byte aligned (kc x 16 floats each, in an aligned buffer).
-    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    __m256 b0, b1;
+    if constexpr (kRows) {
+      const float* row = b + b_off[k];
+      b0 = _mm256_loadu_ps(row);
+      b1 = _mm256_loadu_ps(row + 8);
+    } else {
+      // Packed B slivers are 64-byte aligned (kc x 16 floats each, in an aligned buffer).
+      b0 = _mm256_load_ps(b);
+      b1 = _mm256_load_ps(b + 8);
+      b += kNR;
+    }
     __m256 x;
     MANTISSA_ROWS(MANTISSA_FMA)
     a += kMR;
-    b += kNR;
     if constexpr (kF16Partials) {
       if ((k + 1) % 16 == 0) {
         MANTISSA_ROWS(MANTISSA_ROUND)
@@ -76,9 +85,18 @@ MANTISSA_AVX2 void micro_6x16(int64_t kc, const float* a, const float* b, float*
 MANTISSA_AVX2 void micro_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
                                 bool load_c, float beta, bool f16_partials) {
   if (f16_partials)
-    micro_6x16<true>(kc, a, b, c, ldc, load_c, beta);
+    micro_6x16<true, false>(kc, a, b, nullptr, c, ldc, load_c, beta);
   else
-    micro_6x16<false>(kc, a, b, c, ldc, load_c, beta);
+    micro_6x16<false, false>(kc, a, b, nullptr, c, ldc, load_c, beta);
+}
+
+MANTISSA_AVX2 void rows_micro_kernel(int64_t kc, const float* a, const float* b,
+                                     const int64_t* b_off, float* c, int64_t ldc, bool load_c,
+                                     float beta, bool f16_partials) {
+  if (f16_partials)
+    micro_6x16<true, true>(kc, a, b, b_off, c, ldc, load_c, beta);
+  else
+    micro_6x16<false, true>(kc, a, b, b_off, c, ldc, load_c, beta);
 }
 
 // 8 x 8 transposes: rows of the source become columns of the destination.
@@ -120,6 +138,7 @@ MANTISSA_AVX2 void interleave(const float* src, int64_t ld, int rows, int64_t kc
 }  // namespace
 
 MicroKernel avx2_micro_kernel() { return micro_kernel; }
+RowsMicroKernel avx2_rows_micro_kernel() { return rows_micro_kernel; }
 InterleaveFn avx2_interleave() { return interleave; }
 
 }  // namespace mantissa::kernels::detail

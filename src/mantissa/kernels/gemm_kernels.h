@@ -14,6 +14,11 @@ inline constexpr int kNR = 16;  // columns of C per micro-tile
 using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
                              bool load_c, float beta, bool f16_partials);
 
+// The same tile with B read in place: row k of the 16 columns starts at b + b_off[k] (FP32,
+// contiguous, any alignment). Same arithmetic, same order.
+using RowsMicroKernel = void (*)(int64_t kc, const float* a, const float* b, const int64_t* b_off,
+                                 float* c, int64_t ldc, bool load_c, float beta, bool f16_partials);
+
 // dst[k * dst_stride + r] = src[r * ld + k] for r < rows (rows <= 8), k < kc: the transposition
 // that packing needs when the packed direction is the strided one. May write up to 8 floats past
 // dst + kc * dst_stride (packing buffers have that slack).
@@ -21,9 +26,11 @@ using InterleaveFn = void (*)(const float* src, int64_t ld, int rows, int64_t kc
                               int64_t dst_stride);
 
 MicroKernel portable_micro_kernel();
+RowsMicroKernel portable_rows_micro_kernel();
 InterleaveFn portable_interleave();
 #if defined(MANTISSA_HAVE_X86_SIMD)
 MicroKernel avx2_micro_kernel();
+RowsMicroKernel avx2_rows_micro_kernel();
 InterleaveFn avx2_interleave();
 #endif
 

@@ -328,6 +328,114 @@ Tensor byte_workspace(int64_t elements, DType t) {
   return Tensor::empty({elements}, t, o);
 }
 
+// ---- Implicit-GEMM convolution (stride 1, one group) ----
+// A chunk of nb images is copied once into a zero-padded FP32 buffer laid out channel-major
+// across the images, (C, nb, Hp, Wp). Output position (img, oh, ow) is then column
+// n = img * Hp*Wp + oh * Wp + ow of a "wide" output, and row k = (c, kh, kw) of the column matrix
+// is the buffer itself shifted by off(k) = c * nb*Hp*Wp + kh*dil_h * Wp + kw*dil_w: the GEMM
+// reads those rows in place (OffsetMatrix) instead of an im2col copy KH*KW times the image. The
+// wide columns that are not output positions (ow >= Wo, or the padding rows between images) are
+// computed and dropped: Hp*Wp / (Ho*Wo) times the multiply-adds, which use_implicit bounds.
+struct ImplicitConv {
+  int64_t N, C, H, W, O, KH, KW, pad_h, pad_w, dil_h, dil_w, Ho, Wo, Hp, Wp, plane;
+  ImplicitConv(const Shape& x, int64_t o, int64_t kh, int64_t kw, int64_t ph, int64_t pw,
+               int64_t dh, int64_t dw)
+      : N(x[0]),
+        C(x[1]),
+        H(x[2]),
+        W(x[3]),
+        O(o),
+        KH(kh),
+        KW(kw),
+        pad_h(ph),
+        pad_w(pw),
+        dil_h(dh),
+        dil_w(dw) {
+    Hp = H + 2 * ph, Wp = W + 2 * pw, plane = Hp * Wp;
+    Ho = Hp - dh * (kh - 1), Wo = Wp - dw * (kw - 1);
+  }
+  // At most 1.3x the multiply-adds, and planes large enough that the columns dropped between
+  // images stay a small part (small planes go through im2col, which batches images densely).
+  bool worthwhile() const {
+    return Ho >= 1 && Wo >= 1 && Ho * Wo >= 64 && 10 * plane <= 13 * Ho * Wo;
+  }
+};
+
+bool use_implicit(const ConvGeometry& g) {
+  return g.G == 1 && g.p.stride_h == 1 && g.p.stride_w == 1 &&
+         ImplicitConv({g.N, g.C, g.H, g.W}, g.O, g.KH, g.KW, g.p.pad_h, g.p.pad_w, g.p.dilation_h,
+                      g.p.dilation_w)
+             .worthwhile();
+}
+
+// y (N, O, Ho, Wo) = x (N, C, H, W) * w + bias, w given as an (O, C*KH*KW) matrix in any float
+// dtype; y in `out`, charged to `cat`. Any float dtype for x (converted while padding).
+Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
+                     const std::vector<float>& bias, DType out, Partials partials,
+                     MemoryCategory cat) {
+  Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(cat));
+  const int64_t CKK = g.C * g.KH * g.KW;
+  const int64_t nb_max =
+      std::clamp<int64_t>(column_budget() / std::max<int64_t>((g.C + g.O) * g.plane, 1), 1, g.N);
+  Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
+  Tensor wide = f32_workspace({g.O * nb_max * g.plane});  // (O, nb * Hp * Wp)
+  std::vector<int64_t> offset(static_cast<size_t>(CKK));
+  GemmOptions go;
+  go.partials = partials;
+  for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
+    const int64_t nb = std::min(nb_max, g.N - n0), cstride = nb * g.plane;
+    // The last wide column that is an output position, plus one: the GEMM's N. Reading row k up
+    // to it stays inside the buffer (the last tap of the last channel ends at its last element).
+    const int64_t Nw = (nb - 1) * g.plane + (g.Ho - 1) * g.Wp + g.Wo;
+    float* xp = xpad.data<float>();
+    parallel_for(
+        static_cast<size_t>(g.C * nb), 1,
+        g.C * cstride >= kParallelElements ? default_num_threads() : 1, [&](size_t t0, size_t t1) {
+          for (size_t t = t0; t < t1; ++t) {
+            const int64_t c = static_cast<int64_t>(t) / nb, img = static_cast<int64_t>(t) % nb;
+            float* dst = xp + c * cstride + img * g.plane;
+            std::fill(dst, dst + g.pad_h * g.Wp, 0.0f);
+            std::fill(dst + (g.pad_h + g.H) * g.Wp, dst + g.plane, 0.0f);
+            const char* src = bytes(x) + ((n0 + img) * g.C + c) * g.H * g.W * esize(x.dtype());
+            for (int64_t h = 0; h < g.H; ++h) {
+              float* row = dst + (g.pad_h + h) * g.Wp;
+              std::fill(row, row + g.pad_w, 0.0f);
+              load_f32(src + h * g.W * esize(x.dtype()), x.dtype(), 1, g.W, row + g.pad_w);
+              std::fill(row + g.pad_w + g.W, row + g.Wp, 0.0f);
+            }
+          }
+        });
+    for (int64_t c = 0; c < g.C; ++c)
+      for (int64_t kh = 0; kh < g.KH; ++kh)
+        for (int64_t kw = 0; kw < g.KW; ++kw)
+          offset[static_cast<size_t>((c * g.KH + kh) * g.KW + kw)] =
+              c * cstride + kh * g.dil_h * g.Wp + kw * g.dil_w;
+    OffsetMatrix B;
+    B.data = xp;
+    B.row_offset = offset.data();
+    gemm(g.O, Nw, CKK, 1.0f, w, B, 0.0f, {wide.data_ptr(), DType::f32, Nw, 1}, go);
+    // Keep the output positions, add the bias, round once into y's dtype.
+    const float* a = wide.data<float>();
+    const int64_t HWo = g.Ho * g.Wo;
+    parallel_for(
+        static_cast<size_t>(nb * g.O), 1,
+        nb * g.O * HWo >= kParallelElements ? default_num_threads() : 1, [&](size_t r0, size_t r1) {
+          std::vector<float> plane(static_cast<size_t>(HWo));
+          for (size_t r = r0; r < r1; ++r) {
+            const int64_t img = static_cast<int64_t>(r) / g.O, o = static_cast<int64_t>(r) % g.O;
+            const float bo = bias.empty() ? 0.0f : bias[static_cast<size_t>(o)];
+            const float* src = a + o * Nw + img * g.plane;
+            for (int64_t oh = 0; oh < g.Ho; ++oh)
+              for (int64_t ow = 0; ow < g.Wo; ++ow)
+                plane[static_cast<size_t>(oh * g.Wo + ow)] = src[oh * g.Wp + ow] + bo;
+            store_f32(plane.data(), HWo, bytes(y) + ((n0 + img) * g.O + o) * HWo * esize(out), out,
+                      1);
+          }
+        });
+  }
+  return y;
+}
+
 }  // namespace
 
 // ---- Direct convolution for small filter banks ----
@@ -450,6 +558,12 @@ Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Con
     convert(bc.data_ptr(), bc.dtype(), bias.data(), DType::f32, bias.size());
   }
   if (use_direct_conv(g, partials)) return conv2d_direct(x, w, bias, g, out);
+  if (use_implicit(g))
+    return implicit_conv(x,
+                         ImplicitConv(x.shape(), g.O, g.KH, g.KW, g.p.pad_h, g.p.pad_w,
+                                      g.p.dilation_h, g.p.dilation_w),
+                         {w.data_ptr(), w.dtype(), g.CKK, 1}, bias, out, partials,
+                         MemoryCategory::activations);
   Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
   GemmOptions go;
   go.partials = partials;
@@ -492,6 +606,27 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
       "conv2d backward: gradient " + shape_str(dy_in.shape()) + " does not match the output shape",
       "report this as a bug");
   const Tensor dy = dy_in.contiguous(), w = w_in.contiguous();
+  // Stride 1, one group: dx is the forward convolution of dy, padded by dil*(K-1) - pad, with the
+  // weights flipped and their channels swapped, wt[c, o, kh, kw] = w[o, c, KH-1-kh, KW-1-kw]:
+  // implicit GEMM instead of a GEMM into columns and col2im.
+  const int64_t tp_h = g.p.dilation_h * (g.KH - 1) - g.p.pad_h,
+                tp_w = g.p.dilation_w * (g.KW - 1) - g.p.pad_w;
+  if (g.G == 1 && g.p.stride_h == 1 && g.p.stride_w == 1 && tp_h >= 0 && tp_w >= 0) {
+    const ImplicitConv t(dy.shape(), g.C, g.KH, g.KW, tp_h, tp_w, g.p.dilation_h, g.p.dilation_w);
+    if (t.worthwhile() && t.Ho == g.H && t.Wo == g.W) {
+      const Tensor w32 = w.to(DType::f32);
+      const float* wd = w32.data<float>();
+      Tensor wt = f32_workspace({g.C, g.O * g.KH * g.KW});
+      float* wtd = wt.data<float>();
+      const int64_t KK = g.KH * g.KW;
+      for (int64_t o = 0; o < g.O; ++o)
+        for (int64_t c = 0; c < g.C; ++c)
+          for (int64_t k = 0; k < KK; ++k)
+            wtd[(c * g.O + o) * KK + (KK - 1 - k)] = wd[(o * g.C + c) * KK + k];
+      return implicit_conv(dy, t, {wtd, DType::f32, g.O * KK, 1}, {}, out, partials,
+                           MemoryCategory::gradients);
+    }
+  }
   Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
   GemmOptions go;
   go.partials = partials;

@@ -1,0 +1,164 @@
+// Convolution kernels at the sizes the models use, against plain FP64 loops: forward, gradient of
+// the input and of the weights. Each geometry is picked to take one path: direct (tiny filter
+// banks), implicit GEMM (stride 1, one group, large planes; backward-input as a forward
+// convolution with flipped weights) or im2col + GEMM (everything else). CTest also runs this
+// program with MANTISSA_CONV_COLUMNS=4096, where every path works on one image at a time.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mantissa/kernels/nn.h"
+#include "mantissa/mantissa.h"
+
+namespace mantissa::kernels {
+namespace {
+
+struct Geometry {
+  std::string name;
+  Shape x, w;
+  Conv2dParams p;
+};
+
+std::vector<double> random_values(int64_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> d(-1.0, 1.0);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (double& x : v) x = d(gen);
+  return v;
+}
+
+Tensor stored(const std::vector<double>& v, const Shape& s, DType t) {
+  std::vector<float> f(v.begin(), v.end());
+  return Tensor::from_floats(f, s, t);
+}
+
+// The values a dtype stores (what the kernel actually sees).
+std::vector<double> as_stored(const Tensor& t) {
+  const std::vector<float> f = t.to_float_vector();
+  return {f.begin(), f.end()};
+}
+
+// The three FP64 results: y (N, O, Ho, Wo), dx (N, C, H, W), dw (O, C/G, KH, KW).
+struct Expected {
+  std::vector<double> y, dx, dw;
+};
+
+Expected reference(const Geometry& g, const Shape& ys, const std::vector<double>& x,
+                   const std::vector<double>& w, const std::vector<double>& dy) {
+  const int64_t N = g.x[0], C = g.x[1], H = g.x[2], W = g.x[3], O = g.w[0], KH = g.w[2],
+                KW = g.w[3], Ho = ys[2], Wo = ys[3], G = g.p.groups, Cg = C / G, Og = O / G;
+  Expected e{std::vector<double>(static_cast<size_t>(N * O * Ho * Wo), 0.0),
+             std::vector<double>(x.size(), 0.0), std::vector<double>(w.size(), 0.0)};
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t oh = 0; oh < Ho; ++oh)
+        for (int64_t ow = 0; ow < Wo; ++ow) {
+          const size_t yi = static_cast<size_t>(((n * O + o) * Ho + oh) * Wo + ow);
+          for (int64_t c = 0; c < Cg; ++c)
+            for (int64_t kh = 0; kh < KH; ++kh)
+              for (int64_t kw = 0; kw < KW; ++kw) {
+                const int64_t ih = oh * g.p.stride_h - g.p.pad_h + kh * g.p.dilation_h,
+                              iw = ow * g.p.stride_w - g.p.pad_w + kw * g.p.dilation_w;
+                if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                const int64_t ci = (o / Og) * Cg + c;
+                const size_t xi = static_cast<size_t>(((n * C + ci) * H + ih) * W + iw),
+                             wi = static_cast<size_t>(((o * Cg + c) * KH + kh) * KW + kw);
+                e.y[yi] += x[xi] * w[wi];
+                e.dx[xi] += dy[yi] * w[wi];
+                e.dw[wi] += dy[yi] * x[xi];
+              }
+        }
+  return e;
+}
+
+void expect_close(const std::string& what, const std::vector<double>& want, const Tensor& got,
+                  double rtol) {
+  const std::vector<float> g = got.to_float_vector();
+  ASSERT_EQ(g.size(), want.size()) << what;
+  double scale = 0;
+  for (double v : want) scale = std::max(scale, std::abs(v));
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < g.size(); ++i)
+    if (!(std::abs(g[i] - want[i]) <= rtol * scale)) {
+      if (bad++ == 0) first = i;
+    }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << g.size() << " differ; first at " << first
+                     << ": " << (bad ? g[first] : 0.0f) << " against " << want[first]
+                     << " (tolerance " << rtol * scale << ")";
+}
+
+// rtol is relative to the largest |value| of the result; with FP16 partials it grows with the
+// square root of the number of 16-product roundings along the reduction (len products).
+double tolerance(double rtol, Partials partials, int64_t len) {
+  return partials == Partials::kF16 ? rtol * std::sqrt(std::max(1.0, len / 16.0)) : rtol;
+}
+
+void check(const Geometry& g, DType t, Partials partials, double rtol) {
+  const Shape ys = conv2d_output_shape(g.x, g.w, g.p);
+  const int64_t nx = g.x[0] * g.x[1] * g.x[2] * g.x[3], nw = g.w[0] * g.w[1] * g.w[2] * g.w[3],
+                ny = ys[0] * ys[1] * ys[2] * ys[3];
+  const Tensor x = stored(random_values(nx, 1), g.x, t), w = stored(random_values(nw, 2), g.w, t),
+               dy = stored(random_values(ny, 3), ys, t);
+  const Expected e = reference(g, ys, as_stored(x), as_stored(w), as_stored(dy));
+  const std::string what = g.name + " " + std::string(dtype_name(t)) +
+                           (partials == Partials::kF16 ? " f16 partials" : "");
+  const int64_t taps = g.w[2] * g.w[3];
+  expect_close(what + " forward", e.y, conv2d(x, w, Tensor(), g.p, t, partials),
+               tolerance(rtol, partials, g.w[1] * taps));
+  expect_close(what + " input gradient", e.dx, conv2d_backward_input(dy, w, g.x, g.p, t, partials),
+               tolerance(rtol, partials, g.w[0] / g.p.groups * taps));
+  expect_close(what + " weight gradient", e.dw,
+               conv2d_backward_weight(dy, x, g.w, g.p, t, partials),
+               tolerance(rtol, partials, ys[0] * ys[2] * ys[3]));
+}
+
+Conv2dParams params(int64_t stride, int64_t pad, int64_t dilation = 1, int64_t groups = 1) {
+  return {stride, stride, pad, pad, dilation, dilation, groups};
+}
+
+const std::vector<Geometry>& geometries() {
+  static const std::vector<Geometry> g = {
+      // the tutorial CNN, batch 3: conv1 (direct), conv2 (implicit)
+      {"tutorial_conv1", {3, 1, 128, 128}, {5, 1, 3, 3}, params(1, 0)},
+      {"tutorial_conv2", {3, 5, 63, 63}, {12, 5, 5, 5}, params(1, 0)},
+      // ResNet-18 (CIFAR stem) shapes at reduced width: 3x3 pad 1 at 32x32 and 16x16 (implicit),
+      // 8x8 (im2col: too many dropped columns), a stride-2 3x3 and 1x1 (im2col)
+      {"resnet_3x3_32", {2, 16, 32, 32}, {16, 16, 3, 3}, params(1, 1)},
+      {"resnet_3x3_16", {2, 16, 16, 16}, {24, 16, 3, 3}, params(1, 1)},
+      {"resnet_3x3_8", {2, 16, 8, 8}, {24, 16, 3, 3}, params(1, 1)},
+      {"resnet_3x3_stride2", {2, 16, 16, 16}, {32, 16, 3, 3}, params(2, 1)},
+      {"resnet_1x1_stride2", {2, 16, 16, 16}, {32, 16, 1, 1}, params(2, 0)},
+      // dilation (implicit), padding wider than the kernel reaches (backward-input via im2col),
+      // groups (im2col)
+      {"dilation2", {2, 6, 30, 30}, {8, 6, 3, 3}, params(1, 2, 2)},
+      {"pad_past_kernel", {2, 6, 24, 24}, {8, 6, 3, 3}, params(1, 3)},
+      {"groups2", {2, 8, 20, 20}, {8, 4, 3, 3}, params(1, 1, 1, 2)},
+  };
+  return g;
+}
+
+TEST(Conv2d, Fp32MatchesFp64Loops) {
+  for (const Geometry& g : geometries()) check(g, DType::f32, Partials::kF32, 2e-6);
+}
+
+// 16-bit storage: the kernels accumulate in FP32 and round the result once (tolerance: half an
+// ulp of the result's scale, plus FP32 accumulation).
+TEST(Conv2d, SixteenBitStorageMatchesFp64Loops) {
+  for (const Geometry& g : geometries()) {
+    check(g, DType::bf16, Partials::kF32, 1.0 / 256);
+    check(g, DType::f16, Partials::kF32, 1.0 / 2048);
+  }
+}
+
+// FP16 partials round every 16 products: looser, but every path must still compute the same
+// convolution.
+TEST(Conv2d, Fp16PartialsMatchFp64Loops) {
+  for (const Geometry& g : geometries()) check(g, DType::f16, Partials::kF16, 1.0 / 256);
+}
+
+}  // namespace
+}  // namespace mantissa::kernels
