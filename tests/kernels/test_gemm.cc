@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "mantissa/kernels/gemm.h"
+#include "mantissa/kernels/nn.h"
+#include "mantissa/kernels/vector_kernels.h"
 #include "mantissa/mantissa.h"
 
 namespace mantissa::kernels {
@@ -221,6 +223,110 @@ TEST(Gemm, RejectsUnsupportedDtypes) {
   EXPECT_THROW(gemm(1, 1, 1, 1.0f, {&y, DType::f32, 1, 1}, {&y, DType::f32, 1, 1}, 0.0f,
                     {&x, DType::i32, 1, 1}),
                Error);
+}
+
+}  // namespace
+}  // namespace mantissa::kernels
+
+namespace mantissa::kernels::detail {
+namespace {
+
+// Lane-split dot products: the fast tiles (3 x 4 in registers, partial tiles, tails of K) against
+// the scalar reference, bit for bit, for any thread count, and carrying lanes across calls.
+TEST(DotLanes, MatchesTheReferenceBitForBit) {
+  struct Shape3 {
+    int64_t M, N, K;
+  };
+  for (const Shape3& s : {Shape3{1, 1, 1}, Shape3{3, 4, 8}, Shape3{12, 100, 3001},
+                          Shape3{5, 7, 2053}, Shape3{12, 125, 40}, Shape3{2, 9, 7}}) {
+    std::mt19937 gen(static_cast<uint32_t>(s.M * 131 + s.N * 7 + s.K));
+    std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+    const int64_t lda = s.K + 3;
+    std::vector<float> a(static_cast<size_t>(s.M * lda)), b(static_cast<size_t>(s.N * (s.K + 5)));
+    for (float& v : a) v = d(gen);
+    for (float& v : b) v = d(gen);
+    std::vector<int64_t> rows(static_cast<size_t>(s.N));  // B's rows in reverse order
+    for (int64_t j = 0; j < s.N; ++j) rows[static_cast<size_t>(j)] = (s.N - 1 - j) * (s.K + 5) + 2;
+    std::vector<float> want(static_cast<size_t>(s.M * s.N * kDotLanes), 0.5f);
+    const int64_t split = s.K / 3;  // two calls: [0, split) then the rest
+    dot_lanes_accumulate_reference(s.M, s.N, split, a.data(), lda, b.data(), rows.data(),
+                                   want.data());
+    std::vector<int64_t> rows2 = rows;
+    for (int64_t& r : rows2) r += split;
+    dot_lanes_accumulate_reference(s.M, s.N, s.K - split, a.data() + split, lda, b.data(),
+                                   rows2.data(), want.data());
+    for (int threads : {1, 2, 3}) {
+      std::vector<float> got(want.size(), 0.5f);
+      dot_lanes_accumulate(s.M, s.N, split, a.data(), lda, b.data(), rows.data(), got.data(),
+                           threads);
+      dot_lanes_accumulate(s.M, s.N, s.K - split, a.data() + split, lda, b.data(), rows2.data(),
+                           got.data(), threads);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+          << s.M << " x " << s.N << " x " << s.K << ", threads " << threads;
+    }
+    // And the dot products themselves are right (FP64 check of the finished sums).
+    for (int64_t i = 0; i < s.M; ++i)
+      for (int64_t j = 0; j < s.N; ++j) {
+        double exact = 8 * 0.5;
+        for (int64_t k = 0; k < s.K; ++k)
+          exact += static_cast<double>(a[static_cast<size_t>(i * lda + k)]) *
+                   b[static_cast<size_t>(rows[static_cast<size_t>(j)] + k)];
+        const float got = dot_lanes_finish(want.data() + (i * s.N + j) * kDotLanes);
+        EXPECT_NEAR(got, exact, 1e-5 * std::sqrt(static_cast<double>(s.K)) + 1e-6);
+      }
+  }
+}
+
+TEST(DotLanes, FinishAddsTheLanesInTheDocumentedTree) {
+  // 2^24 + 1 - 2^24 shows the order: only adding 1 to 2^24 last (or to another small value
+  // first) keeps it.
+  const float big = 16777216.0f;
+  const float lanes[8] = {big, 1, 0, 1, -big, 0, 0, 0};
+  // ((big + -big) + (0 + 0)) + ((1 + 0) + (1 + 0)) = 0 + 2
+  EXPECT_EQ(dot_lanes_finish(lanes), 2.0f);
+}
+
+}  // namespace
+}  // namespace mantissa::kernels::detail
+
+namespace mantissa::kernels {
+namespace {
+
+// kernels::linear at a small batch through a deep layer (the lane-split dot-product path for FP32,
+// the GEMM for 16-bit operands), with and without a bias, against FP64.
+TEST(Linear, SmallBatchDeepLayerMatchesFp64) {
+  for (DType t : {DType::f32, DType::bf16})
+    for (bool with_bias : {true, false}) {
+      const int64_t rows = 10, in = 2051, outf = 37;
+      std::mt19937 gen(5);
+      std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+      std::vector<float> xv(static_cast<size_t>(rows * in)), wv(static_cast<size_t>(outf * in)),
+          bv(static_cast<size_t>(outf));
+      for (float& v : xv) v = d(gen);
+      for (float& v : wv) v = d(gen);
+      for (float& v : bv) v = d(gen);
+      const Tensor x = Tensor::from_floats(xv, {2, 5, in}, t),
+                   w = Tensor::from_floats(wv, {outf, in}, t),
+                   b = with_bias ? Tensor::from_floats(bv, {outf}, t) : Tensor();
+      const Tensor y = linear(x, w, b, DType::f32);
+      ASSERT_EQ(y.shape(), Shape({2, 5, outf}));
+      const std::vector<float> xs = x.to_float_vector(), ws = w.to_float_vector(),
+                               got = y.to_float_vector();
+      const std::vector<float> bs = with_bias ? b.to_float_vector() : std::vector<float>(outf, 0);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < outf; ++j) {
+          double want = bs[static_cast<size_t>(j)], magnitude = std::abs(want);
+          for (int64_t k = 0; k < in; ++k) {
+            const double prod = static_cast<double>(xs[static_cast<size_t>(i * in + k)]) *
+                                ws[static_cast<size_t>(j * in + k)];
+            want += prod;
+            magnitude += std::abs(prod);
+          }
+          // FP32 accumulation: a few units of 2^-24 of the sum of magnitudes
+          EXPECT_NEAR(got[static_cast<size_t>(i * outf + j)], want, 2e-7 * magnitude)
+              << dtype_name(t) << (with_bias ? " bias" : "") << " at " << i << ", " << j;
+        }
+    }
 }
 
 }  // namespace

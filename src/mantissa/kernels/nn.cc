@@ -39,6 +39,11 @@ void require_rank(const Tensor& t, int64_t rank, const char* op, const char* wha
                  rank == 4 ? "use the (N, C, H, W) layout" : "reshape the input");
 }
 
+// Lane-split dot products (vector_kernels.h) for outputs with at most this many rows and a
+// reduction at least this deep.
+constexpr int64_t kDotMaxRows = 16;
+constexpr int64_t kDotMinDepth = 1024;
+
 Tensor f32_workspace(const Shape& shape) {
   TensorOptions o;
   o.category = MemoryCategory::workspace;
@@ -94,6 +99,32 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
   Shape yshape = x.shape();
   yshape.back() = outf;
   Tensor y = Tensor::empty(yshape, out, charged_to(MemoryCategory::activations));
+  // A small batch through a long FP32 layer (the tutorial CNN's fc1: 12 x 41772 by 100 x 41772):
+  // lane-split dot products read the weight rows in place, once; the GEMM would pack (transpose)
+  // the whole weight for a dozen uses of each value.
+  if (rows <= kDotMaxRows && in >= kDotMinDepth && p == Partials::kF32 && x.dtype() == DType::f32 &&
+      w_in.dtype() == DType::f32 && w_in.stride(1) == 1) {
+    Tensor lanes = f32_workspace({rows, outf, detail::kDotLanes});
+    std::fill(lanes.data<float>(), lanes.data<float>() + lanes.numel(), 0.0f);
+    std::vector<int64_t> w_rows(static_cast<size_t>(outf));
+    for (int64_t j = 0; j < outf; ++j) w_rows[static_cast<size_t>(j)] = j * w_in.stride(0);
+    detail::dot_lanes_accumulate(rows, outf, in, x.data<float>(), in, w_in.data<float>(),
+                                 w_rows.data(), lanes.data<float>(), default_num_threads());
+    std::vector<float> bias(static_cast<size_t>(outf), 0.0f);
+    if (b.defined()) {
+      const Tensor bc = b.contiguous();
+      convert(bc.data_ptr(), bc.dtype(), bias.data(), DType::f32, bias.size());
+    }
+    std::vector<float> row(static_cast<size_t>(outf));
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < outf; ++j)
+        row[static_cast<size_t>(j)] =
+            detail::dot_lanes_finish(lanes.data<float>() + (i * outf + j) * detail::kDotLanes) +
+            bias[static_cast<size_t>(j)];
+      store_f32(row.data(), outf, bytes(y) + i * outf * esize(out), out, 1);
+    }
+    return y;
+  }
   GemmOptions go;
   go.partials = p;
   const ConstMatrix A{x.data_ptr(), x.dtype(), in, 1};
@@ -368,6 +399,44 @@ bool use_implicit(const ConvGeometry& g) {
              .worthwhile();
 }
 
+// Images [n0, n0 + nb) of x into the zero-padded FP32 buffer (C, nb, Hp, Wp).
+void pad_images(const Tensor& x, const ImplicitConv& g, int64_t n0, int64_t nb, float* xp) {
+  const int64_t cstride = nb * g.plane, es = esize(x.dtype());
+  parallel_for(
+      static_cast<size_t>(g.C * nb), 1,
+      g.C * cstride >= kParallelElements ? default_num_threads() : 1, [&](size_t t0, size_t t1) {
+        for (size_t t = t0; t < t1; ++t) {
+          const int64_t c = static_cast<int64_t>(t) / nb, img = static_cast<int64_t>(t) % nb;
+          float* dst = xp + c * cstride + img * g.plane;
+          std::fill(dst, dst + g.pad_h * g.Wp, 0.0f);
+          std::fill(dst + (g.pad_h + g.H) * g.Wp, dst + g.plane, 0.0f);
+          const char* src = bytes(x) + ((n0 + img) * g.C + c) * g.H * g.W * es;
+          for (int64_t h = 0; h < g.H; ++h) {
+            float* row = dst + (g.pad_h + h) * g.Wp;
+            std::fill(row, row + g.pad_w, 0.0f);
+            load_f32(src + h * g.W * es, x.dtype(), 1, g.W, row + g.pad_w);
+            std::fill(row + g.pad_w + g.W, row + g.Wp, 0.0f);
+          }
+        }
+      });
+}
+
+// off(k) for every tap k = (c, kh, kw) of a chunk of nb images.
+void tap_offsets(const ImplicitConv& g, int64_t nb, std::vector<int64_t>& offset) {
+  offset.resize(static_cast<size_t>(g.C * g.KH * g.KW));
+  for (int64_t c = 0; c < g.C; ++c)
+    for (int64_t kh = 0; kh < g.KH; ++kh)
+      for (int64_t kw = 0; kw < g.KW; ++kw)
+        offset[static_cast<size_t>((c * g.KH + kh) * g.KW + kw)] =
+            c * nb * g.plane + kh * g.dil_h * g.Wp + kw * g.dil_w;
+}
+
+// The last wide column that is an output position, plus one. Reading row k up to it stays inside
+// the padded buffer (the last tap of the last channel ends at its last element).
+int64_t wide_columns(const ImplicitConv& g, int64_t nb) {
+  return (nb - 1) * g.plane + (g.Ho - 1) * g.Wp + g.Wo;
+}
+
 // y (N, O, Ho, Wo) = x (N, C, H, W) * w + bias, w given as an (O, C*KH*KW) matrix in any float
 // dtype; y in `out`, charged to `cat`. Any float dtype for x (converted while padding).
 Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
@@ -379,37 +448,14 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
       std::clamp<int64_t>(column_budget() / std::max<int64_t>((g.C + g.O) * g.plane, 1), 1, g.N);
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
   Tensor wide = f32_workspace({g.O * nb_max * g.plane});  // (O, nb * Hp * Wp)
-  std::vector<int64_t> offset(static_cast<size_t>(CKK));
+  std::vector<int64_t> offset;
   GemmOptions go;
   go.partials = partials;
   for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
-    const int64_t nb = std::min(nb_max, g.N - n0), cstride = nb * g.plane;
-    // The last wide column that is an output position, plus one: the GEMM's N. Reading row k up
-    // to it stays inside the buffer (the last tap of the last channel ends at its last element).
-    const int64_t Nw = (nb - 1) * g.plane + (g.Ho - 1) * g.Wp + g.Wo;
+    const int64_t nb = std::min(nb_max, g.N - n0), Nw = wide_columns(g, nb);
     float* xp = xpad.data<float>();
-    parallel_for(
-        static_cast<size_t>(g.C * nb), 1,
-        g.C * cstride >= kParallelElements ? default_num_threads() : 1, [&](size_t t0, size_t t1) {
-          for (size_t t = t0; t < t1; ++t) {
-            const int64_t c = static_cast<int64_t>(t) / nb, img = static_cast<int64_t>(t) % nb;
-            float* dst = xp + c * cstride + img * g.plane;
-            std::fill(dst, dst + g.pad_h * g.Wp, 0.0f);
-            std::fill(dst + (g.pad_h + g.H) * g.Wp, dst + g.plane, 0.0f);
-            const char* src = bytes(x) + ((n0 + img) * g.C + c) * g.H * g.W * esize(x.dtype());
-            for (int64_t h = 0; h < g.H; ++h) {
-              float* row = dst + (g.pad_h + h) * g.Wp;
-              std::fill(row, row + g.pad_w, 0.0f);
-              load_f32(src + h * g.W * esize(x.dtype()), x.dtype(), 1, g.W, row + g.pad_w);
-              std::fill(row + g.pad_w + g.W, row + g.Wp, 0.0f);
-            }
-          }
-        });
-    for (int64_t c = 0; c < g.C; ++c)
-      for (int64_t kh = 0; kh < g.KH; ++kh)
-        for (int64_t kw = 0; kw < g.KW; ++kw)
-          offset[static_cast<size_t>((c * g.KH + kh) * g.KW + kw)] =
-              c * cstride + kh * g.dil_h * g.Wp + kw * g.dil_w;
+    pad_images(x, g, n0, nb, xp);
+    tap_offsets(g, nb, offset);
     OffsetMatrix B;
     B.data = xp;
     B.row_offset = offset.data();
@@ -493,6 +539,56 @@ Tensor conv2d_direct(const Tensor& x_in, const Tensor& w_in, const std::vector<f
                  }
                });
   return y;
+}
+
+// dW (O, CKK) of a stride-1, one-group convolution (FP32 partials) from the padded image chunks:
+// the wide gradient dYw (O, nb*Hp*Wp), zero at the columns that are not output positions, against
+// the tap-shifted rows of the padded buffer, by lane-split dot products (vector_kernels.h) that
+// read both in place. (A dropped column pairs a zero gradient with a real input value: an inf
+// there makes the product NaN where the exact gradient would ignore it; an inf input reaches the
+// real gradient through its valid positions anyway, unless every gradient there is zero.)
+Tensor implicit_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
+                                const ConvGeometry& cg, DType out) {
+  const ImplicitConv g(x.shape(), cg.O, cg.KH, cg.KW, cg.p.pad_h, cg.p.pad_w, cg.p.dilation_h,
+                       cg.p.dilation_w);
+  const int64_t CKK = cg.CKK, HWo = g.Ho * g.Wo;
+  const int64_t nb_max =
+      std::clamp<int64_t>(column_budget() / std::max<int64_t>((g.C + g.O) * g.plane, 1), 1, g.N);
+  Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
+  Tensor dyw = f32_workspace({g.O * nb_max * g.plane});   // (O, nb * Hp * Wp)
+  Tensor lanes = f32_workspace({g.O, CKK, detail::kDotLanes});
+  std::fill(lanes.data<float>(), lanes.data<float>() + lanes.numel(), 0.0f);
+  std::vector<int64_t> offset;
+  for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
+    const int64_t nb = std::min(nb_max, g.N - n0), Nw = wide_columns(g, nb);
+    float* xp = xpad.data<float>();
+    float* dw = dyw.data<float>();
+    pad_images(x, g, n0, nb, xp);
+    tap_offsets(g, nb, offset);
+    parallel_for(
+        static_cast<size_t>(g.O), 1, g.O * Nw >= kParallelElements ? default_num_threads() : 1,
+        [&](size_t o0, size_t o1) {
+          for (size_t o = o0; o < o1; ++o) {
+            float* row = dw + static_cast<int64_t>(o) * Nw;
+            std::fill(row, row + Nw, 0.0f);
+            for (int64_t img = 0; img < nb; ++img) {
+              const char* src = bytes(dy) + (((n0 + img) * g.O + static_cast<int64_t>(o)) * HWo) *
+                                                esize(dy.dtype());
+              for (int64_t oh = 0; oh < g.Ho; ++oh)
+                load_f32(src + oh * g.Wo * esize(dy.dtype()), dy.dtype(), 1, g.Wo,
+                         row + img * g.plane + oh * g.Wp);
+            }
+          }
+        });
+    detail::dot_lanes_accumulate(g.O, CKK, Nw, dw, Nw, xp, offset.data(), lanes.data<float>(),
+                                 default_num_threads());
+  }
+  std::vector<float> total(static_cast<size_t>(g.O * CKK));
+  for (size_t i = 0; i < total.size(); ++i)
+    total[i] = detail::dot_lanes_finish(lanes.data<float>() + i * detail::kDotLanes);
+  Tensor dwt = Tensor::empty(w_shape, out, charged_to(MemoryCategory::gradients));
+  store_f32(total.data(), static_cast<int64_t>(total.size()), dwt.data_ptr(), out, 1);
+  return dwt;
 }
 
 // dW[o, c, kh, kw] = sum over images and output positions of dy * x: per image, each tap's
@@ -656,6 +752,8 @@ Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Sha
   const ConvGeometry g(x_in.shape(), w_shape, p);
   const Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
   if (use_direct_conv(g, partials)) return conv2d_direct_backward_weight(dy, x, w_shape, g, out);
+  if (use_implicit(g) && partials == Partials::kF32)
+    return implicit_backward_weight(dy, x, w_shape, g, out);
   // dW_g (Og, CKK) = sum over images of dy_g (Og, L) x cols^T (L, CKK): a GEMM whose output is
   // small and whose depth is the whole batch. When the output is too small to split across
   // threads (the tutorial CNN's conv2: 12 x 125), the images are cut into a fixed number of

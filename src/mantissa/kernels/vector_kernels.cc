@@ -1,7 +1,11 @@
 #include "mantissa/kernels/vector_kernels.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "mantissa/core/convert.h"
 #include "mantissa/core/cpu_features.h"
+#include "mantissa/core/parallel.h"
 
 namespace mantissa::kernels::detail {
 namespace {
@@ -25,6 +29,78 @@ void mul_acc_f32(float* acc, const float* d, const float* x, int64_t stride, int
   if (stride == 1 && avx2_vectors()) return mul_acc_f32_avx2(acc, d, x, n);
 #endif
   for (int64_t j = 0; j < n; ++j) acc[j] += d[j] * x[j * stride];
+}
+
+// ---- Lane-split dot products ----
+
+namespace {
+
+constexpr int kDotRowsA = 3, kDotRowsB = 4;  // tile: 12 lane vectors
+constexpr int64_t kDotDepth = 1024;          // columns per pass: a tile's rows stay in L1/L2
+
+void dot_tile_portable(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
+                       const float* const* b, float* const* P) {
+  for (int i = 0; i < rows_a; ++i)
+    for (int j = 0; j < rows_b; ++j) {
+      float* lanes = P[i * kDotRowsB + j];
+      for (int64_t k = k0; k < k1; ++k)
+        lanes[k % kDotLanes] = std::fma(a[i][k], b[j][k], lanes[k % kDotLanes]);
+    }
+}
+
+}  // namespace
+
+float dot_lanes_finish(const float* l) {
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                                    const float* b, const int64_t* b_row, float* P) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      float* lanes = P + (i * N + j) * kDotLanes;
+      for (int64_t k = 0; k < K; ++k)
+        lanes[k % kDotLanes] = std::fma(a[i * lda + k], b[b_row[j] + k], lanes[k % kDotLanes]);
+    }
+}
+
+void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                          const float* b, const int64_t* b_row, float* P, int threads) {
+  if (M <= 0 || N <= 0 || K <= 0) return;
+  auto tile = dot_tile_portable;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors() && cpu_features().fma) tile = dot_lanes_tile_avx2;
+#endif
+  // Threads take groups of B rows (each output is one thread's, so the result does not depend on
+  // the thread count); within a group, depth passes over all tiles keep A's rows in cache.
+  const int64_t groups = (N + kDotRowsB - 1) / kDotRowsB;
+  const int t = static_cast<int>(std::clamp<int64_t>(threads, 1, groups));
+  parallel_for(static_cast<size_t>(t), 1, t, [&](size_t p0, size_t p1) {
+    for (size_t part = p0; part < p1; ++part) {
+      const int64_t g0 = groups * static_cast<int64_t>(part) / t,
+                    g1 = groups * static_cast<int64_t>(part + 1) / t;
+      for (int64_t k0 = 0; k0 < K; k0 += kDotDepth) {
+        const int64_t k1 = std::min(K, k0 + kDotDepth);
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t j0 = g * kDotRowsB;
+          const int rb = static_cast<int>(std::min<int64_t>(kDotRowsB, N - j0));
+          const float* brows[kDotRowsB];
+          for (int j = 0; j < rb; ++j) brows[j] = b + b_row[j0 + j];
+          for (int64_t i0 = 0; i0 < M; i0 += kDotRowsA) {
+            const int ra = static_cast<int>(std::min<int64_t>(kDotRowsA, M - i0));
+            const float* arows[kDotRowsA];
+            float* lanes[kDotRowsA * kDotRowsB];
+            for (int i = 0; i < ra; ++i) {
+              arows[i] = a + (i0 + i) * lda;
+              for (int j = 0; j < rb; ++j)
+                lanes[i * kDotRowsB + j] = P + ((i0 + i) * N + j0 + j) * kDotLanes;
+            }
+            tile(ra, rb, k0, k1, arows, brows, lanes);
+          }
+        }
+      }
+    }
+  });
 }
 
 }  // namespace mantissa::kernels::detail

@@ -12,7 +12,27 @@ void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n);
 // acc[j] += d[j] * x[j * stride], j < n.
 void mul_acc_f32(float* acc, const float* d, const float* x, int64_t stride, int64_t n);
 
+// ---- Lane-split dot products (inner-product GEMM: C = A B^T with both operands contiguous
+// along K, read in place, nothing packed). For long K and few outputs (a linear layer's forward
+// at a small batch, a convolution's weight gradient), where packing an operand would cost as much
+// as the multiply-adds.
+// Arithmetic, on every path: eight lane sums per output, P[i][j][l] accumulating with FMA, in
+// increasing k, the products with k = l (mod 8); the sums carry across calls (K may be split into
+// calls in order), and dot_lanes_finish adds the lanes in one fixed tree:
+//   ((P0 + P4) + (P2 + P6)) + ((P1 + P5) + (P3 + P7)).
+// Rows of A at a + i * lda; rows of B at b + b_row[j]; P is (M, N, 8) FP32.
+inline constexpr int kDotLanes = 8;
+void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                          const float* b, const int64_t* b_row, float* P, int threads);
+float dot_lanes_finish(const float* lanes);
+// The scalar reference of the same arithmetic (the oracle of the tests).
+void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                                    const float* b, const int64_t* b_row, float* P);
+
 #if MANTISSA_HAVE_X86_SIMD
+// Tiles of up to 3 rows of A by 4 rows of B, columns [k0, k1) (k0 a multiple of 8).
+void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
+                         const float* const* b, float* const* P);
 void axpy_f32_avx2(float* a, const float* x, float w, int64_t n);  // stride 1
 void mul_acc_f32_avx2(float* acc, const float* d, const float* x, int64_t n);
 #endif
