@@ -125,6 +125,15 @@ const char* at(const void* base, DType t, int64_t offset) {
   return static_cast<const char*>(base) + offset * static_cast<int64_t>(dtype_size(t));
 }
 
+// One sliver from `rows` (<= width) lines of kc FP32 values each, line r at src + r * ld:
+// interleaved 8 lines at a time, zero past the last line.
+void interleave_sliver(const float* src, int64_t ld, int rows, int64_t kc, int width, float* d) {
+  for (int r0 = 0; r0 < rows; r0 += 8)
+    kernels().interleave(src + r0 * ld, ld, std::min(8, rows - r0), kc, d + r0, width);
+  if (rows < width)
+    for (int64_t k = 0; k < kc; ++k) std::fill(d + k * width + rows, d + (k + 1) * width, 0.0f);
+}
+
 // Packs `count` groups of `width` (16 for B, 6 for A) lines of a matrix into slivers: sliver s
 // holds, for each of the kc positions along the packed direction, `width` values (zero past
 // `lines`). Line l, position p of the source is at element offset l * line_stride + p * pos_stride.
@@ -144,11 +153,7 @@ void pack(const void* base, DType t, int64_t line_stride, int64_t pos_stride, in
       if (!direct)
         for (int r = 0; r < rows; ++r)
           load_f32(at(base, t, (s * width + r) * line_stride), t, pos_stride, kc, run + r * kc);
-      float* d = dst + s * kc * width;
-      for (int r0 = 0; r0 < rows; r0 += 8)
-        kernels().interleave(src + r0 * ld, ld, std::min(8, rows - r0), kc, d + r0, width);
-      if (rows < width)
-        for (int64_t k = 0; k < kc; ++k) std::fill(d + k * width + rows, d + (k + 1) * width, 0.0f);
+      interleave_sliver(src, ld, rows, kc, width, dst + s * kc * width);
     }
   } else {
     // Lines are the contiguous direction: convert a run across all lines for each position
@@ -190,19 +195,15 @@ void check_dtypes(ConstMatrix A, ConstMatrix B, Matrix C) {
 }
 
 // B as gemm_block reads it: a strided matrix (any dtype), or FP32 with its rows or its columns
-// listed by offset (OffsetMatrix). A plain FP32 matrix with contiguous rows is read as rows listed
-// when A is short (see in_place_rows).
+// listed by offset (offsets.data set).
 struct BSource {
   ConstMatrix plain{};
-  const float* data = nullptr;  // listed: rows (row_offset) or columns (col_offset)
-  const int64_t* row_offset = nullptr;
-  const int64_t* col_offset = nullptr;
-  bool listed() const { return data != nullptr; }
+  OffsetMatrix offsets{};
 };
 
 // Packs columns [j0, j0 + lines) of a column-listed B, depth [pc, pc + kc), into 16-wide slivers
 // (as pack does): each column's kc values are contiguous at data + col_offset[j] + pc.
-void pack_listed_columns(const BSource& B, int64_t j0, int64_t lines, int64_t pc, int64_t kc,
+void pack_listed_columns(const OffsetMatrix& B, int64_t j0, int64_t lines, int64_t pc, int64_t kc,
                          float* dst) {
   const int64_t slivers = (lines + kNR - 1) / kNR;
   float* run = scratch(kRun, static_cast<size_t>(kNR * kc));
@@ -211,11 +212,7 @@ void pack_listed_columns(const BSource& B, int64_t j0, int64_t lines, int64_t pc
     for (int r = 0; r < rows; ++r)
       std::memcpy(run + r * kc, B.data + B.col_offset[j0 + s * kNR + r] + pc,
                   static_cast<size_t>(kc) * sizeof(float));
-    float* d = dst + s * kc * kNR;
-    for (int r0 = 0; r0 < rows; r0 += 8)
-      kernels().interleave(run + r0 * kc, kc, std::min(8, rows - r0), kc, d + r0, kNR);
-    if (rows < kNR)
-      for (int64_t k = 0; k < kc; ++k) std::fill(d + k * kNR + rows, d + (k + 1) * kNR, 0.0f);
+    interleave_sliver(run, kc, rows, kc, kNR, dst + s * kc * kNR);
   }
 }
 
@@ -261,7 +258,8 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
       const int64_t pc = kb * kKC, kc = std::min(kKC, K - pc);
       // Row-listed B: whole 16-column slivers are read in place by the rows micro-kernel (no
       // packing); only a last partial sliver is packed (zero-filled), so no column past N is read.
-      const bool in_place = B.row_offset != nullptr;
+      const OffsetMatrix& Bo = B.offsets;
+      const bool in_place = Bo.row_offset != nullptr;
       const int64_t full_slivers = in_place ? nc / kNR : 0;
       float* bp = scratch(
           kPackB, static_cast<size_t>((n_slivers - full_slivers) * std::max<int64_t>(kc, 1) * kNR));
@@ -269,13 +267,13 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
         if (full_slivers < n_slivers) {
           const int64_t j0 = jc + full_slivers * kNR, w = jc + nc - j0;
           for (int64_t k = 0; k < kc; ++k) {
-            std::memcpy(bp + k * kNR, B.data + B.row_offset[pc + k] + j0,
+            std::memcpy(bp + k * kNR, Bo.data + Bo.row_offset[pc + k] + j0,
                         static_cast<size_t>(w) * sizeof(float));
             std::fill(bp + k * kNR + w, bp + (k + 1) * kNR, 0.0f);
           }
         }
-      } else if (B.col_offset) {
-        pack_listed_columns(B, jc, nc, pc, kc, bp);
+      } else if (Bo.col_offset) {
+        pack_listed_columns(Bo, jc, nc, pc, kc, bp);
       } else {
         // B's lines are its columns (16 per sliver), positions run along k.
         const ConstMatrix& Bm = B.plain;
@@ -286,7 +284,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
       auto tile = [&](int64_t s, const float* as, float* c, int64_t ldc, bool load_c,
                       float bscale) {
         if (s < full_slivers)
-          rows_micro(kc, as, B.data + jc + s * kNR, B.row_offset + pc, c, ldc, load_c, bscale,
+          rows_micro(kc, as, Bo.data + jc + s * kNR, Bo.row_offset + pc, c, ldc, load_c, bscale,
                      f16p);
         else
           micro(kc, as, bp + (s - full_slivers) * kc * kNR, c, ldc, load_c, bscale, f16p);
@@ -400,10 +398,7 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, const Off
                  "gemm: an OffsetMatrix lists its rows or its columns, not both or neither",
                  "set exactly one of row_offset and col_offset");
   BSource src;
-  src.plain = {B.data, DType::f32, 0, 0};
-  src.data = B.data;
-  src.row_offset = B.row_offset;
-  src.col_offset = B.col_offset;
+  src.offsets = B;
   gemm_driver(M, N, K, alpha, A, src, beta, C, opt);
 }
 
