@@ -88,6 +88,8 @@ constexpr const char* kTrainUsage =
     "                        fractions that overflow or flush to zero in FP16 and BF16, and a\n"
     "                        suggested loss scale: JSON to FILE, HTML beside it\n"
     "  --numerics-every N    record step 1 and every N-th step (default 50)\n"
+    "  --profile             time every layer's forward, every op's backward and every\n"
+    "                        parameter's update; print milliseconds a step by phase and op\n"
     "memory:\n"
     "  --memory-budget SIZE  behave as a device with this much memory (e.g. 512MiB, 1.5GiB):\n"
     "                        past it, an out-of-memory report and exit status 3\n"
@@ -243,6 +245,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--async-dataloader", on(c.async_loader, true)},
       {"--eight-bit-io", on(c.eight_bit_io, true)},
       {"--detect-anomaly", on(c.detect_anomaly, true)},
+      {"--profile", on(c.profile, true)},
       {"--recompute", on(c.recompute, true)},
       {"--numerics-report", str(c.numerics_report)},
       {"--numerics-every", i64("--numerics-every", c.numerics_every, 1)},

@@ -187,6 +187,69 @@ TEST(Trainer, MetricsJsonHasEveryField) {
       std::string::npos);
 }
 
+TEST(Trainer, ProfileTimesEveryLayerAndParameter) {
+  const testing::TempDir dir;
+  train::TrainConfig c = testing::small_run("tutorial-cnn", 64);
+  c.max_steps = 3;
+  c.profile = true;
+  c.metrics_json = dir.file("metrics.json");
+  std::ostringstream out;
+  const train::TrainResult r = train::Trainer(c, {&out, nullptr}).run();
+  EXPECT_EQ(r.profiled_steps, 3);
+  auto find = [&](const std::string& phase, const std::string& where) -> const ProfileRow* {
+    for (const ProfileRow& p : r.profile)
+      if (p.phase == phase && p.where == where) return &p;
+    return nullptr;
+  };
+  // Every leaf layer forward, every parameterised layer's backward node, every parameter's update.
+  for (const char* layer : {"conv1", "pool", "conv2", "norm", "fc1", "fc2", "log_softmax"}) {
+    const ProfileRow* f = find("forward", layer);
+    ASSERT_NE(f, nullptr) << layer;
+    EXPECT_EQ(f->calls, 3) << layer;
+  }
+  for (const char* layer : {"conv1", "conv2", "norm", "fc1", "fc2"})
+    EXPECT_NE(find("backward", layer), nullptr) << layer;
+  ASSERT_NE(find("backward", "conv2"), nullptr);
+  EXPECT_EQ(find("backward", "conv2")->op, "conv2d");
+  for (const char* param : {"conv1.weight", "fc1.bias", "fc2.weight"}) {
+    const ProfileRow* o = find("optimizer", param);
+    ASSERT_NE(o, nullptr) << param;
+    EXPECT_EQ(o->op, "adamw");
+    EXPECT_EQ(o->calls, 3);
+  }
+  // The phases include their rows; the loop includes the phases.
+  double phases = 0;
+  for (const ProfileRow& p : r.profile) {
+    if (p.phase != "step") continue;
+    phases += p.seconds;
+    if (p.op == "forward" || p.op == "backward" || p.op == "optimizer") {
+      double inside = 0;
+      for (const ProfileRow& q : r.profile)
+        if (q.phase == p.op) inside += q.seconds;
+      EXPECT_LE(inside, p.seconds) << p.op;
+      EXPECT_GT(inside, 0.5 * p.seconds) << p.op;
+    }
+  }
+  EXPECT_GT(phases, 0);
+  EXPECT_LE(phases, r.train_seconds);
+  const std::string table = out.str();
+  EXPECT_NE(table.find("profile: 3 steps"), std::string::npos) << table;
+  EXPECT_NE(table.find("forward    conv1"), std::string::npos) << table;
+  EXPECT_NE(table.find("optimizer  fc1.weight"), std::string::npos) << table;
+  std::ifstream in(c.metrics_json);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["profile"]["steps"], 3);
+  EXPECT_EQ(j["profile"]["rows"].size(), r.profile.size());
+  EXPECT_TRUE(j["config"]["profile"].get<bool>());
+  // Off by default: no rows, no table, no JSON entry.
+  c.profile = false;
+  std::ostringstream quiet;
+  EXPECT_TRUE(train::Trainer(c, {&quiet, nullptr}).run().profile.empty());
+  EXPECT_EQ(quiet.str().find("profile:"), std::string::npos);
+  std::ifstream in2(c.metrics_json);
+  EXPECT_FALSE(nlohmann::json::parse(in2).contains("profile"));
+}
+
 TEST(Trainer, BadSettingsAreExplained) {
   auto check = [](auto edit, const std::string& want) {
     train::TrainConfig c = small();

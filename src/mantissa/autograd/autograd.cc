@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "mantissa/core/error.h"
+#include "mantissa/core/profiler.h"
 #include "mantissa/kernels/elementwise.h"
 
 namespace mantissa::autograd {
@@ -199,6 +200,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
     const Tensor g = found->second;
     pending.erase(found);
     ModulePathScope module(&node->module_path());
+    ProfileTimer timed("backward", node->module_path(), node->name());
     std::vector<Tensor> grads = node->backward(g);
     MANTISSA_CHECK(grads.size() == node->inputs().size(),
                    std::string("internal: ") + node->name() + " returned " +

@@ -1,11 +1,13 @@
 #include "mantissa/nn/module.h"
 
 #include <cstdio>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
+#include "mantissa/core/profiler.h"
 #include "mantissa/nn/layers.h"
 #include "mantissa/nn/numerics.h"
 #include "mantissa/ops/autocast.h"
@@ -193,6 +195,10 @@ Tensor Module::recomputed(const Tensor& x) {
 
 Tensor Module::call(const Tensor& x) {
   ops::ModulePathScope scope(&path_);
+  // Leaf layers only: a container's time is the sum of its layers'.
+  std::optional<ProfileTimer> timed;
+  if (children_.empty() && active_profiler())
+    timed.emplace(t_recomputing ? "recompute" : "forward", path_, type_);
   Tensor y;
   if (!precision_) {
     y = forward(x);

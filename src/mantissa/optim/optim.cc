@@ -9,6 +9,7 @@
 #include "mantissa/core/cpu_features.h"
 #include "mantissa/core/error.h"
 #include "mantissa/core/parallel.h"
+#include "mantissa/core/profiler.h"
 #include "mantissa/kernels/elementwise.h"
 #include "mantissa/ops/autocast.h"
 #include "mantissa/optim/optim_kernels.h"
@@ -173,8 +174,12 @@ StepReport Optimizer::step(const StepOptions& so) {
   // Pass 2: unscale, clip, update, round.
   ++steps_;
   begin_step();
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (grads[i].defined()) update_param(i, grads[i], so.grad_scale, clip);
+  const std::string op = name();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!grads[i].defined()) continue;
+    ProfileTimer timed("optimizer", params_[i].name, op);
+    update_param(i, grads[i], so.grad_scale, clip);
+  }
   return report;
 }
 

@@ -486,6 +486,7 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
     Tensor out, loss;
     default_memory_tracker().set_phase("forward");
     {
+      ProfileTimer timed("step", "", "forward");
       ops::PartialsScope partials(partials_);
       std::optional<ops::AutocastScope> autocast;
       if (mode_.autocast) autocast.emplace(mode_.half, policy_, log_.get());
@@ -494,13 +495,17 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
         sr.emplace(config_.seed ^ 0x4f5554u, static_cast<uint64_t>(step_ * N + f) << 24);
       out = (*model_)(batch.images);
       if (mode_.fp32_loss && out.dtype() != DType::f32) out = ops::cast(out, DType::f32);
+      ProfileTimer timed_loss("forward", "", "loss");
       loss = model_->loss(out, batch.labels);
     }
     if (factor != 1.0) optim::scale_grads(optimizer_->params(), static_cast<float>(1.0 - factor));
     // Scaled in FP32: S * loss; the optimizer multiplies the gradients by 1/S.
     default_memory_tracker().set_phase("backward");
     const double s = scale * factor;
-    autograd::backward(s != 1.0 ? ops::mul_scalar(loss, s) : loss);
+    {
+      ProfileTimer timed("step", "", "backward");
+      autograd::backward(s != 1.0 ? ops::mul_scalar(loss, s) : loss);
+    }
     loss_sum += loss.item();
     if (correct) *correct += count_correct(out, batch.labels);
   }
@@ -516,9 +521,13 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   }
   so.max_grad_norm = config_.max_grad_norm;
   so.skip_nonfinite = scaler_.has_value();
+  std::optional<ProfileTimer> timed;
+  timed.emplace("step", "", "optimizer");
   const optim::StepReport report = optimizer_->step(so);
   if (scaler_) scaler_->update(!report.nonfinite.empty(), report.nonfinite);
+  timed.emplace("step", "", "zero_grad");
   optimizer_->zero_grad();
+  timed.reset();
   default_memory_tracker().set_phase("");
   compute_seconds_ += seconds_since(t0);
   return static_cast<float>(loss_sum / static_cast<double>(N));
@@ -673,6 +682,8 @@ void Trainer::train_steps(TrainResult& result) {
   const int64_t epochs = (total + spe - 1) / spe;
   ProgressBar bar(streams_.progress, config_.progress);
   model_->train();
+  profiler_.clear();
+  ProfilerScope profiling(config_.profile ? &profiler_ : nullptr);
   const auto t_train = Clock::now();
   const double wait0 = loader_->wait_seconds();
   compute_seconds_ = 0;
@@ -695,6 +706,8 @@ void Trainer::train_steps(TrainResult& result) {
     while (step_ < last && !stop_requested()) {
       const int64_t k = std::min(K, last - step_);
       batches.clear();
+      std::optional<ProfileTimer> timed;
+      timed.emplace("step", "", "data");
       for (int64_t b = 0; b < k * N; ++b) {
         std::optional<data::Batch> batch = loader_->next();
         MANTISSA_CHECK(batch.has_value(), "internal: the loader ended before the epoch's steps",
@@ -702,6 +715,7 @@ void Trainer::train_steps(TrainResult& result) {
         result.input_bytes += batch->images.nbytes() + batch->labels.nbytes();
         batches.push_back(std::move(*batch));
       }
+      timed.reset();
       const CallOutput co = call(batches);
       ++result.calls;
       ++call_index;
@@ -740,6 +754,10 @@ void Trainer::train_steps(TrainResult& result) {
   result.images_per_second =
       result.train_seconds > 0 ? static_cast<double>(images_total) / result.train_seconds : 0;
   result.data_wait_seconds = loader_->wait_seconds() - wait0;
+  if (config_.profile) {
+    result.profile = profiler_.rows();
+    result.profiled_steps = steps_run;
+  }
   result.host_seconds_per_step =
       steps_run > 0
           ? std::max(0.0, result.train_seconds - compute_seconds_ - result.data_wait_seconds) /
@@ -782,6 +800,7 @@ TrainResult Trainer::run() {
                                     std::to_string(scaler_->skipped_steps()) + " steps skipped"
                               : std::string())
                   << std::endl;
+  if (streams_.out && config_.profile) *streams_.out << profile_table(r);
   if (!config_.metrics_json.empty())
     write_file_atomic(config_.metrics_json, metrics_json(config_, r));
   if (numerics_) {
@@ -805,6 +824,56 @@ double Trainer::evaluate(int64_t* examples) {
   const EvalResult r = evaluate_split(*model_, config_, "the model", &policy_);
   if (examples) *examples = r.examples;
   return r.accuracy;
+}
+
+std::string profile_table(const TrainResult& r) {
+  if (r.profiled_steps <= 0) return "profile: no training step ran\n";
+  const double steps = static_cast<double>(r.profiled_steps);
+  const double total = r.train_seconds / steps;
+  std::ostringstream o;
+  char line[256];
+  auto row = [&](const std::string& phase, const std::string& where, const std::string& op,
+                 double seconds, double calls) {
+    const double ms = seconds / steps * 1e3;
+    const std::string c = calls > 0 ? fmt("%.0f", calls / steps) : std::string();
+    std::snprintf(line, sizeof line, "  %-10s %-24s %-18s %9.3f %6.1f%% %6s", phase.c_str(),
+                  where.c_str(), op.c_str(), ms, total > 0 ? ms / (total * 1e3) * 100 : 0,
+                  c.c_str());
+    std::string l = line;
+    l.erase(l.find_last_not_of(' ') + 1);
+    o << l << '\n';
+  };
+  o << "profile: " << r.profiled_steps << " steps, " << fmt("%.3f", total * 1e3)
+    << " ms a step (wall clock; a multithreaded op's time includes its workers')\n";
+  std::snprintf(line, sizeof line, "  %-10s %-24s %-18s %9s %7s %6s\n", "phase", "module", "op",
+                "ms/step", "share", "calls");
+  o << line;
+  auto step_seconds = [&](const char* op) {
+    for (const ProfileRow& p : r.profile)
+      if (p.phase == "step" && p.where.empty() && p.op == op) return p.seconds;
+    return 0.0;
+  };
+  double accounted = 0;
+  for (const char* phase : {"data", "forward", "backward", "recompute", "optimizer", "zero_grad"}) {
+    const bool inclusive_only = std::string(phase) == "data" || std::string(phase) == "zero_grad";
+    const double inclusive = step_seconds(phase);
+    if (std::string(phase) != "recompute") accounted += inclusive;
+    if (inclusive_only) {
+      if (inclusive > 0) row(phase, "", "", inclusive, 0);
+      continue;
+    }
+    double inside = 0;
+    for (const ProfileRow& p : r.profile) {
+      if (p.phase != phase) continue;
+      row(phase, p.where.empty() ? "-" : p.where, p.op, p.seconds, static_cast<double>(p.calls));
+      inside += p.seconds;
+    }
+    // Recomputed forwards run inside the backward rows of their modules.
+    if (std::string(phase) == "recompute") continue;
+    if (inclusive > 0) row(phase, "(rest)", "", std::max(0.0, inclusive - inside), 0);
+  }
+  row("(loop)", "(rest)", "", std::max(0.0, r.train_seconds - accounted), 0);
+  return o.str();
 }
 
 std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
@@ -851,6 +920,7 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
                  {"output_return_period", c.output_return_period},
                  {"eight_bit_io", c.eight_bit_io},
                  {"detect_anomaly", c.detect_anomaly},
+                 {"profile", c.profile},
                  {"recompute", c.recompute},
                  {"numerics_report", c.numerics_report},
                  {"async_dataloader", c.async_loader},
@@ -874,6 +944,16 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
   j["host_seconds_per_step"] = r.host_seconds_per_step;
   j["interrupted"] = r.interrupted;
   j["steps"] = r.steps;
+  if (c.profile) {
+    json rows = json::array();
+    for (const ProfileRow& p : r.profile)
+      rows.push_back({{"phase", p.phase},
+                      {"module", p.where},
+                      {"op", p.op},
+                      {"calls", p.calls},
+                      {"seconds", p.seconds}});
+    j["profile"] = {{"steps", r.profiled_steps}, {"rows", rows}};
+  }
   json peak = {{"total", r.memory.peak_total}};
   for (MemoryCategory cat : kAllMemoryCategories)
     peak[std::string(memory_category_name(cat))] = r.memory.peak_of(cat);

@@ -14,6 +14,7 @@
 
 #include "mantissa/amp/loss_scaler.h"
 #include "mantissa/amp/precision.h"
+#include "mantissa/core/profiler.h"
 #include "mantissa/data/loader.h"
 #include "mantissa/nn/models.h"
 #include "mantissa/nn/numerics.h"
@@ -106,6 +107,10 @@ struct TrainConfig {
   std::string numerics_report;
   int64_t numerics_every = 50;
 
+  // Time every layer's forward, every autograd node's backward and every parameter's update, and
+  // print the table (profile_table()) after training; TrainResult::profile keeps the rows.
+  bool profile = false;
+
   bool progress = true;  // progress bar on the progress stream
   bool evaluate = true;  // test accuracy after training
 
@@ -150,7 +155,16 @@ struct TrainResult {
   int64_t input_bytes = 0;
   double host_seconds_per_step = 0;
   bool interrupted = false;  // stopped by request_stop() (Ctrl-C): a clean step boundary
+  // With TrainConfig::profile: wall-clock rows over this run's training steps (phase "step" holds
+  // the inclusive time of data, forward, backward, optimizer and zero_grad; phases "forward",
+  // "backward", "recompute" and "optimizer" the layers, autograd nodes and parameters inside them).
+  std::vector<ProfileRow> profile;
+  int64_t profiled_steps = 0;
 };
+
+// The profile as a table: milliseconds a step by phase, module and op, the part of each phase
+// outside its rows ("(rest)"), and the share of the training loop's time.
+std::string profile_table(const TrainResult& r);
 
 // What one call of the training step returns (TrainConfig::output_mode): one entry per returned
 // output. "all": every step; "final": the last; "every": every output_return_period-th step;
@@ -231,6 +245,7 @@ class Trainer {
   int64_t step_ = 0;
   std::vector<float> step_losses_;
   double compute_seconds_ = 0;  // inside train_step, this run
+  Profiler profiler_;           // with config_.profile
   std::unique_ptr<nn::NumericsRecorder> numerics_;
   amp::PrecisionMode mode_;
   ops::AutocastPolicy policy_;

@@ -1,0 +1,40 @@
+#include "mantissa/core/profiler.h"
+
+namespace mantissa {
+
+namespace {
+thread_local Profiler* t_profiler = nullptr;
+}  // namespace
+
+void Profiler::add(std::string_view phase, std::string_view where, std::string_view op,
+                   double seconds) {
+  std::string key;
+  key.reserve(phase.size() + where.size() + op.size() + 2);
+  key.append(phase).push_back('\x1f');
+  key.append(where).push_back('\x1f');
+  key.append(op);
+  auto [it, fresh] = index_.try_emplace(std::move(key), rows_.size());
+  if (fresh) rows_.push_back({std::string(phase), std::string(where), std::string(op), 0, 0});
+  ProfileRow& r = rows_[it->second];
+  ++r.calls;
+  r.seconds += seconds;
+}
+
+double Profiler::phase_seconds(std::string_view phase) const {
+  double s = 0;
+  for (const ProfileRow& r : rows_)
+    if (r.phase == phase) s += r.seconds;
+  return s;
+}
+
+void Profiler::clear() {
+  rows_.clear();
+  index_.clear();
+}
+
+Profiler* active_profiler() { return t_profiler; }
+
+ProfilerScope::ProfilerScope(Profiler* p) : previous_(t_profiler) { t_profiler = p; }
+ProfilerScope::~ProfilerScope() { t_profiler = previous_; }
+
+}  // namespace mantissa
