@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mantissa/autograd/autograd.h"
+#include "mantissa/kernels/elementwise.h"
 #include "mantissa/kernels/reference.h"
 #include "mantissa/mantissa.h"
 #include "mantissa/ops/ops.h"
@@ -490,6 +491,64 @@ TEST(MaxPool, NanPropagatesFromTheFirstNanOfTheWindow) {
       EXPECT_EQ(v[1], 8.0f);
       EXPECT_EQ(idx.data<int32_t>()[1], 6);
     }
+  }
+}
+
+// Sums at a bias gradient's size: the merged-plane path ({0, 2, 3} of a contiguous tensor), the
+// serial path (outputs along the row), a non-contiguous input and a 16-bit one, against FP64, with
+// the same bits on one and two threads.
+TEST(Sum, ReductionsMatchFp64OnAnyThreadCount) {
+  std::mt19937 gen(7);
+  std::normal_distribution<float> dist(0.5f, 1.0f);
+  const Shape shape{6, 5, 40, 70};
+  std::vector<float> v(6 * 5 * 40 * 70);
+  for (float& e : v) e = dist(gen);
+  const Tensor x = Tensor::from_floats(v, shape);
+  struct Case {
+    Tensor in;
+    std::vector<int64_t> dims;
+  };
+  const std::vector<Case> cases = {{x, {0, 2, 3}},
+                                   {x, {2, 3}},
+                                   {x, {}},
+                                   {x, {0}},
+                                   {x, {1, 3}},
+                                   {x.transpose(1, 3), {0, 2, 3}},
+                                   {ops::cast(x, DType::bf16), {0, 2, 3}}};
+  for (const Case& c : cases) {
+    const Tensor in = c.in;
+    const std::vector<float> xv = in.to_float_vector();  // logical order, rounded as stored
+    // FP64 reference: output index of each element from its coordinates.
+    const Shape& s = in.shape();
+    std::vector<bool> red(4, c.dims.empty());
+    for (int64_t d : c.dims) red[static_cast<size_t>(d)] = true;
+    Shape kept = s;
+    for (size_t d = 0; d < 4; ++d)
+      if (red[d]) kept[d] = 1;
+    std::vector<double> want(static_cast<size_t>(kept[0] * kept[1] * kept[2] * kept[3]), 0.0);
+    std::vector<double> mag(want.size(), 0.0);
+    size_t e = 0;
+    for (int64_t a = 0; a < s[0]; ++a)
+      for (int64_t b = 0; b < s[1]; ++b)
+        for (int64_t h = 0; h < s[2]; ++h)
+          for (int64_t w = 0; w < s[3]; ++w, ++e) {
+            const int64_t i[4] = {a, b, h, w};
+            int64_t o = 0;
+            for (size_t d = 0; d < 4; ++d) o = o * kept[d] + (red[d] ? 0 : i[d]);
+            want[static_cast<size_t>(o)] += xv[e];
+            mag[static_cast<size_t>(o)] += std::fabs(xv[e]);
+          }
+    std::vector<std::vector<float>> got;
+    for (int threads : {1, 2}) {
+      set_num_threads(threads);
+      got.push_back(
+          kernels::sum(in, c.dims, false, DType::f32, MemoryCategory::gradients).to_float_vector());
+    }
+    set_num_threads(0);
+    ASSERT_EQ(got[0].size(), want.size());
+    EXPECT_EQ(got[0], got[1]) << "thread counts disagree, dims of case " << c.dims.size();
+    for (size_t k = 0; k < want.size(); ++k)
+      EXPECT_NEAR(got[0][k], want[k], 1e-6 * mag[k] + 1e-6) << k;
   }
 }
 

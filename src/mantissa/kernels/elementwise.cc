@@ -459,40 +459,88 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim, D
   for (int64_t d : kept) n_out *= d;
   std::vector<float> acc(static_cast<size_t>(n_out), 0.0f);
   const size_t xs = dtype_size(x.dtype());
-  // Serial over rows (rows may share outputs), vectorised within a row.
   Shape shape = x.shape();
   Shape xstr = x.strides();
-  // A serial walk over the rows of x (rows may add into the same outputs).
-  std::vector<float> buf(kChunk);
-  const int64_t last = rank > 0 ? shape[rank - 1] : 1;
+  // Reduced dimensions at the end of a contiguous tensor are one run per output element (a bias
+  // gradient's H x W planes): merged into one long row.
+  if (x.is_contiguous()) {
+    while (shape.size() >= 2 && reduce[shape.size() - 1] && reduce[shape.size() - 2]) {
+      const size_t d = shape.size() - 1;
+      shape[d - 1] *= shape[d];
+      xstr[d - 1] = 1;
+      shape.pop_back();
+      xstr.pop_back();
+      acc_strides.pop_back();
+    }
+  }
+  const int64_t rk = static_cast<int64_t>(shape.size());
+  const int64_t last = rk > 0 ? shape[rk - 1] : 1;
   int64_t rows = 1;
-  for (int64_t d = 0; d + 1 < rank; ++d) rows *= shape[d];
-  if (x.numel() > 0) {
+  for (int64_t d = 0; d + 1 < rk; ++d) rows *= shape[d];
+  const int64_t xin = rk > 0 ? xstr[rk - 1] : 1, ain = rk > 0 ? acc_strides[rk - 1] : 0;
+  auto offsets = [&](int64_t r, int64_t& xo, int64_t& ao) {
+    int64_t rem = r;
+    xo = 0;
+    ao = 0;
+    for (int64_t d = rk - 2; d >= 0; --d) {
+      const int64_t i = rem % shape[d];
+      rem /= shape[d];
+      xo += i * xstr[d];
+      ao += i * acc_strides[d];
+    }
+  };
+  // FP32 rows read in place; others through a staging buffer.
+  auto row_values = [&](int64_t xo, int64_t c, int64_t m, float* buf) -> const float* {
+    const char* src = byte_ptr(x) + (xo + c * xin) * static_cast<int64_t>(xs);
+    if (x.dtype() == DType::f32 && xin == 1) return reinterpret_cast<const float*>(src);
+    load_f32(src, x.dtype(), xin, m, buf);
+    return buf;
+  };
+  if (x.numel() > 0 && ain == 0) {
+    // Each row reduces to one value: the rows' sums in parallel (eight lanes a chunk, chunks in
+    // order), then added to their outputs in row order, so any thread count gives the same bits.
+    std::vector<float> row_sum(static_cast<size_t>(rows));
+    const int64_t threads = rows * last >= kParallelElements ? default_num_threads() : 1;
+    parallel_for(static_cast<size_t>(rows),
+                 static_cast<size_t>(std::max<int64_t>(1, kParallelElements / last)),
+                 static_cast<int>(threads), [&](size_t r0, size_t r1) {
+                   float buf[kChunk];
+                   for (size_t r = r0; r < r1; ++r) {
+                     int64_t xo, ao;
+                     offsets(static_cast<int64_t>(r), xo, ao);
+                     float total = 0;
+                     for (int64_t c = 0; c < last; c += kChunk) {
+                       const int64_t m = std::min(kChunk, last - c);
+                       const float* v = row_values(xo, c, m, buf);
+                       float s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                       int64_t i = 0;
+                       for (; i + 8 <= m; i += 8)
+                         for (int j = 0; j < 8; ++j) s8[j] += v[i + j];
+                       float sc = ((s8[0] + s8[1]) + (s8[2] + s8[3])) +
+                                  ((s8[4] + s8[5]) + (s8[6] + s8[7]));
+                       for (; i < m; ++i) sc += v[i];
+                       total += sc;
+                     }
+                     row_sum[r] = total;
+                   }
+                 });
     for (int64_t r = 0; r < rows; ++r) {
-      int64_t rem = r, xo = 0, ao = 0;
-      for (int64_t d = rank - 2; d >= 0; --d) {
-        const int64_t i = rem % shape[d];
-        rem /= shape[d];
-        xo += i * xstr[d];
-        ao += i * acc_strides[d];
-      }
-      const int64_t xin = rank > 0 ? xstr[rank - 1] : 1, ain = rank > 0 ? acc_strides[rank - 1] : 0;
+      int64_t xo, ao;
+      offsets(r, xo, ao);
+      acc[static_cast<size_t>(ao)] += row_sum[static_cast<size_t>(r)];
+    }
+  } else if (x.numel() > 0) {
+    // A serial walk over the rows of x (rows may add into the same outputs), vectorised within
+    // a row.
+    float buf[kChunk];
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t xo, ao;
+      offsets(r, xo, ao);
       for (int64_t c = 0; c < last; c += kChunk) {
         const int64_t m = std::min(kChunk, last - c);
-        load_f32(byte_ptr(x) + (xo + c * xin) * static_cast<int64_t>(xs), x.dtype(), xin, m,
-                 buf.data());
-        if (ain == 0) {
-          float s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          int64_t i = 0;
-          for (; i + 8 <= m; i += 8)
-            for (int j = 0; j < 8; ++j) s8[j] += buf[i + j];
-          float s = ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));
-          for (; i < m; ++i) s += buf[i];
-          acc[static_cast<size_t>(ao)] += s;
-        } else {
-          float* a = acc.data() + ao + c * ain;
-          for (int64_t i = 0; i < m; ++i) a[i * ain] += buf[i];
-        }
+        const float* v = row_values(xo, c, m, buf);
+        float* a = acc.data() + ao + c * ain;
+        for (int64_t i = 0; i < m; ++i) a[i * ain] += v[i];
       }
     }
   }

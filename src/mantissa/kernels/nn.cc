@@ -843,20 +843,53 @@ Shape pool2d_output_shape(const Shape& x, const Pool2dParams& p) {
 }
 
 namespace {
-// Calls fn(plane_index, in_plane (FP32, H*W), out_offset) for each (n, c) plane, in parallel.
+// Calls fn(plane_index, in_plane (FP32, H*W)) for each (n, c) plane of a contiguous x, in
+// parallel. FP32 planes are read in place, others converted into a buffer.
 template <typename Fn>
 void for_each_plane(const Tensor& x, int64_t planes, int64_t plane_size, Fn&& fn) {
   parallel_for(static_cast<size_t>(planes), 1,
                planes * plane_size >= kParallelElements ? default_num_threads() : 1,
                [&](size_t p0, size_t p1) {
-                 std::vector<float> buf(static_cast<size_t>(plane_size));
+                 std::vector<float> buf;
                  for (size_t pl = p0; pl < p1; ++pl) {
-                   load_f32(bytes(x) + static_cast<int64_t>(pl) * plane_size * esize(x.dtype()),
-                            x.dtype(), 1, plane_size, buf.data());
+                   const char* src =
+                       bytes(x) + static_cast<int64_t>(pl) * plane_size * esize(x.dtype());
+                   if (x.dtype() == DType::f32) {
+                     fn(static_cast<int64_t>(pl), reinterpret_cast<const float*>(src));
+                     continue;
+                   }
+                   buf.resize(static_cast<size_t>(plane_size));
+                   load_f32(src, x.dtype(), 1, plane_size, buf.data());
                    fn(static_cast<int64_t>(pl), buf.data());
                  }
                });
 }
+
+// An FP32 output plane: written in place when the tensor is FP32, else staged and converted by
+// flush().
+class OutPlane {
+ public:
+  OutPlane(Tensor& t, int64_t plane, int64_t size) : t_(t), plane_(plane), size_(size) {
+    if (t.dtype() == DType::f32) {
+      data_ = t.data<float>() + plane * size;
+    } else {
+      staged_.resize(static_cast<size_t>(size));
+      data_ = staged_.data();
+    }
+  }
+  float* data() { return data_; }
+  void flush() {
+    if (!staged_.empty())
+      store_f32(staged_.data(), size_, bytes(t_) + plane_ * size_ * esize(t_.dtype()), t_.dtype(),
+                1);
+  }
+
+ private:
+  Tensor& t_;
+  int64_t plane_, size_;
+  float* data_;
+  std::vector<float> staged_;
+};
 }  // namespace
 
 std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, DType out) {
@@ -872,7 +905,8 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
   const bool two_by_two = p.kernel_h == 2 && p.kernel_w == 2 && p.stride_h == 2 &&
                           p.stride_w == 2 && p.pad_h == 0 && p.pad_w == 0;
   for_each_plane(x, ys[0] * ys[1], H * W, [&](int64_t pl, const float* in) {
-    std::vector<float> row(static_cast<size_t>(Ho * Wo));
+    OutPlane plane(y, pl, Ho * Wo);
+    float* row = plane.data();
     if (two_by_two) {
       int32_t* ip = ib + pl * Ho * Wo;
       for (int64_t oh = 0; oh < Ho; ++oh) {
@@ -890,11 +924,11 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
             best = take ? cand[k] : best;
             at = take ? pos[k] : at;
           }
-          row[static_cast<size_t>(oh * Wo + ow)] = best;
+          row[oh * Wo + ow] = best;
           ip[oh * Wo + ow] = at;
         }
       }
-      store_f32(row.data(), Ho * Wo, bytes(y) + pl * Ho * Wo * esize(out), out, 1);
+      plane.flush();
       return;
     }
     for (int64_t oh = 0; oh < Ho; ++oh)
@@ -915,7 +949,7 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
         row[oh * Wo + ow] = best;
         ib[pl * Ho * Wo + oh * Wo + ow] = at;
       }
-    store_f32(row.data(), Ho * Wo, bytes(y) + pl * Ho * Wo * esize(out), out, 1);
+    plane.flush();
   });
   return {y, idx};
 }
@@ -928,9 +962,11 @@ Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& indices, const Sha
   Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
   const int32_t* ib = indices.data<int32_t>();
   for_each_plane(dy, planes, OHW, [&](int64_t pl, const float* g) {
-    std::vector<float> acc(static_cast<size_t>(HW), 0.0f);
-    for (int64_t i = 0; i < OHW; ++i) acc[static_cast<size_t>(ib[pl * OHW + i])] += g[i];
-    store_f32(acc.data(), HW, bytes(dx) + pl * HW * esize(out), out, 1);
+    OutPlane plane(dx, pl, HW);
+    float* acc = plane.data();
+    std::fill(acc, acc + HW, 0.0f);
+    for (int64_t i = 0; i < OHW; ++i) acc[ib[pl * OHW + i]] += g[i];
+    plane.flush();
   });
   return dx;
 }
