@@ -88,6 +88,9 @@ constexpr const char* kTrainUsage =
     "                        fractions that overflow or flush to zero in FP16 and BF16, and a\n"
     "                        suggested loss scale: JSON to FILE, HTML beside it\n"
     "  --numerics-every N    record step 1 and every N-th step (default 50)\n"
+    "  --no-update-in-backward  keep every gradient and update the parameters after the\n"
+    "                        backward pass (by default a step that needs nothing global\n"
+    "                        updates each parameter when its gradient is known: same values)\n"
     "  --profile             time every layer's forward, every op's backward and every\n"
     "                        parameter's update; print milliseconds a step by phase and op\n"
     "memory:\n"
@@ -246,6 +249,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--eight-bit-io", on(c.eight_bit_io, true)},
       {"--detect-anomaly", on(c.detect_anomaly, true)},
       {"--profile", on(c.profile, true)},
+      {"--no-update-in-backward", on(c.update_in_backward, false)},
       {"--recompute", on(c.recompute, true)},
       {"--numerics-report", str(c.numerics_report)},
       {"--numerics-every", i64("--numerics-every", c.numerics_every, 1)},

@@ -157,8 +157,10 @@ expect(train_detect_anomaly 4 "" "^mantissa: step 2: anomaly in forward: linear 
        train ${TRAIN_PIPE} --precision 16-true --optimizer sgd --lr 1e5 --detect-anomaly)
 expect(train_numerics_report 0 "numerics report: .*num.json and .*num.html \\(1 steps\\); suggested loss scale [0-9]+" ""
        train ${TRAIN_PIPE} --max-steps 3 --precision 16-mixed --numerics-report ${WORK}/num.json)
-expect(train_profile 0 "profile: 3 steps, [0-9.]+ ms a step.*\n  forward    conv1 +Conv2d +[0-9.]+ +[0-9.]+% +1\n.*  backward   fc1 +linear .*  optimizer  fc1.weight +sgd .*  \\(loop\\)" ""
+expect(train_profile 0 "profile: 3 steps, [0-9.]+ ms a step.*\n  forward +conv1 +Conv2d +[0-9.]+ +[0-9.]+% +1\n.*  backward +fc1 +linear .*  in-backward +fc1.weight +sgd .*  \\(loop\\)" ""
        train ${TRAIN_PIPE} --max-steps 3 --optimizer sgd --profile)
+expect(train_profile_after_backward 0 "  backward +fc1 +linear .*  optimizer +fc1.weight +sgd .*  \\(loop\\)" ""
+       train ${TRAIN_PIPE} --max-steps 3 --optimizer sgd --profile --no-update-in-backward)
 expect(train_profile_value 2 "" "--profile takes no value" train --profile=yes)
 # ---- mantissa memory ----
 set(MEM memory --model lenet5 --image-size 16 --batch-size 8 --threads 2)

@@ -104,7 +104,9 @@ TEST(MemoryProfile, ReportsCategoriesLayersAndLivenessOfOneStep) {
       phases.insert(p.phase);
       top = std::max(top, p.total);
     }
-    EXPECT_TRUE(phases.count("forward") && phases.count("backward") && phases.count("optimizer"));
+    // The updates run in the backward pass (TrainConfig::update_in_backward): nothing is
+    // allocated in the optimizer phase.
+    EXPECT_TRUE(phases.count("forward") && phases.count("backward"));
     EXPECT_EQ(top, r.peak_total);
     EXPECT_TRUE(r.fits);
   }
@@ -116,6 +118,17 @@ TEST(MemoryProfile, ReportsCategoriesLayersAndLivenessOfOneStep) {
   EXPECT_EQ(2 * at(1, MemoryCategory::optimizer_state), at(0, MemoryCategory::optimizer_state));
   // Parameters halve but for BatchNorm's running statistics, which stay FP32.
   EXPECT_NEAR(2 * at(1, MemoryCategory::parameters) / at(0, MemoryCategory::parameters), 1.0, 2e-3);
+
+  // The ordinary step keeps every gradient until the optimizer phase: a higher peak.
+  c.precision = "32-true";
+  c.update_in_backward = false;
+  const train::StepMemory ordinary = train::profile_step(c);
+  bool optimizer_phase = false;
+  for (const train::MemoryPoint& p : ordinary.timeline)
+    optimizer_phase = optimizer_phase || p.phase == "optimizer";
+  EXPECT_TRUE(optimizer_phase);
+  EXPECT_GT(ordinary.peak_total, runs[0].peak_total);
+  c.update_in_backward = true;
 
   const nlohmann::json j = nlohmann::json::parse(train::memory_json(c, runs));
   ASSERT_EQ(j["runs"].size(), 2u);

@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <string>
 
@@ -192,6 +194,7 @@ TEST(Trainer, ProfileTimesEveryLayerAndParameter) {
   train::TrainConfig c = testing::small_run("tutorial-cnn", 64);
   c.max_steps = 3;
   c.profile = true;
+  c.update_in_backward = false;  // every update in the optimizer phase
   c.metrics_json = dir.file("metrics.json");
   std::ostringstream out;
   const train::TrainResult r = train::Trainer(c, {&out, nullptr}).run();
@@ -234,8 +237,8 @@ TEST(Trainer, ProfileTimesEveryLayerAndParameter) {
   EXPECT_LE(phases, r.train_seconds);
   const std::string table = out.str();
   EXPECT_NE(table.find("profile: 3 steps"), std::string::npos) << table;
-  EXPECT_NE(table.find("forward    conv1"), std::string::npos) << table;
-  EXPECT_NE(table.find("optimizer  fc1.weight"), std::string::npos) << table;
+  EXPECT_NE(table.find("forward     conv1"), std::string::npos) << table;
+  EXPECT_NE(table.find("optimizer   fc1.weight"), std::string::npos) << table;
   std::ifstream in(c.metrics_json);
   const nlohmann::json j = nlohmann::json::parse(in);
   EXPECT_EQ(j["profile"]["steps"], 3);
@@ -285,6 +288,105 @@ TEST(Trainer, ScheduleDrivesTheLearningRate) {
   EXPECT_DOUBLE_EQ(s.lr_at(1.0, 4), 1.0);
   EXPECT_NEAR(s.lr_at(1.0, 9), 0.5, 1e-12);
   EXPECT_NEAR(s.lr_at(1.0, 14), 0.0, 1e-12);
+}
+
+// Updates in the backward pass equal the ordinary step bit for bit, for each optimizer: an
+// ordinary parameter is updated when its gradient arrives (and keeps none), a shared weight (two
+// gradients) falls back to step(), and a parameter without a gradient gets no state.
+TEST(Optimizer, UpdatesInTheBackwardPassEqualTheStep) {
+  std::mt19937 gen(3);
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  auto random = [&](const Shape& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& e : v) e = dist(gen);
+    return Tensor::from_floats(v, shape);
+  };
+  // w1 has 60000 elements: several chunks on two threads.
+  const Tensor x = random({8, 200}), w1_0 = random({300, 200}), b1_0 = random({300}),
+               w2_0 = random({300, 300}), u_0 = random({10});
+  struct Run {
+    std::vector<std::vector<float>> params, state;
+    std::vector<std::string> state_names;
+    bool w1_grad_kept = false, w2_grad_kept = false;
+  };
+  auto run = [&](const std::string& kind, bool in_backward) {
+    // "-bf16": BF16 parameters with FP32 master copies (16-bit gradients, the O2 layout).
+    const bool half = kind.find("-bf16") != std::string::npos;
+    auto param = [&](const Tensor& t) { return half ? t.to(DType::bf16) : t.clone(); };
+    Tensor w1 = param(w1_0), b1 = param(b1_0), w2 = param(w2_0), u = param(u_0);
+    for (Tensor* t : {&w1, &b1, &w2, &u}) t->set_requires_grad(true);
+    const optim::ParamList params{{"w1", &w1}, {"b1", &b1}, {"w2", &w2}, {"u", &u}};
+    std::unique_ptr<optim::Optimizer> opt;
+    if (kind == "sgd") {
+      optim::SgdOptions o;
+      o.lr = 0.01, o.momentum = 0.9, o.dampening = 0.1, o.weight_decay = 0.01;
+      opt = std::make_unique<optim::Sgd>(params, o);
+    } else {
+      optim::AdamOptions o;
+      o.weight_decay = 0.01;
+      opt = std::make_unique<optim::Adam>(params, o, kind.rfind("adamw", 0) == 0);
+    }
+    if (half) opt->enable_master_weights();
+    const Tensor xin = half ? x.to(DType::bf16) : x;
+    Run r;
+    for (int step = 0; step < 3; ++step) {
+      const Tensor h = ops::relu(ops::linear(xin, w1, b1));
+      const Tensor y = ops::linear(ops::linear(h, w2), w2);  // w2 gets two gradients
+      const Tensor loss = ops::sum(ops::mul(y, y));
+      if (in_backward) {
+        EXPECT_EQ(opt->begin_backward_step(), 4u);
+      }
+      autograd::backward(loss);
+      r.w1_grad_kept = w1.grad().defined();
+      r.w2_grad_kept = w2.grad().defined();
+      opt->step();
+      opt->zero_grad();
+    }
+    EXPECT_EQ(opt->steps(), 3);
+    for (Tensor* t : {&w1, &b1, &w2, &u}) r.params.push_back(t->to_float_vector());
+    for (auto& [name, t] : opt->state_tensors()) {
+      r.state_names.push_back(name);
+      r.state.push_back(t.to_float_vector());
+    }
+    return r;
+  };
+  for (const std::string kind : {"sgd", "adam", "adamw", "adamw-bf16"}) {
+    const Run ordinary = run(kind, false), early = run(kind, true);
+    EXPECT_TRUE(ordinary.w1_grad_kept) << kind;
+    EXPECT_FALSE(early.w1_grad_kept) << kind << ": a consumed gradient is not stored";
+    EXPECT_TRUE(early.w2_grad_kept) << kind << ": the shared weight keeps the ordinary path";
+    EXPECT_EQ(early.params, ordinary.params) << kind;
+    EXPECT_EQ(early.state_names, ordinary.state_names) << kind;
+    EXPECT_EQ(early.state, ordinary.state) << kind;
+    for (const std::vector<float>& v : early.params)
+      for (float e : v) ASSERT_TRUE(std::isfinite(e)) << kind;
+    const DType pt = kind == "adamw-bf16" ? DType::bf16 : DType::f32;
+    EXPECT_NE(early.params[0], w1_0.to(pt).to_float_vector()) << kind;
+    EXPECT_EQ(early.params[3], u_0.to(pt).to_float_vector()) << kind << ": no gradient, no update";
+    for (const std::string& n : early.state_names)
+      EXPECT_TRUE(n.rfind("u.", 0) != 0 || n == "u.master") << n;
+  }
+}
+
+// The trainer's default (updates in the backward pass) trains exactly as the ordinary step, with
+// a lower gradient peak.
+TEST(Trainer, UpdateInBackwardChangesNothingButMemory) {
+  train::TrainConfig c = testing::small_run("tutorial-cnn", 96);
+  c.max_steps = 5;
+  c.update_in_backward = false;
+  const train::TrainResult ordinary = train::Trainer(c).run();
+  c.update_in_backward = true;
+  const train::TrainResult early = train::Trainer(c).run();
+  EXPECT_EQ(early.step_losses, ordinary.step_losses);
+  EXPECT_LT(early.memory.peak_of(MemoryCategory::gradients),
+            ordinary.memory.peak_of(MemoryCategory::gradients));
+  // Clipping needs every gradient first: the ordinary step, the same losses as without the flag.
+  c.max_grad_norm = 0.5;
+  const train::TrainResult clipped = train::Trainer(c).run();
+  c.update_in_backward = false;
+  EXPECT_EQ(train::Trainer(c).run().step_losses, clipped.step_losses);
 }
 
 TEST(Optimizer, SixteenBitStateAndParameters) {

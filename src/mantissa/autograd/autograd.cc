@@ -111,6 +111,14 @@ void accumulate(Tensor& into, const Tensor& g) {
 // without a copy.
 void accumulate_leaf(AutogradMeta& meta, Tensor g, DType tensor_dtype) {
   const DType dtype = meta.grad_dtype.value_or(tensor_dtype);
+  if (meta.consume_grad && !meta.grad) {
+    // The leaf's only gradient of this pass goes to its optimizer update, in the type `grad`
+    // would have held.
+    const Tensor c = (g.dtype() == dtype ? std::move(g) : g.to(dtype)).contiguous();
+    meta.consume_grad(0, c.numel(), c.data_ptr(), dtype);
+    meta.consume_grad = nullptr;
+    return;
+  }
   Tensor converted = g.dtype() == dtype ? std::move(g) : g.to(dtype);
   if (!meta.grad) {
     // Own the gradient's memory: a gradient that is a view of something else would alias.
@@ -191,6 +199,15 @@ void backward(const Tensor& root, const Tensor& grad_root) {
     order.push_back(node);
     stack.pop_back();
   }
+  // A gradient consumer (an update during the backward pass) needs the leaf's whole gradient at
+  // once: a leaf that will get several (a shared weight) or already has one keeps the ordinary
+  // accumulation.
+  std::unordered_map<AutogradMeta*, int> uses;
+  for (Node* node : order)
+    for (const Node::Input& in : node->inputs())
+      if (in.leaf && in.leaf->consume_grad) ++uses[in.leaf.get()];
+  for (auto& [meta, count] : uses)
+    if (count > 1 || meta->grad) meta->consume_grad = nullptr;
   std::unordered_map<Node*, Tensor> pending;
   pending[root.grad_fn().get()] = seed;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <optional>
@@ -90,6 +91,13 @@ struct AutogradMeta {
   // leaf was what they read; see Tensor::stand_in_for).
   DType dtype = DType::f32;
   std::shared_ptr<autograd::Node> grad_fn;  // null for leaves
+  // Set on a leaf by an optimizer that updates it during the backward pass
+  // (optim::Optimizer::begin_backward_step): the leaf's gradient, converted to grad_dtype as
+  // `grad` would hold it (elements [begin, begin+n) of the flat tensor, contiguous, of dtype
+  // `dtype`), goes to this function instead of into `grad`. The backward pass clears it once
+  // used, and beforehand where the leaf would get more than one gradient (a shared weight) or
+  // already has one.
+  std::function<void(int64_t begin, int64_t n, const void* g, DType dtype)> consume_grad;
 };
 
 class Tensor {

@@ -172,8 +172,19 @@ StepReport Optimizer::step(const StepOptions& so) {
     }
   }
   // Pass 2: unscale, clip, update, round.
-  ++steps_;
-  begin_step();
+  if (backward_step_) {
+    MANTISSA_CHECK(so.grad_scale == 1 && so.max_grad_norm <= 0 && !so.skip_nonfinite,
+                   "internal: a step begun in the backward pass cannot scale, clip or skip",
+                   "report this as a bug");
+    backward_step_ = false;
+    for (auto& p : params_) {
+      AutogradMeta* meta = p.tensor->autograd_meta().get();
+      if (meta) meta->consume_grad = nullptr;
+    }
+  } else {
+    ++steps_;
+    begin_step();
+  }
   const std::string op = name();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!grads[i].defined()) continue;
@@ -183,6 +194,65 @@ StepReport Optimizer::step(const StepOptions& so) {
   return report;
 }
 
+std::vector<Tensor*> Optimizer::state_buffers(size_t i, bool* fresh) {
+  const size_t nb = buffers_used();
+  std::vector<Tensor*> bufs(nb);
+  *fresh = false;
+  for (size_t k = 0; k < nb; ++k) {
+    *fresh = *fresh || !has_state(i, k);
+    bufs[k] = &state(i, k);
+  }
+  return bufs;
+}
+
+void Optimizer::update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t b, int64_t n,
+                                const char* g, DType gt) const {
+  const size_t i = a.param;
+  Tensor& p = *params_[i].tensor;
+  const size_t nb = buffers_used();
+  const Tensor* master = masters_[i].defined() ? &masters_[i] : nullptr;
+  const Tensor& target = master ? *master : p;
+  constexpr size_t kParamBuffer = 15;
+  auto at = [b](const Tensor& t) {
+    return static_cast<char*>(const_cast<void*>(t.data_ptr())) +
+           b * static_cast<int64_t>(dtype_size(t.dtype()));
+  };
+  if (!sr_seed_ && nb == 2) {
+    const detail::DirectChunk dc{at(p),
+                                 p.dtype(),
+                                 const_cast<char*>(g),
+                                 gt,
+                                 at(*bufs[0]),
+                                 bufs[0]->dtype(),
+                                 at(*bufs[1]),
+                                 bufs[1]->dtype(),
+                                 master ? const_cast<float*>(master->data<float>()) + b : nullptr};
+    if (update_chunk_direct(a, dc, n)) return;
+  }
+  Staged ps(target, b, n);
+  float gbuf[kChunk];
+  const float* gp = reinterpret_cast<const float*>(g);
+  if (gt != DType::f32) {
+    kernels::load_f32(g, gt, 1, n, gbuf);
+    gp = gbuf;
+  }
+  std::optional<Staged> ss[2];
+  float* sp[2] = {nullptr, nullptr};
+  for (size_t k = 0; k < nb; ++k) {
+    ss[k].emplace(*bufs[k], b, n);
+    sp[k] = ss[k]->data();
+  }
+  update_chunk(a, ps.data(), gp, sp, n);
+  for (size_t k = 0; k < nb; ++k) ss[k]->store(rounding(i, k, b));
+  if (master) {
+    // The 16-bit working copy, rounded from the master while the chunk is in cache.
+    convert(ps.data(), DType::f32, static_cast<char*>(p.data_ptr()) + b * dtype_size(p.dtype()),
+            p.dtype(), static_cast<size_t>(n), rounding(i, kParamBuffer, b));
+  } else {
+    ps.store(rounding(i, kParamBuffer, b));
+  }
+}
+
 void Optimizer::update_param(size_t i, const Tensor& g, float unscale, float clip) {
   Tensor& p = *params_[i].tensor;
   MANTISSA_CHECK(p.is_contiguous(), "parameter '" + params_[i].name + "' is not contiguous", "");
@@ -190,44 +260,45 @@ void Optimizer::update_param(size_t i, const Tensor& g, float unscale, float cli
   a.param = i;
   a.unscale = unscale;
   a.clip = clip;
-  const size_t nb = buffers_used();
-  std::vector<Tensor*> bufs(nb);
-  for (size_t k = 0; k < nb; ++k) {
-    a.fresh_state = a.fresh_state || !has_state(i, k);
-    bufs[k] = &state(i, k);
-  }
-  Tensor* master = masters_[i].defined() ? &masters_[i] : nullptr;
-  Tensor& target = master ? *master : p;
-  constexpr size_t kParamBuffer = 15;
+  const std::vector<Tensor*> bufs = state_buffers(i, &a.fresh_state);
+  const char* gb = static_cast<const char*>(g.data_ptr());
+  const int64_t gs = static_cast<int64_t>(dtype_size(g.dtype()));
   for_chunks(p.numel(), [&](int64_t b, int64_t n) {
-    if (!sr_seed_ && nb == 2) {
-      auto at = [b](const Tensor& t) {
-        return static_cast<char*>(const_cast<void*>(t.data_ptr())) +
-               b * static_cast<int64_t>(dtype_size(t.dtype()));
-      };
-      const detail::DirectChunk dc{
-          at(p),        p.dtype(),        at(g),
-          g.dtype(),    at(*bufs[0]),     bufs[0]->dtype(),
-          at(*bufs[1]), bufs[1]->dtype(), master ? master->data<float>() + b : nullptr};
-      if (update_chunk_direct(a, dc, n)) return;
-    }
-    Staged ps(target, b, n), gs(g, b, n);
-    std::optional<Staged> ss[2];
-    float* sp[2] = {nullptr, nullptr};
-    for (size_t k = 0; k < nb; ++k) {
-      ss[k].emplace(*bufs[k], b, n);
-      sp[k] = ss[k]->data();
-    }
-    update_chunk(a, ps.data(), gs.data(), sp, n);
-    for (size_t k = 0; k < nb; ++k) ss[k]->store(rounding(i, k, b));
-    if (master) {
-      // The 16-bit working copy, rounded from the master while the chunk is in cache.
-      convert(ps.data(), DType::f32, static_cast<char*>(p.data_ptr()) + b * dtype_size(p.dtype()),
-              p.dtype(), static_cast<size_t>(n), rounding(i, kParamBuffer, b));
-    } else {
-      ps.store(rounding(i, kParamBuffer, b));
-    }
+    update_elements(a, bufs.data(), b, n, gb + b * gs, g.dtype());
   });
+}
+
+size_t Optimizer::begin_backward_step() {
+  MANTISSA_CHECK(!backward_step_, "internal: begin_backward_step twice without step()",
+                 "report this as a bug");
+  ++steps_;
+  begin_step();
+  backward_step_ = true;
+  size_t installed = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = *params_[i].tensor;
+    AutogradMeta* meta = p.autograd_meta().get();
+    if (!meta || !p.requires_grad() || !p.is_contiguous() || meta->grad) continue;
+    meta->consume_grad = [this, i, op = name()](int64_t begin, int64_t n, const void* g, DType gt) {
+      // Called once, on the thread running the backward pass: the state is made here, as the
+      // ordinary step makes it for a parameter that has a gradient.
+      ProfileTimer timed("in-backward", params_[i].name, op);
+      ChunkArgs a;
+      a.param = i;
+      const std::vector<Tensor*> bufs = state_buffers(i, &a.fresh_state);
+      // Chunks start at multiples of the chunk size from `begin`, as in update_param.
+      auto run = [&](size_t c0, size_t c1) {
+        for (size_t c = c0; c < c1; c += kChunk) {
+          const int64_t len = static_cast<int64_t>(std::min<size_t>(kChunk, c1 - c));
+          update_elements(a, bufs.data(), begin + static_cast<int64_t>(c), len,
+                          static_cast<const char*>(g) + c * dtype_size(gt), gt);
+        }
+      };
+      parallel_for(static_cast<size_t>(n), 1 << 15, default_num_threads(), run);
+    };
+    ++installed;
+  }
+  return installed;
 }
 
 void Optimizer::zero_grad() {

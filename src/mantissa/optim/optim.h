@@ -56,6 +56,20 @@ class Optimizer {
   const ParamList& params() const { return params_; }
   const StateTypes& state_types() const { return types_; }
 
+  // Updates during the backward pass (PyTorch's optimizer-in-backward): begin_backward_step()
+  // starts the step (counts it, sets its scalars) and gives each eligible parameter a gradient
+  // consumer (AutogradMeta::consume_grad) that applies the update as soon as the backward pass
+  // has the gradient, which is then dropped instead of stored: gradients do not pile up over
+  // the backward pass, and each is read while it is still in cache. step() then updates the
+  // parameters whose gradients were stored the ordinary way (a shared weight). The arithmetic is
+  // the ordinary step's, bit for bit; only a step that needs nothing global qualifies (the
+  // caller's to decide: no clipping, no inf/NaN skip, no loss scale, one backward pass).
+  // Eligible: contiguous parameters (any dtype, master copies too). An exception in the
+  // backward pass leaves the parameters updated so far updated. Returns how many parameters got
+  // a consumer.
+  size_t begin_backward_step();
+  bool in_backward_step() const { return backward_step_; }
+
   // FP32 master copies of the 16-bit parameters, made now from their current values (charged to
   // MemoryCategory::master_weights): the update runs on the masters and rounds each into its
   // 16-bit parameter in the same pass.
@@ -110,12 +124,19 @@ class Optimizer {
   Tensor& state(size_t i, size_t k);
   bool has_state(size_t i, size_t k) const;
   void update_param(size_t i, const Tensor& g, float unscale, float clip);
+  // The state buffers of parameter i (created on first use) and whether any was created now.
+  std::vector<Tensor*> state_buffers(size_t i, bool* fresh);
+  // Updates elements [b, b + n) (n <= the chunk size) of parameter i from its gradient's values
+  // there, `g` (dtype gt, contiguous).
+  void update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t b, int64_t n, const char* g,
+                       DType gt) const;
   CastOptions rounding(size_t i, size_t buffer, int64_t begin) const;
 
   std::vector<std::vector<Tensor>> state_;  // [param][buffer]
   std::vector<Tensor> masters_;             // [param]: undefined where there is none
   bool masters_enabled_ = false;
   std::optional<uint64_t> sr_seed_;
+  bool backward_step_ = false;  // begin_backward_step() ran; step() has not yet
 };
 
 struct SgdOptions {

@@ -502,6 +502,11 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
     // Scaled in FP32: S * loss; the optimizer multiplies the gradients by 1/S.
     default_memory_tracker().set_phase("backward");
     const double s = scale * factor;
+    // Parameters update as their gradients come (bit for bit the step below) when the step needs
+    // nothing global: no clipping, no loss scale, one backward pass, no gradient reports.
+    if (config_.update_in_backward && N == 1 && !scaler_ && config_.max_grad_norm <= 0 &&
+        !numerics && !config_.detect_anomaly && !config_.recompute)
+      optimizer_->begin_backward_step();
     {
       ProfileTimer timed("step", "", "backward");
       autograd::backward(s != 1.0 ? ops::mul_scalar(loss, s) : loss);
@@ -836,7 +841,7 @@ std::string profile_table(const TrainResult& r) {
                  double seconds, double calls) {
     const double ms = seconds / steps * 1e3;
     const std::string c = calls > 0 ? fmt("%.0f", calls / steps) : std::string();
-    std::snprintf(line, sizeof line, "  %-10s %-24s %-18s %9.3f %6.1f%% %6s", phase.c_str(),
+    std::snprintf(line, sizeof line, "  %-11s %-24s %-18s %9.3f %6.1f%% %6s", phase.c_str(),
                   where.c_str(), op.c_str(), ms, total > 0 ? ms / (total * 1e3) * 100 : 0,
                   c.c_str());
     std::string l = line;
@@ -845,7 +850,7 @@ std::string profile_table(const TrainResult& r) {
   };
   o << "profile: " << r.profiled_steps << " steps, " << fmt("%.3f", total * 1e3)
     << " ms a step (wall clock; a multithreaded op's time includes its workers')\n";
-  std::snprintf(line, sizeof line, "  %-10s %-24s %-18s %9s %7s %6s\n", "phase", "module", "op",
+  std::snprintf(line, sizeof line, "  %-11s %-24s %-18s %9s %7s %6s\n", "phase", "module", "op",
                 "ms/step", "share", "calls");
   o << line;
   auto step_seconds = [&](const char* op) {
@@ -854,10 +859,15 @@ std::string profile_table(const TrainResult& r) {
     return 0.0;
   };
   double accounted = 0;
-  for (const char* phase : {"data", "forward", "backward", "recompute", "optimizer", "zero_grad"}) {
-    const bool inclusive_only = std::string(phase) == "data" || std::string(phase) == "zero_grad";
+  for (const char* phase :
+       {"data", "forward", "backward", "recompute", "in-backward", "optimizer", "zero_grad"}) {
+    const std::string ph = phase;
+    const bool inclusive_only = ph == "data" || ph == "zero_grad";
+    // Recomputed forwards and updates in the backward pass run inside the backward rows of
+    // their modules: listed, not added again.
+    const bool nested = ph == "recompute" || ph == "in-backward";
     const double inclusive = step_seconds(phase);
-    if (std::string(phase) != "recompute") accounted += inclusive;
+    if (!nested) accounted += inclusive;
     if (inclusive_only) {
       if (inclusive > 0) row(phase, "", "", inclusive, 0);
       continue;
@@ -868,8 +878,7 @@ std::string profile_table(const TrainResult& r) {
       row(phase, p.where.empty() ? "-" : p.where, p.op, p.seconds, static_cast<double>(p.calls));
       inside += p.seconds;
     }
-    // Recomputed forwards run inside the backward rows of their modules.
-    if (std::string(phase) == "recompute") continue;
+    if (nested) continue;
     if (inclusive > 0) row(phase, "(rest)", "", std::max(0.0, inclusive - inside), 0);
   }
   row("(loop)", "(rest)", "", std::max(0.0, r.train_seconds - accounted), 0);
@@ -921,6 +930,7 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
                  {"eight_bit_io", c.eight_bit_io},
                  {"detect_anomaly", c.detect_anomaly},
                  {"profile", c.profile},
+                 {"update_in_backward", c.update_in_backward},
                  {"recompute", c.recompute},
                  {"numerics_report", c.numerics_report},
                  {"async_dataloader", c.async_loader},

@@ -107,6 +107,13 @@ struct TrainConfig {
   std::string numerics_report;
   int64_t numerics_every = 50;
 
+  // Apply the optimizer's update to each parameter as soon as the backward pass has its gradient
+  // (optim::Optimizer::begin_backward_step), when a step needs nothing global (no clipping, no
+  // loss scaling, no gradient accumulation, no anomaly detection, numerics report or
+  // recomputation): the same arithmetic, bit for bit, and the gradients are not kept (lower peak
+  // memory). false: always the ordinary step after the backward pass.
+  bool update_in_backward = true;
+
   // Time every layer's forward, every autograd node's backward and every parameter's update, and
   // print the table (profile_table()) after training; TrainResult::profile keeps the rows.
   bool profile = false;
@@ -157,7 +164,8 @@ struct TrainResult {
   bool interrupted = false;  // stopped by request_stop() (Ctrl-C): a clean step boundary
   // With TrainConfig::profile: wall-clock rows over this run's training steps (phase "step" holds
   // the inclusive time of data, forward, backward, optimizer and zero_grad; phases "forward",
-  // "backward", "recompute" and "optimizer" the layers, autograd nodes and parameters inside them).
+  // "backward", "recompute" and "optimizer" the layers, autograd nodes and parameters inside them;
+  // "in-backward" the updates made in the backward pass, inside its rows).
   std::vector<ProfileRow> profile;
   int64_t profiled_steps = 0;
 };
