@@ -20,13 +20,6 @@ void Profiler::add(std::string_view phase, std::string_view where, std::string_v
   r.seconds += seconds;
 }
 
-double Profiler::phase_seconds(std::string_view phase) const {
-  double s = 0;
-  for (const ProfileRow& r : rows_)
-    if (r.phase == phase) s += r.seconds;
-  return s;
-}
-
 void Profiler::clear() {
   rows_.clear();
   index_.clear();

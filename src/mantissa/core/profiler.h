@@ -28,8 +28,6 @@ class Profiler {
   void add(std::string_view phase, std::string_view where, std::string_view op, double seconds);
   // In the order the rows were first seen (a forward pass, then its backward, ...).
   const std::vector<ProfileRow>& rows() const { return rows_; }
-  // Sum of the rows of one phase.
-  double phase_seconds(std::string_view phase) const;
   void clear();
 
  private:

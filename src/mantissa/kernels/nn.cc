@@ -995,7 +995,8 @@ Tensor avg_pool2d(const Tensor& x_in, const Pool2dParams& p, DType out) {
   const int64_t H = x.size(2), W = x.size(3), Ho = ys[2], Wo = ys[3];
   Tensor y = Tensor::empty(ys, out, charged_to(MemoryCategory::activations));
   for_each_plane(x, ys[0] * ys[1], H * W, [&](int64_t pl, const float* in) {
-    std::vector<float> row(static_cast<size_t>(Ho * Wo));
+    OutPlane plane(y, pl, Ho * Wo);
+    float* row = plane.data();
     for (int64_t oh = 0; oh < Ho; ++oh)
       for (int64_t ow = 0; ow < Wo; ++ow) {
         const AvgWindow win = avg_window(p, H, W, oh, ow);
@@ -1004,7 +1005,7 @@ Tensor avg_pool2d(const Tensor& x_in, const Pool2dParams& p, DType out) {
           for (int64_t w = win.w0; w < win.w1; ++w) s += in[h * W + w];
         row[oh * Wo + ow] = s * win.inv_count;
       }
-    store_f32(row.data(), Ho * Wo, bytes(y) + pl * Ho * Wo * esize(out), out, 1);
+    plane.flush();
   });
   return y;
 }
@@ -1015,15 +1016,17 @@ Tensor avg_pool2d_backward(const Tensor& dy_in, const Shape& x_shape, const Pool
   const int64_t H = x_shape[2], W = x_shape[3], Ho = dy.size(2), Wo = dy.size(3);
   Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
   for_each_plane(dy, x_shape[0] * x_shape[1], Ho * Wo, [&](int64_t pl, const float* g) {
-    std::vector<float> acc(static_cast<size_t>(H * W), 0.0f);
+    OutPlane plane(dx, pl, H * W);
+    float* acc = plane.data();
+    std::fill(acc, acc + H * W, 0.0f);
     for (int64_t oh = 0; oh < Ho; ++oh)
       for (int64_t ow = 0; ow < Wo; ++ow) {
         const AvgWindow win = avg_window(p, H, W, oh, ow);
         const float v = g[oh * Wo + ow] * win.inv_count;
         for (int64_t h = win.h0; h < win.h1; ++h)
-          for (int64_t w = win.w0; w < win.w1; ++w) acc[static_cast<size_t>(h * W + w)] += v;
+          for (int64_t w = win.w0; w < win.w1; ++w) acc[h * W + w] += v;
       }
-    store_f32(acc.data(), H * W, bytes(dx) + pl * H * W * esize(out), out, 1);
+    plane.flush();
   });
   return dx;
 }
@@ -1046,7 +1049,8 @@ Tensor adaptive_avg_pool2d(const Tensor& x_in, int64_t out_h, int64_t out_w, DTy
   Tensor y = Tensor::empty({x.size(0), x.size(1), out_h, out_w}, out,
                            charged_to(MemoryCategory::activations));
   for_each_plane(x, x.size(0) * x.size(1), H * W, [&](int64_t pl, const float* in) {
-    std::vector<float> row(static_cast<size_t>(out_h * out_w));
+    OutPlane plane(y, pl, out_h * out_w);
+    float* row = plane.data();
     for (int64_t oh = 0; oh < out_h; ++oh)
       for (int64_t ow = 0; ow < out_w; ++ow) {
         const auto [h0, h1] = adaptive_range(oh, H, out_h);
@@ -1056,7 +1060,7 @@ Tensor adaptive_avg_pool2d(const Tensor& x_in, int64_t out_h, int64_t out_w, DTy
           for (int64_t w = w0; w < w1; ++w) s += in[h * W + w];
         row[oh * out_w + ow] = s / static_cast<float>((h1 - h0) * (w1 - w0));
       }
-    store_f32(row.data(), out_h * out_w, bytes(y) + pl * out_h * out_w * esize(out), out, 1);
+    plane.flush();
   });
   return y;
 }
@@ -1066,16 +1070,18 @@ Tensor adaptive_avg_pool2d_backward(const Tensor& dy_in, const Shape& x_shape, D
   const int64_t H = x_shape[2], W = x_shape[3], Ho = dy.size(2), Wo = dy.size(3);
   Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
   for_each_plane(dy, x_shape[0] * x_shape[1], Ho * Wo, [&](int64_t pl, const float* g) {
-    std::vector<float> acc(static_cast<size_t>(H * W), 0.0f);
+    OutPlane plane(dx, pl, H * W);
+    float* acc = plane.data();
+    std::fill(acc, acc + H * W, 0.0f);
     for (int64_t oh = 0; oh < Ho; ++oh)
       for (int64_t ow = 0; ow < Wo; ++ow) {
         const auto [h0, h1] = adaptive_range(oh, H, Ho);
         const auto [w0, w1] = adaptive_range(ow, W, Wo);
         const float v = g[oh * Wo + ow] / static_cast<float>((h1 - h0) * (w1 - w0));
         for (int64_t h = h0; h < h1; ++h)
-          for (int64_t w = w0; w < w1; ++w) acc[static_cast<size_t>(h * W + w)] += v;
+          for (int64_t w = w0; w < w1; ++w) acc[h * W + w] += v;
       }
-    store_f32(acc.data(), H * W, bytes(dx) + pl * H * W * esize(out), out, 1);
+    plane.flush();
   });
   return dx;
 }

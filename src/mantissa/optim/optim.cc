@@ -286,15 +286,10 @@ size_t Optimizer::begin_backward_step() {
       ChunkArgs a;
       a.param = i;
       const std::vector<Tensor*> bufs = state_buffers(i, &a.fresh_state);
-      // Chunks start at multiples of the chunk size from `begin`, as in update_param.
-      auto run = [&](size_t c0, size_t c1) {
-        for (size_t c = c0; c < c1; c += kChunk) {
-          const int64_t len = static_cast<int64_t>(std::min<size_t>(kChunk, c1 - c));
-          update_elements(a, bufs.data(), begin + static_cast<int64_t>(c), len,
-                          static_cast<const char*>(g) + c * dtype_size(gt), gt);
-        }
-      };
-      parallel_for(static_cast<size_t>(n), 1 << 15, default_num_threads(), run);
+      const int64_t gs = static_cast<int64_t>(dtype_size(gt));
+      for_chunks(n, [&](int64_t b, int64_t len) {
+        update_elements(a, bufs.data(), begin + b, len, static_cast<const char*>(g) + b * gs, gt);
+      });
     };
     ++installed;
   }

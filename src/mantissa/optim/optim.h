@@ -68,7 +68,6 @@ class Optimizer {
   // backward pass leaves the parameters updated so far updated. Returns how many parameters got
   // a consumer.
   size_t begin_backward_step();
-  bool in_backward_step() const { return backward_step_; }
 
   // FP32 master copies of the 16-bit parameters, made now from their current values (charged to
   // MemoryCategory::master_weights): the update runs on the masters and rounds each into its
