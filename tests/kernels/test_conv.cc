@@ -125,13 +125,17 @@ const std::vector<Geometry>& geometries() {
       // the tutorial CNN, batch 3: conv1 (direct), conv2 (implicit)
       {"tutorial_conv1", {3, 1, 128, 128}, {5, 1, 3, 3}, params(1, 0)},
       {"tutorial_conv2", {3, 5, 63, 63}, {12, 5, 5, 5}, params(1, 0)},
-      // ResNet-18 (CIFAR stem) shapes at reduced width: 3x3 pad 1 at 32x32 (implicit; weight
-      // gradient through the GEMM above 16 channels, lane-split dot products at 16 or fewer),
-      // 16x16 and 8x8 (im2col: too many dropped columns), a stride-2 3x3 and 1x1 (im2col)
+      // ResNet-18 (CIFAR stem) shapes at reduced width: 3x3 pad 1 at 32x32, 16x16, 8x8 and 4x4
+      // (implicit with dense columns: slivers of 16 read in place, rows of 8 and 4 packed in
+      // runs; weight gradient through the GEMM above 16 channels, lane-split dot products at 16
+      // or fewer), a stride-2 3x3 and 1x1 (im2col)
       {"resnet_3x3_32", {2, 16, 32, 32}, {16, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_32_wide", {2, 16, 32, 32}, {24, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_16", {2, 16, 16, 16}, {24, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_8", {2, 16, 8, 8}, {24, 16, 3, 3}, params(1, 1)},
+      {"resnet_3x3_4", {3, 16, 4, 4}, {24, 16, 3, 3}, params(1, 1)},
+      // dense columns whose slivers join rows of different images (3 rows of 8 per image)
+      {"dense_rows_of_8_across_images", {3, 8, 3, 8}, {12, 8, 3, 3}, params(1, 1)},
       {"resnet_3x3_stride2", {2, 16, 16, 16}, {32, 16, 3, 3}, params(2, 1)},
       {"resnet_1x1_stride2", {2, 16, 16, 16}, {32, 16, 1, 1}, params(2, 0)},
       // dilation (implicit), padding wider than the kernel reaches (backward-input via im2col),

@@ -4,6 +4,7 @@
 #include "mantissa/kernels/gemm.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -216,6 +217,53 @@ void pack_listed_columns(const OffsetMatrix& B, int64_t j0, int64_t lines, int64
   }
 }
 
+// Copies `count` runs of L consecutive floats: run r from row + base[r] to dst + r * L.
+template <int L>
+inline void copy_runs(const float* row, const int64_t* base, int count, float* dst) {
+  for (int r = 0; r < count; ++r) std::memcpy(dst + r * L, row + base[r], L * sizeof(float));
+}
+
+// Packs columns [j0, j0 + w) (w <= 16) of a row-listed B, depth [pc, pc + kc), into one sliver
+// (zero past w). The columns are copied in runs that are consecutive in memory: runs of 16, 8 or
+// 4 (a 16-, 8- or 4-wide output row of a convolution) with fixed-size copies, others one by one.
+void pack_row_listed_sliver(const OffsetMatrix& B, int64_t j0, int64_t w, int64_t pc, int64_t kc,
+                            float* dst) {
+  int start[kNR + 1];
+  int64_t base[kNR];
+  int runs = 0;
+  for (int64_t i = 0; i < w; ++i) {
+    const int64_t c = B.col_offset ? B.col_offset[j0 + i] : j0 + i;
+    if (runs == 0 || c != base[runs - 1] + (i - start[runs - 1])) {
+      start[runs] = static_cast<int>(i);
+      base[runs] = c;
+      ++runs;
+    }
+  }
+  start[runs] = static_cast<int>(w);
+  int uniform = w == kNR ? kNR / runs : 0;  // the common run length, if every run has it
+  for (int r = 0; r < runs && uniform; ++r)
+    if (start[r + 1] - start[r] != uniform) uniform = 0;
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* row = B.data + B.row_offset[pc + k];
+    float* d = dst + k * kNR;
+    switch (uniform) {
+      case 16:
+        copy_runs<16>(row, base, runs, d);
+        break;
+      case 8:
+        copy_runs<8>(row, base, runs, d);
+        break;
+      case 4:
+        copy_runs<4>(row, base, runs, d);
+        break;
+      default:
+        for (int r = 0; r < runs; ++r)
+          for (int i = start[r]; i < start[r + 1]; ++i) d[i] = row[base[r] + (i - start[r])];
+        std::fill(d + w, d + kNR, 0.0f);
+    }
+  }
+}
+
 // One thread's whole GEMM on the block C[m0:m1, n0:n1]: the BLIS loop nest (NC columns, KC depth,
 // MC rows, then 16 x 6 micro-tiles), with its own packing buffers and no synchronisation.
 void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float alpha,
@@ -254,24 +302,34 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
     }
     const int64_t n_slivers = (nc + kNR - 1) / kNR;
     const int64_t k_blocks = K == 0 ? 1 : (K + kKC - 1) / kKC;
+    // Where each sliver of this column block is read: a row-listed B's full slivers whose 16
+    // columns are consecutive in memory are read in place by the rows micro-kernel, at
+    // data + in_place[s] (no packing); the others are packed, sliver s into slot[s] of bp.
+    const OffsetMatrix& Bo = B.offsets;
+    const bool rows_listed = Bo.row_offset != nullptr;
+    std::array<int64_t, kNC / kNR> in_place, slot;
+    int64_t n_packed = 0;
+    for (int64_t s = 0; s < n_slivers; ++s) {
+      const int64_t j = jc + s * kNR;
+      in_place[s] = -1;
+      if (rows_listed && nc - s * kNR >= kNR) {
+        const int64_t c0 = Bo.col_offset ? Bo.col_offset[j] : j;
+        bool consecutive = true;
+        for (int64_t i = 1; i < kNR && consecutive && Bo.col_offset; ++i)
+          consecutive = Bo.col_offset[j + i] == c0 + i;
+        if (consecutive) in_place[s] = c0;
+      }
+      if (in_place[s] < 0) slot[s] = n_packed++;
+    }
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
       const int64_t pc = kb * kKC, kc = std::min(kKC, K - pc);
-      // Row-listed B: whole 16-column slivers are read in place by the rows micro-kernel (no
-      // packing); only a last partial sliver is packed (zero-filled), so no column past N is read.
-      const OffsetMatrix& Bo = B.offsets;
-      const bool in_place = Bo.row_offset != nullptr;
-      const int64_t full_slivers = in_place ? nc / kNR : 0;
-      float* bp = scratch(
-          kPackB, static_cast<size_t>((n_slivers - full_slivers) * std::max<int64_t>(kc, 1) * kNR));
-      if (in_place) {
-        if (full_slivers < n_slivers) {
-          const int64_t j0 = jc + full_slivers * kNR, w = jc + nc - j0;
-          for (int64_t k = 0; k < kc; ++k) {
-            std::memcpy(bp + k * kNR, Bo.data + Bo.row_offset[pc + k] + j0,
-                        static_cast<size_t>(w) * sizeof(float));
-            std::fill(bp + k * kNR + w, bp + (k + 1) * kNR, 0.0f);
-          }
-        }
+      // A packed partial sliver is zero past N: no column past N is read.
+      float* bp = scratch(kPackB, static_cast<size_t>(n_packed * std::max<int64_t>(kc, 1) * kNR));
+      if (rows_listed) {
+        for (int64_t s = 0; s < n_slivers; ++s)
+          if (in_place[s] < 0)
+            pack_row_listed_sliver(Bo, jc + s * kNR, std::min<int64_t>(kNR, nc - s * kNR), pc, kc,
+                                   bp + slot[s] * kc * kNR);
       } else if (Bo.col_offset) {
         pack_listed_columns(Bo, jc, nc, pc, kc, bp);
       } else {
@@ -283,11 +341,11 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
       // One 6 x 16 tile: sliver s of B against the packed A sliver as.
       auto tile = [&](int64_t s, const float* as, float* c, int64_t ldc, bool load_c,
                       float bscale) {
-        if (s < full_slivers)
-          rows_micro(kc, as, Bo.data + jc + s * kNR, Bo.row_offset + pc, c, ldc, load_c, bscale,
+        if (in_place[s] >= 0)
+          rows_micro(kc, as, Bo.data + in_place[s], Bo.row_offset + pc, c, ldc, load_c, bscale,
                      f16p);
         else
-          micro(kc, as, bp + (s - full_slivers) * kc * kNR, c, ldc, load_c, bscale, f16p);
+          micro(kc, as, bp + slot[s] * kc * kNR, c, ldc, load_c, bscale, f16p);
       };
       // beta applies on the first depth panel only; later panels add to what is there.
       const bool load_c = kb > 0 || beta != 0.0f;
@@ -394,9 +452,9 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, const OffsetMatrix& B,
           float beta, Matrix C, const GemmOptions& opt) {
   check_dtypes(A, {B.data, DType::f32, 0, 0}, C);
-  MANTISSA_CHECK((B.row_offset != nullptr) != (B.col_offset != nullptr),
-                 "gemm: an OffsetMatrix lists its rows or its columns, not both or neither",
-                 "set exactly one of row_offset and col_offset");
+  MANTISSA_CHECK(B.row_offset != nullptr || B.col_offset != nullptr,
+                 "gemm: an OffsetMatrix lists neither its rows nor its columns",
+                 "set row_offset, col_offset or both");
   BSource src;
   src.offsets = B;
   gemm_driver(M, N, K, alpha, A, src, beta, C, opt);

@@ -44,11 +44,16 @@ struct GemmOptions {
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B, float beta,
           Matrix C, const GemmOptions& opt = {});
 
-// An FP32 B operand located by where its rows, or its columns, start: element (k, n) at
-//   data + row_offset[k] + n   (rows listed, K entries: each row's N values contiguous), or
-//   data + col_offset[n] + k   (columns listed, N entries: each column's K values contiguous).
-// Exactly one table is given. Implicit-GEMM convolution reads an image this way (row k of the
-// column matrix is the image shifted by tap k) instead of materializing the columns.
+// An FP32 B operand located by tables of offsets: element (k, n) at data + r(k) + c(n), where
+// r(k) = row_offset[k] (K entries) or k when row_offset is null, and c(n) = col_offset[n]
+// (N entries) or n when col_offset is null. So
+//   rows listed:    data + row_offset[k] + n   (each row's N values contiguous),
+//   columns listed: data + col_offset[n] + k   (each column's K values contiguous),
+//   both listed:    data + row_offset[k] + col_offset[n].
+// At least one table is given. Implicit-GEMM convolution reads an image this way (row k of the
+// column matrix is the image shifted by tap k; with both listed, column n is output position n)
+// instead of materializing the columns. With rows listed, 16 columns that are consecutive in
+// memory are read in place; other columns are packed.
 struct OffsetMatrix {
   const float* data = nullptr;
   const int64_t* row_offset = nullptr;

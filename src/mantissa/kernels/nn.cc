@@ -374,6 +374,10 @@ Tensor byte_workspace(int64_t elements, DType t) {
 // reads those rows in place (OffsetMatrix) instead of an im2col copy KH*KW times the image. The
 // wide columns that are not output positions (ow >= Wo, or the padding rows between images) are
 // computed and dropped: Hp*Wp / (Ho*Wo) times the multiply-adds, which use_implicit bounds.
+// When the output rows are a multiple of 16 wide, or 8 or 4 wide, the columns are instead the
+// output positions themselves ("dense": column n = (img, oh, ow) at img*Hp*Wp + oh*Wp + ow, listed
+// to the GEMM as col_offset): a 16-column sliver is then one output row's 16 consecutive positions,
+// read in place, or two rows of 8 or four rows of 4, packed in runs. Nothing is computed twice.
 struct ImplicitConv {
   int64_t N, C, H, W, O, KH, KW, pad_h, pad_w, dil_h, dil_w, Ho, Wo, Hp, Wp, plane;
   ImplicitConv(const Shape& x, int64_t o, int64_t kh, int64_t kw, int64_t ph, int64_t pw,
@@ -400,11 +404,13 @@ struct ImplicitConv {
   int64_t chunk() const {
     return std::clamp<int64_t>(column_budget() / std::max<int64_t>((C + O) * plane, 1), 1, N);
   }
-  // At most 1.15x the multiply-adds (measured on ResNet-18's 3x3 layers at batch 64: 32x32
-  // planes, 1.13x, gain 5-45%; 16x16 planes, 1.27x, lose 15-20% against im2col, which batches
-  // images densely).
+  // Output rows whose positions fill the GEMM's 16-column slivers exactly.
+  bool dense() const { return Wo % 16 == 0 || Wo == 8 || Wo == 4; }
+  // Dense, or at most 1.15x the multiply-adds in wide columns (measured on ResNet-18's 3x3 layers
+  // at batch 64: 32x32 planes, 1.13x, gain 5-45%; 16x16 planes, 1.27x, lose 15-20% against
+  // im2col, which batches images densely).
   bool worthwhile() const {
-    return Ho >= 1 && Wo >= 1 && Ho * Wo >= 64 && 20 * plane <= 23 * Ho * Wo;
+    return Ho >= 1 && Wo >= 1 && (dense() || (Ho * Wo >= 64 && 20 * plane <= 23 * Ho * Wo));
   }
 };
 
@@ -470,21 +476,33 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
   const int64_t nb_max = g.chunk();
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
   Tensor wide = f32_workspace({g.O * nb_max * g.plane});  // (O, nb * Hp * Wp)
-  std::vector<int64_t> offset;
+  std::vector<int64_t> offset, position;
+  const bool dense = g.dense();
+  const int64_t HWo = g.Ho * g.Wo;
   GemmOptions go;
   go.partials = partials;
   for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
-    const int64_t nb = std::min(nb_max, g.N - n0), Nw = wide_columns(g, nb);
+    const int64_t nb = std::min(nb_max, g.N - n0), Nw = dense ? nb * HWo : wide_columns(g, nb);
     float* xp = xpad.data<float>();
     pad_images(x, g, n0, nb, xp);
     tap_offsets(g, nb, offset);
     OffsetMatrix B;
     B.data = xp;
     B.row_offset = offset.data();
+    if (dense) {
+      position.resize(static_cast<size_t>(Nw));
+      for (int64_t img = 0; img < nb; ++img)
+        for (int64_t oh = 0; oh < g.Ho; ++oh)
+          for (int64_t ow = 0; ow < g.Wo; ++ow)
+            position[static_cast<size_t>((img * g.Ho + oh) * g.Wo + ow)] =
+                img * g.plane + oh * g.Wp + ow;
+      B.col_offset = position.data();
+    }
     gemm(g.O, Nw, CKK, 1.0f, w, B, 0.0f, {wide.data_ptr(), DType::f32, Nw, 1}, go);
     // Keep the output positions, add the bias, round once into y's dtype.
     const float* a = wide.data<float>();
-    const int64_t HWo = g.Ho * g.Wo;
+    // Where output (img, oh, ow) is in a row of the GEMM's result.
+    const int64_t img_stride = dense ? HWo : g.plane, row_stride = dense ? g.Wo : g.Wp;
     parallel_for(
         static_cast<size_t>(nb * g.O), 1,
         nb * g.O * HWo >= kParallelElements ? default_num_threads() : 1, [&](size_t r0, size_t r1) {
@@ -492,10 +510,10 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
           for (size_t r = r0; r < r1; ++r) {
             const int64_t img = static_cast<int64_t>(r) / g.O, o = static_cast<int64_t>(r) % g.O;
             const float bo = bias.empty() ? 0.0f : bias[static_cast<size_t>(o)];
-            const float* src = a + o * Nw + img * g.plane;
+            const float* src = a + o * Nw + img * img_stride;
             for (int64_t oh = 0; oh < g.Ho; ++oh)
               for (int64_t ow = 0; ow < g.Wo; ++ow)
-                plane[static_cast<size_t>(oh * g.Wo + ow)] = src[oh * g.Wp + ow] + bo;
+                plane[static_cast<size_t>(oh * g.Wo + ow)] = src[oh * row_stride + ow] + bo;
             store_f32(plane.data(), HWo, bytes(y) + ((n0 + img) * g.O + o) * HWo * esize(out), out,
                       1);
           }
@@ -724,16 +742,32 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
       tp_w >= 0) {
     const ImplicitConv t(dy.shape(), g.C, g.KH, g.KW, tp_h, tp_w, g.p.dilation_h, g.p.dilation_w);
     if (t.worthwhile() && t.Ho == g.H && t.Wo == g.W) {
-      const Tensor w32 = w.to(DType::f32);
-      const float* wd = w32.data<float>();
-      Tensor wt = f32_workspace({g.C, g.O * g.KH * g.KW});
-      float* wtd = wt.data<float>();
+      // The flipped weights in w's own dtype (the GEMM converts while packing): no FP32 copy of
+      // 16-bit weights.
+      Tensor wt = byte_workspace(g.C * g.O * g.KH * g.KW, w.dtype());
       const int64_t KK = g.KH * g.KW;
-      for (int64_t o = 0; o < g.O; ++o)
-        for (int64_t c = 0; c < g.C; ++c)
-          for (int64_t k = 0; k < KK; ++k)
-            wtd[(c * g.O + o) * KK + (KK - 1 - k)] = wd[(o * g.C + c) * KK + k];
-      return implicit_conv(dy, t, {wtd, DType::f32, g.O * KK, 1}, {}, out, partials,
+      auto flip = [&](auto word) {
+        using Word = decltype(word);
+        const Word* wd = reinterpret_cast<const Word*>(bytes(w));
+        Word* wtd = reinterpret_cast<Word*>(bytes(wt));
+        for (int64_t o = 0; o < g.O; ++o)
+          for (int64_t c = 0; c < g.C; ++c)
+            for (int64_t k = 0; k < KK; ++k)
+              wtd[(c * g.O + o) * KK + (KK - 1 - k)] = wd[(o * g.C + c) * KK + k];
+      };
+      switch (esize(w.dtype())) {
+        case 4:
+          flip(uint32_t{});
+          break;
+        case 2:
+          flip(uint16_t{});
+          break;
+        default:
+          MANTISSA_CHECK(esize(w.dtype()) == 1, "conv2d backward: unexpected weight dtype",
+                         "report this as a bug");
+          flip(uint8_t{});
+      }
+      return implicit_conv(dy, t, {wt.data_ptr(), w.dtype(), g.O * KK, 1}, {}, out, partials,
                            MemoryCategory::gradients);
     }
   }
