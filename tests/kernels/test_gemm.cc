@@ -106,8 +106,11 @@ TEST(Gemm, ResultDoesNotDependOnThreads) {
 // stored densely. The listed lines are scattered in a larger buffer in a shuffled order, so an
 // offset taken from the wrong entry, or a read past a line, gives a different result (NaN fills
 // the gaps). With both listed, the columns lie in runs of `run` consecutive floats placed in a
-// shuffled order within each row: runs of 16 are read in place, others are packed.
-enum class Listed { kRows, kColumns, kBoth };
+// shuffled order within each row: runs of 16 are read in place, others are packed. With
+// kBothRowRuns the rows lie in runs of `run` consecutive floats and the columns are scattered (an
+// implicit weight gradient's positions and taps): packed by 8 x 8 transposes where 8 rows are
+// consecutive.
+enum class Listed { kRows, kColumns, kBoth, kBothRowRuns };
 
 void expect_offset_same(int64_t M, int64_t N, int64_t K, Listed listed, DType ta, DType tc,
                         float beta, Partials p, int threads, int64_t run = 16) {
@@ -131,6 +134,17 @@ void expect_offset_same(int64_t M, int64_t N, int64_t K, Listed listed, DType ta
     for (int64_t k = 0; k < K; ++k)
       row_off.push_back(gap + row_slot[static_cast<size_t>(k)] * span);
     buf.assign(static_cast<size_t>(gap + K * span + gap), NAN);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n)
+        buf[static_cast<size_t>(row_off[static_cast<size_t>(k)] +
+                                col_off[static_cast<size_t>(n)])] = d[k * N + n];
+  } else if (listed == Listed::kBothRowRuns) {
+    const int64_t runs = (K + run - 1) / run, span = gap + runs * (run + gap);
+    const std::vector<int64_t> run_slot = shuffled(runs, 15), col_slot = shuffled(N, 13);
+    for (int64_t k = 0; k < K; ++k)
+      row_off.push_back(gap + run_slot[static_cast<size_t>(k / run)] * (run + gap) + k % run);
+    for (int64_t n = 0; n < N; ++n) col_off.push_back(col_slot[static_cast<size_t>(n)] * span);
+    buf.assign(static_cast<size_t>(N * span + gap), NAN);
     for (int64_t k = 0; k < K; ++k)
       for (int64_t n = 0; n < N; ++n)
         buf[static_cast<size_t>(row_off[static_cast<size_t>(k)] +
@@ -160,7 +174,7 @@ void expect_offset_same(int64_t M, int64_t N, int64_t K, Listed listed, DType ta
   opt.partials = p;
   opt.threads = threads;
   gemm(M, N, K, 1.0f, A.view(), B, beta, C2.mut(), opt);
-  static const char* const kListed[] = {"rows", "columns", "both"};
+  static const char* const kListed[] = {"rows", "columns", "both", "both (row runs)"};
   EXPECT_EQ(C1.bytes, C2.bytes) << "M=" << M << " N=" << N << " K=" << K << " "
                                 << kListed[static_cast<int>(listed)] << " listed (runs of " << run
                                 << "), A " << dtype_name(ta) << " C " << dtype_name(tc) << " beta "
@@ -189,6 +203,18 @@ TEST(Gemm, OffsetMatrixWithBothTablesReadsRunsInPlaceOrPacked) {
       expect_offset_same(c.M, c.N, c.K, Listed::kBoth, DType::f32, DType::f32, 0.0f, Partials::kF32,
                          2, run);
       expect_offset_same(c.M, c.N, c.K, Listed::kBoth, DType::f16, DType::bf16, 1.0f,
+                         Partials::kF16, 1, run);
+    }
+}
+
+// Rows in runs, columns scattered: 8 x 8 transposes where 8 or more rows are consecutive (runs
+// of 32, 8 and 12, which leave 4), row by row otherwise (runs of 3); partial slivers (N = 45, 13).
+TEST(Gemm, OffsetMatrixWithRowRunsPacksByTransposes) {
+  for (int64_t run : {32, 8, 12, 3})
+    for (const Case& c : {Case{13, 45, 400}, Case{70, 13, 50}, Case{6, 1040, 20}}) {
+      expect_offset_same(c.M, c.N, c.K, Listed::kBothRowRuns, DType::f32, DType::f32, 0.0f,
+                         Partials::kF32, 2, run);
+      expect_offset_same(c.M, c.N, c.K, Listed::kBothRowRuns, DType::bf16, DType::f32, 0.5f,
                          Partials::kF16, 1, run);
     }
 }

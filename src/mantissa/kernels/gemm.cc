@@ -62,10 +62,10 @@ void portable_rows_kernel(int64_t kc, const float* a, const float* b, const int6
 
 }  // namespace
 
-void portable_interleave_fn(const float* src, int64_t ld, int rows, int64_t kc, float* dst,
+void portable_interleave_fn(const float* const* line, int rows, int64_t kc, float* dst,
                             int64_t dst_stride) {
   for (int64_t k = 0; k < kc; ++k)
-    for (int i = 0; i < rows; ++i) dst[k * dst_stride + i] = src[i * ld + k];
+    for (int i = 0; i < rows; ++i) dst[k * dst_stride + i] = line[i][k];
 }
 
 MicroKernel portable_micro_kernel() { return portable_kernel; }
@@ -129,8 +129,12 @@ const char* at(const void* base, DType t, int64_t offset) {
 // One sliver from `rows` (<= width) lines of kc FP32 values each, line r at src + r * ld:
 // interleaved 8 lines at a time, zero past the last line.
 void interleave_sliver(const float* src, int64_t ld, int rows, int64_t kc, int width, float* d) {
-  for (int r0 = 0; r0 < rows; r0 += 8)
-    kernels().interleave(src + r0 * ld, ld, std::min(8, rows - r0), kc, d + r0, width);
+  for (int r0 = 0; r0 < rows; r0 += 8) {
+    const int n = std::min(8, rows - r0);
+    const float* line[8];
+    for (int i = 0; i < n; ++i) line[i] = src + (r0 + i) * ld;
+    kernels().interleave(line, n, kc, d + r0, width);
+  }
   if (rows < width)
     for (int64_t k = 0; k < kc; ++k) std::fill(d + k * width + rows, d + (k + 1) * width, 0.0f);
 }
@@ -243,6 +247,36 @@ void pack_row_listed_sliver(const OffsetMatrix& B, int64_t j0, int64_t w, int64_
   int uniform = w == kNR ? kNR / runs : 0;  // the common run length, if every run has it
   for (int r = 0; r < runs && uniform; ++r)
     if (start[r + 1] - start[r] != uniform) uniform = 0;
+  if (!uniform && B.col_offset && runs > kNR / 4) {
+    // Short column runs (an implicit weight gradient's taps): where 8 or more rows are
+    // consecutive in memory (output positions along a row), transpose 8 x 8 blocks from the
+    // columns instead of copying column by column.
+    for (int64_t k = 0; k < kc;) {
+      const int64_t r0 = B.row_offset[pc + k];
+      int64_t run = 1;
+      while (k + run < kc && B.row_offset[pc + k + run] == r0 + run) ++run;
+      const int64_t span = run / 8 * 8;
+      if (span == 0) {
+        const float* row = B.data + r0;
+        float* d = dst + k * kNR;
+        for (int64_t i = 0; i < w; ++i) d[i] = row[B.col_offset[j0 + i]];
+        std::fill(d + w, d + kNR, 0.0f);
+        ++k;
+        continue;
+      }
+      for (int64_t g = 0; g < w; g += 8) {
+        const int n = static_cast<int>(std::min<int64_t>(8, w - g));
+        const float* line[8];
+        for (int i = 0; i < n; ++i) line[i] = B.data + r0 + B.col_offset[j0 + g + i];
+        kernels().interleave(line, n, span, dst + k * kNR + g, kNR);
+      }
+      if (w < kNR)
+        for (int64_t i = k; i < k + span; ++i)
+          std::fill(dst + i * kNR + w, dst + (i + 1) * kNR, 0.0f);
+      k += span;
+    }
+    return;
+  }
   for (int64_t k = 0; k < kc; ++k) {
     const float* row = B.data + B.row_offset[pc + k];
     float* d = dst + k * kNR;

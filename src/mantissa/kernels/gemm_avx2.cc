@@ -100,7 +100,7 @@ MANTISSA_AVX2 void rows_micro_kernel(int64_t kc, const float* a, const float* b,
 }
 
 // 8 x 8 transposes: rows of the source become columns of the destination.
-MANTISSA_AVX2 void interleave(const float* src, int64_t ld, int rows, int64_t kc, float* dst,
+MANTISSA_AVX2 void interleave(const float* const* line, int rows, int64_t kc, float* dst,
                               int64_t dst_stride) {
   const __m256i mask =
       _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -108,7 +108,7 @@ MANTISSA_AVX2 void interleave(const float* src, int64_t ld, int rows, int64_t kc
   for (; k + 8 <= kc; k += 8) {
     __m256 r[8];
     for (int i = 0; i < 8; ++i)
-      r[i] = i < rows ? _mm256_loadu_ps(src + i * ld + k) : _mm256_setzero_ps();
+      r[i] = i < rows ? _mm256_loadu_ps(line[i] + k) : _mm256_setzero_ps();
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
     const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
     const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -132,7 +132,7 @@ MANTISSA_AVX2 void interleave(const float* src, int64_t ld, int rows, int64_t kc
     }
   }
   for (; k < kc; ++k)
-    for (int i = 0; i < rows; ++i) dst[k * dst_stride + i] = src[i * ld + k];
+    for (int i = 0; i < rows; ++i) dst[k * dst_stride + i] = line[i][k];
 }
 
 }  // namespace

@@ -19,10 +19,11 @@ using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* 
 using RowsMicroKernel = void (*)(int64_t kc, const float* a, const float* b, const int64_t* b_off,
                                  float* c, int64_t ldc, bool load_c, float beta, bool f16_partials);
 
-// dst[k * dst_stride + r] = src[r * ld + k] for r < rows (rows <= 8), k < kc: the transposition
-// that packing needs when the packed direction is the strided one. May write up to 8 floats past
+// dst[k * dst_stride + r] = line[r][k] for r < rows (rows <= 8), k < kc: the transposition
+// that packing needs when the packed direction is the strided one (lines at a fixed stride, or
+// listed one by one as an implicit convolution's taps are). May write up to 8 floats past
 // dst + kc * dst_stride (packing buffers have that slack).
-using InterleaveFn = void (*)(const float* src, int64_t ld, int rows, int64_t kc, float* dst,
+using InterleaveFn = void (*)(const float* const* line, int rows, int64_t kc, float* dst,
                               int64_t dst_stride);
 
 MicroKernel portable_micro_kernel();

@@ -629,6 +629,48 @@ Tensor implicit_backward_weight(const Tensor& dy, const Tensor& x, const Shape& 
   return dwt;
 }
 
+// dW (O, CKK) of a stride-1, one-group convolution by GEMM without im2col: for a chunk of nb
+// images, dW += dY (O, L) x X^T (L, CKK), where L = nb*Ho*Wo output positions and
+// X^T(l, k) = xpad[position(l) + tap(k)] is listed to the GEMM by rows (positions) and columns
+// (taps) and packed from the padded buffer. Chunks add into one FP32 dW in order (beta = 1), as
+// the im2col path does; the GEMM splits the taps among threads, so the result does not depend on
+// the thread count.
+Tensor implicit_gemm_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
+                                     const ConvGeometry& cg, DType out, Partials partials) {
+  const ImplicitConv g(cg);
+  const int64_t CKK = cg.CKK, HWo = g.Ho * g.Wo;
+  const int64_t nb_max = std::clamp<int64_t>(
+      column_budget() / std::max<int64_t>(g.C * g.plane + g.O * HWo, 1), 1, g.N);
+  Tensor xpad = f32_workspace({g.C * nb_max * g.plane});        // (C, nb, Hp, Wp)
+  Tensor dyg = byte_workspace(g.O * nb_max * HWo, dy.dtype());  // (O, nb * Ho * Wo)
+  Tensor dw32 = f32_workspace({g.O * CKK});
+  std::vector<int64_t> taps, positions;
+  GemmOptions go;
+  go.partials = partials;
+  for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
+    const int64_t nb = std::min(nb_max, g.N - n0), L = nb * HWo;
+    float* xp = xpad.data<float>();
+    pad_images(x, g, n0, nb, xp);
+    tap_offsets(g, nb, taps);
+    positions.resize(static_cast<size_t>(L));
+    for (int64_t img = 0; img < nb; ++img)
+      for (int64_t oh = 0; oh < g.Ho; ++oh)
+        for (int64_t ow = 0; ow < g.Wo; ++ow)
+          positions[static_cast<size_t>((img * g.Ho + oh) * g.Wo + ow)] =
+              img * g.plane + oh * g.Wp + ow;
+    gather_dy(dy, cg, 0, n0, nb, bytes(dyg));
+    OffsetMatrix B;
+    B.data = xp;
+    B.row_offset = positions.data();
+    B.col_offset = taps.data();
+    gemm(g.O, CKK, L, 1.0f, {dyg.data_ptr(), dy.dtype(), L, 1}, B, n0 == 0 ? 0.0f : 1.0f,
+         {dw32.data_ptr(), DType::f32, CKK, 1}, go);
+  }
+  Tensor dw = Tensor::empty(w_shape, out, charged_to(MemoryCategory::gradients));
+  convert(dw32.data_ptr(), DType::f32, dw.data_ptr(), out, static_cast<size_t>(dw.numel()));
+  return dw;
+}
+
 // dW[o, c, kh, kw] = sum over images and output positions of dy * x: per image, each tap's
 // products are added lane-wise into a row of partial sums, summed once; images are summed in
 // order, so the result does not depend on the thread count.
@@ -805,6 +847,7 @@ Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Sha
   // value more (ResNet-18's 64 x 576: 96 against 82 GFLOP/s).
   if (use_implicit(g) && partials == Partials::kF32 && g.O <= kDotMaxRows)
     return implicit_backward_weight(dy, x, w_shape, g, out);
+  if (use_implicit(g)) return implicit_gemm_backward_weight(dy, x, w_shape, g, out, partials);
   // dW_g (Og, CKK) = sum over images of dy_g (Og, L) x cols^T (L, CKK): a GEMM whose output is
   // small and whose depth is the whole batch. When the output is too small to split across
   // threads (the tutorial CNN's conv2: 12 x 125), the images are cut into a fixed number of
