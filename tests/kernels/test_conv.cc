@@ -128,7 +128,8 @@ const std::vector<Geometry>& geometries() {
       // ResNet-18 (CIFAR stem) shapes at reduced width: 3x3 pad 1 at 32x32, 16x16, 8x8 and 4x4
       // (implicit with dense columns: slivers of 16 read in place, rows of 8 and 4 packed in
       // runs; weight gradient through the GEMM above 16 channels, lane-split dot products at 16
-      // or fewer), a stride-2 3x3 and 1x1 (im2col)
+      // or fewer), a stride-2 3x3 (implicit, strided dense columns packed one by one;
+      // backward-input through im2col) and 1x1 (im2col: the window skips pixels)
       {"resnet_3x3_32", {2, 16, 32, 32}, {16, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_32_wide", {2, 16, 32, 32}, {24, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_16", {2, 16, 16, 16}, {24, 16, 3, 3}, params(1, 1)},
@@ -138,6 +139,11 @@ const std::vector<Geometry>& geometries() {
       {"dense_rows_of_8_across_images", {3, 8, 3, 8}, {12, 8, 3, 3}, params(1, 1)},
       {"resnet_3x3_stride2", {2, 16, 16, 16}, {32, 16, 3, 3}, params(2, 1)},
       {"resnet_1x1_stride2", {2, 16, 16, 16}, {32, 16, 1, 1}, params(2, 0)},
+      // strided with few outputs (weight gradient through im2col), ImageNet's 7x7 stem, and a
+      // stride of 3 that leaves input columns unread
+      {"stride2_few_outputs", {2, 8, 16, 16}, {12, 8, 3, 3}, params(2, 1)},
+      {"imagenet_stem_7x7_stride2", {2, 3, 32, 32}, {16, 3, 7, 7}, params(2, 3)},
+      {"stride3_odd", {2, 4, 17, 15}, {20, 4, 3, 3}, params(3, 0)},
       // dilation (implicit), padding wider than the kernel reaches (backward-input via im2col),
       // groups (im2col)
       {"dilation2", {1, 6, 60, 60}, {8, 6, 3, 3}, params(1, 2, 2)},

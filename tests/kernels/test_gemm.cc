@@ -196,10 +196,12 @@ TEST(Gemm, OffsetMatrixMatchesTheReference) {
 
 // Both tables listed, as the dense implicit convolution lists output rows of 32, 16, 8 and 4
 // (read in place, or packed in runs of 8 or 4) and rows of other widths (packed column by column);
-// N past one column block (1024) and K past one depth panel (384).
+// N past one column block (1024) and K past one depth panel (384); M past one block of rows (96),
+// where consecutive slivers are packed too.
 TEST(Gemm, OffsetMatrixWithBothTablesReadsRunsInPlaceOrPacked) {
   for (int64_t run : {32, 16, 8, 4, 5, 1})
-    for (const Case& c : {Case{13, 1100, 40}, Case{7, 64, 400}, Case{20, 2056, 9}}) {
+    for (const Case& c :
+         {Case{13, 1100, 40}, Case{7, 64, 400}, Case{20, 2056, 9}, Case{100, 70, 30}}) {
       expect_offset_same(c.M, c.N, c.K, Listed::kBoth, DType::f32, DType::f32, 0.0f, Partials::kF32,
                          2, run);
       expect_offset_same(c.M, c.N, c.K, Listed::kBoth, DType::f16, DType::bf16, 1.0f,

@@ -378,10 +378,13 @@ Tensor byte_workspace(int64_t elements, DType t) {
 // output positions themselves ("dense": column n = (img, oh, ow) at img*Hp*Wp + oh*Wp + ow, listed
 // to the GEMM as col_offset): a 16-column sliver is then one output row's 16 consecutive positions,
 // read in place, or two rows of 8 or four rows of 4, packed in runs. Nothing is computed twice.
+// Strided convolutions are always dense (column n at img*Hp*Wp + oh*sh*Wp + ow*sw): their slivers
+// are packed column by column (ResNet-18's 3x3 stride-2 layers at batch 64 against im2col:
+// forward 61-67 -> 81-91 GFLOP/s, weight gradient 71-90 -> 91-112).
 struct ImplicitConv {
-  int64_t N, C, H, W, O, KH, KW, pad_h, pad_w, dil_h, dil_w, Ho, Wo, Hp, Wp, plane;
+  int64_t N, C, H, W, O, KH, KW, pad_h, pad_w, dil_h, dil_w, sh, sw, Ho, Wo, Hp, Wp, plane;
   ImplicitConv(const Shape& x, int64_t o, int64_t kh, int64_t kw, int64_t ph, int64_t pw,
-               int64_t dh, int64_t dw)
+               int64_t dh, int64_t dw, int64_t stride_h = 1, int64_t stride_w = 1)
       : N(x[0]),
         C(x[1]),
         H(x[2]),
@@ -392,25 +395,33 @@ struct ImplicitConv {
         pad_h(ph),
         pad_w(pw),
         dil_h(dh),
-        dil_w(dw) {
+        dil_w(dw),
+        sh(stride_h),
+        sw(stride_w) {
     Hp = H + 2 * ph, Wp = W + 2 * pw, plane = Hp * Wp;
-    Ho = Hp - dh * (kh - 1), Wo = Wp - dw * (kw - 1);
+    // Spans below zero: the kernel does not fit (no output; worthwhile() is false).
+    const int64_t span_h = Hp - dh * (kh - 1) - 1, span_w = Wp - dw * (kw - 1) - 1;
+    Ho = span_h < 0 ? 0 : span_h / sh + 1, Wo = span_w < 0 ? 0 : span_w / sw + 1;
   }
-  // The forward convolution of g (stride 1, one group).
+  // The forward convolution of g (one group).
   explicit ImplicitConv(const ConvGeometry& g)
       : ImplicitConv({g.N, g.C, g.H, g.W}, g.O, g.KH, g.KW, g.p.pad_h, g.p.pad_w, g.p.dilation_h,
-                     g.p.dilation_w) {}
+                     g.p.dilation_w, g.p.stride_h, g.p.stride_w) {}
   // Images per chunk: the padded input and the wide output (or gradient) within column_budget().
   int64_t chunk() const {
     return std::clamp<int64_t>(column_budget() / std::max<int64_t>((C + O) * plane, 1), 1, N);
   }
   // Output rows whose positions fill the GEMM's 16-column slivers exactly.
-  bool dense() const { return Wo % 16 == 0 || Wo == 8 || Wo == 4; }
+  bool dense() const { return sh > 1 || sw > 1 || Wo % 16 == 0 || Wo == 8 || Wo == 4; }
   // Dense, or at most 1.15x the multiply-adds in wide columns (measured on ResNet-18's 3x3 layers
   // at batch 64: 32x32 planes, 1.13x, gain 5-45%; 16x16 planes, 1.27x, lose 15-20% against
   // im2col, which batches images densely).
+  // Strided: only when the windows cover the input (a 1x1 stride-2 window would pad and copy
+  // four times the pixels it reads; im2col copies only those).
   bool worthwhile() const {
-    return Ho >= 1 && Wo >= 1 && (dense() || (Ho * Wo >= 64 && 20 * plane <= 23 * Ho * Wo));
+    if (Ho < 1 || Wo < 1) return false;
+    if (sh > 1 || sw > 1) return dil_h * (KH - 1) + 1 >= sh && dil_w * (KW - 1) + 1 >= sw;
+    return dense() || (Ho * Wo >= 64 && 20 * plane <= 23 * Ho * Wo);
   }
 };
 
@@ -424,8 +435,18 @@ bool implicit_enabled() {
 }
 
 bool use_implicit(const ConvGeometry& g) {
-  return implicit_enabled() && g.G == 1 && g.p.stride_h == 1 && g.p.stride_w == 1 &&
-         ImplicitConv(g).worthwhile();
+  return implicit_enabled() && g.G == 1 && ImplicitConv(g).worthwhile();
+}
+
+// Column n = (img, oh, ow) of a dense implicit GEMM: where output position n's window starts in
+// the padded buffer of a chunk of nb images.
+void output_positions(const ImplicitConv& g, int64_t nb, std::vector<int64_t>& position) {
+  position.resize(static_cast<size_t>(nb * g.Ho * g.Wo));
+  for (int64_t img = 0; img < nb; ++img)
+    for (int64_t oh = 0; oh < g.Ho; ++oh)
+      for (int64_t ow = 0; ow < g.Wo; ++ow)
+        position[static_cast<size_t>((img * g.Ho + oh) * g.Wo + ow)] =
+            img * g.plane + oh * g.sh * g.Wp + ow * g.sw;
 }
 
 // Images [n0, n0 + nb) of x into the zero-padded FP32 buffer (C, nb, Hp, Wp).
@@ -490,12 +511,7 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
     B.data = xp;
     B.row_offset = offset.data();
     if (dense) {
-      position.resize(static_cast<size_t>(Nw));
-      for (int64_t img = 0; img < nb; ++img)
-        for (int64_t oh = 0; oh < g.Ho; ++oh)
-          for (int64_t ow = 0; ow < g.Wo; ++ow)
-            position[static_cast<size_t>((img * g.Ho + oh) * g.Wo + ow)] =
-                img * g.plane + oh * g.Wp + ow;
+      output_positions(g, nb, position);
       B.col_offset = position.data();
     }
     gemm(g.O, Nw, CKK, 1.0f, w, B, 0.0f, {wide.data_ptr(), DType::f32, Nw, 1}, go);
@@ -652,12 +668,7 @@ Tensor implicit_gemm_backward_weight(const Tensor& dy, const Tensor& x, const Sh
     float* xp = xpad.data<float>();
     pad_images(x, g, n0, nb, xp);
     tap_offsets(g, nb, taps);
-    positions.resize(static_cast<size_t>(L));
-    for (int64_t img = 0; img < nb; ++img)
-      for (int64_t oh = 0; oh < g.Ho; ++oh)
-        for (int64_t ow = 0; ow < g.Wo; ++ow)
-          positions[static_cast<size_t>((img * g.Ho + oh) * g.Wo + ow)] =
-              img * g.plane + oh * g.Wp + ow;
+    output_positions(g, nb, positions);
     gather_dy(dy, cg, 0, n0, nb, bytes(dyg));
     OffsetMatrix B;
     B.data = xp;
@@ -845,7 +856,8 @@ Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Sha
   // Few output channels: lane-split dot products over the padded chunks (the tutorial CNN's
   // conv2, 12 x 125: 2.7 -> 1.5 ms). With more, the GEMM's register tiles reuse each loaded
   // value more (ResNet-18's 64 x 576: 96 against 82 GFLOP/s).
-  if (use_implicit(g) && partials == Partials::kF32 && g.O <= kDotMaxRows)
+  if (use_implicit(g) && g.p.stride_h == 1 && g.p.stride_w == 1 && partials == Partials::kF32 &&
+      g.O <= kDotMaxRows)
     return implicit_backward_weight(dy, x, w_shape, g, out);
   if (use_implicit(g)) return implicit_gemm_backward_weight(dy, x, w_shape, g, out, partials);
   // dW_g (Og, CKK) = sum over images of dy_g (Og, L) x cols^T (L, CKK): a GEMM whose output is
