@@ -1339,14 +1339,37 @@ Tensor normalized(FloatSpan x, const Shape& shape, const NormLayout& L,
   return y;
 }
 
-// dx, dw, db of y = xhat * w + b with xhat normalized by statistics over each stat group
-// (those statistics depend on x when `through_stats`; batch norm in eval mode uses fixed ones).
+// Sums of d[i] and d[i] * xhat[i], xhat = (x[i] - mu) * rs, over n values: 8 float lanes
+// (vectorizable) within chunks of 4096, the chunks added in FP64, as sum_f does.
+void sums_d_dxhat(const float* d, const float* x, int64_t n, float mu, float rs, double& sd,
+                  double& sdx) {
+  for (int64_t c = 0; c < n; c += 4096) {
+    const int64_t m = std::min<int64_t>(4096, n - c);
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8)
+      for (int j = 0; j < 8; ++j) {
+        const float xhat = (x[c + i + j] - mu) * rs;
+        a[j] += d[c + i + j];
+        b[j] += d[c + i + j] * xhat;
+      }
+    for (; i < m; ++i) {
+      a[0] += d[c + i];
+      b[0] += d[c + i] * ((x[c + i] - mu) * rs);
+    }
+    sd += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    sdx += ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
+  }
+}
+
+// dx (FP32, x.size() values), dw, db of y = xhat * w + b with xhat normalized by statistics over
+// each stat group (those statistics depend on x when `through_stats`; batch norm in eval mode
+// uses fixed ones). Sums in float lanes and FP64 across chunks; dx elementwise in FP32.
 void norm_backward(FloatSpan dy, FloatSpan x, const NormLayout& L, const std::vector<float>& mean,
                    const std::vector<float>& rstd, const std::vector<float>* w, bool through_stats,
-                   std::vector<float>& dx, std::vector<double>& dw, std::vector<double>& db) {
+                   float* dx, std::vector<double>& dw, std::vector<double>& db) {
   const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
   const int64_t rows = L.outer * L.groups;
-  dx.assign(x.size(), 0.0f);
   dw.assign(static_cast<size_t>(L.channels), 0.0);
   db.assign(static_cast<size_t>(L.channels), 0.0);
   // Pass 1, per stat group: sums of g = dy*w and g*xhat; per channel: sums of dy and dy*xhat.
@@ -1364,15 +1387,10 @@ void norm_backward(FloatSpan dy, FloatSpan x, const NormLayout& L, const std::ve
         const int64_t r =
             L.across_outer ? k * L.groups + static_cast<int64_t>(st) : static_cast<int64_t>(st);
         for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
-          const float* xr = x.data() + r * L.inner;
-          const float* dr = dy.data() + r * L.inner;
           const double wc = w ? (*w)[c] : 1.0;
           double sd = 0, sdx = 0;
-          for (int64_t i = i0; i < i1; ++i) {
-            const double xhat = (xr[i] - mean[s]) * rstd[s];
-            sd += dr[i];
-            sdx += dr[i] * xhat;
-          }
+          sums_d_dxhat(dy.data() + r * L.inner + i0, x.data() + r * L.inner + i0, i1 - i0, mean[s],
+                       rstd[s], sd, sdx);
           sum_g[s] += wc * sd;
           sum_gx[s] += wc * sdx;
           tdw[c] += sdx;
@@ -1383,7 +1401,8 @@ void norm_backward(FloatSpan dy, FloatSpan x, const NormLayout& L, const std::ve
     std::lock_guard<std::mutex> lock(merge);
     for (size_t c = 0; c < tdw.size(); ++c) dw[c] += tdw[c], db[c] += tdb[c];
   });
-  // Pass 2: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per stat group.
+  // Pass 2: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per stat group, as
+  // dx = dy * (rstd * w) - (rstd * mean(g)) - xhat * (rstd * mean(g * xhat)).
   const double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
   parallel_for(static_cast<size_t>(rows), 1, norm_threads(x.size()), [&](size_t r0, size_t r1) {
     for (size_t rr = r0; rr < r1; ++rr) {
@@ -1391,44 +1410,40 @@ void norm_backward(FloatSpan dy, FloatSpan x, const NormLayout& L, const std::ve
       for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
         const float* xr = x.data() + r * L.inner;
         const float* dr = dy.data() + r * L.inner;
-        float* out = dx.data() + r * L.inner;
+        float* out = dx + r * L.inner;
         const double wc = w ? (*w)[c] : 1.0;
-        const double a = through_stats ? sum_g[s] / count : 0.0,
-                     bq = through_stats ? sum_gx[s] / count : 0.0;
-        for (int64_t i = i0; i < i1; ++i) {
-          const double xhat = (xr[i] - mean[s]) * rstd[s];
-          out[i] = static_cast<float>(rstd[s] * (wc * dr[i] - a - xhat * bq));
-        }
+        const float mu = mean[s], rs = rstd[s];
+        const float scale = static_cast<float>(rs * wc);
+        const float shift = through_stats ? static_cast<float>(rs * (sum_g[s] / count)) : 0.0f;
+        const float slope = through_stats ? static_cast<float>(rs * (sum_gx[s] / count)) : 0.0f;
+        for (int64_t i = i0; i < i1; ++i)
+          out[i] = dr[i] * scale - shift - ((xr[i] - mu) * rs) * slope;
       });
     }
   });
 }
 
-std::tuple<Tensor, Tensor, Tensor> finish_backward(const std::vector<float>& dx,
-                                                   const std::vector<double>& dw,
-                                                   const std::vector<double>& db,
-                                                   const Shape& x_shape, DType dx_type,
-                                                   const Tensor& weight) {
-  Tensor tdx = from_vector(dx, x_shape, dx_type, MemoryCategory::gradients);
-  if (!weight.defined()) return {tdx, Tensor(), Tensor()};
-  std::vector<float> fw(dw.begin(), dw.end()), fb(db.begin(), db.end());
-  return {tdx, from_vector(fw, weight.shape(), weight.dtype(), MemoryCategory::gradients),
-          from_vector(fb, weight.shape(), weight.dtype(), MemoryCategory::gradients)};
-}
-
-// The backward of a norm on tensors: stage the inputs, differentiate, package dx, dw, db.
+// The backward of a norm on tensors: stage the inputs, differentiate (dx written in place when
+// it is FP32), package dx, dw, db.
 std::tuple<Tensor, Tensor, Tensor> norm_backward_tensors(const Tensor& dy, const Tensor& x,
                                                          const NormLayout& L, const Tensor& weight,
                                                          const Tensor& mean, const Tensor& rstd,
                                                          bool through_stats, DType dx_type) {
   std::vector<float> wv;
   if (weight.defined()) wv = load_all(weight);
-  std::vector<float> dx;
   std::vector<double> dw, db;
   Tensor sdy, sx;
+  Tensor tdx = Tensor::empty(x.shape(), dx_type, charged_to(MemoryCategory::gradients));
+  Tensor staging = dx_type == DType::f32 ? tdx : f32_workspace({x.numel()});
   norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
-                weight.defined() ? &wv : nullptr, through_stats, dx, dw, db);
-  return finish_backward(dx, dw, db, x.shape(), dx_type, weight);
+                weight.defined() ? &wv : nullptr, through_stats, staging.data<float>(), dw, db);
+  if (dx_type != DType::f32)
+    convert_parallel(staging.data_ptr(), DType::f32, tdx.data_ptr(), dx_type,
+                     static_cast<size_t>(x.numel()), {}, default_num_threads());
+  if (!weight.defined()) return {tdx, Tensor(), Tensor()};
+  std::vector<float> fw(dw.begin(), dw.end()), fb(db.begin(), db.end());
+  return {tdx, from_vector(fw, weight.shape(), weight.dtype(), MemoryCategory::gradients),
+          from_vector(fb, weight.shape(), weight.dtype(), MemoryCategory::gradients)};
 }
 
 void check_affine(const Tensor& w, const Tensor& b, int64_t channels, const char* op) {
