@@ -47,6 +47,23 @@ TEST(Parallel, ManyShortJobs) {
   EXPECT_EQ(sum.load(), 5000L * 64);
 }
 
+TEST(Parallel, TasksRunOnceEachOnAnyThreadCount) {
+  for (int threads : {1, 2, 5})
+    for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}}) {
+      std::vector<std::atomic<int>> hits(n);
+      parallel_tasks(n, threads, [&](size_t t) { hits[t]++; });
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << i << " of " << n;
+    }
+  EXPECT_THROW(parallel_tasks(100, 3,
+                              [](size_t t) {
+                                if (t == 57) throw std::runtime_error("boom");
+                              }),
+               std::runtime_error);
+  std::atomic<int> inner{0};
+  parallel_tasks(4, 2, [&](size_t) { parallel_tasks(10, 2, [&](size_t) { inner++; }); });
+  EXPECT_EQ(inner.load(), 40);
+}
+
 TEST(Parallel, DefaultThreadsIsPositive) { EXPECT_GE(default_num_threads(), 1); }
 
 }  // namespace

@@ -164,4 +164,14 @@ void parallel_for(size_t n, size_t grain, int threads,
   });
 }
 
+void parallel_tasks(size_t tasks, int threads, const std::function<void(size_t)>& fn) {
+  if (tasks == 0) return;
+  const size_t workers = std::min<size_t>(tasks, static_cast<size_t>(std::max(threads, 1)));
+  if (workers <= 1) {
+    for (size_t t = 0; t < tasks; ++t) fn(t);
+    return;
+  }
+  ThreadPool::instance().run(tasks, static_cast<int>(workers), fn);
+}
+
 }  // namespace mantissa

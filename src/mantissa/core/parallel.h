@@ -22,4 +22,10 @@ void set_num_threads(int n);
 void parallel_for(size_t n, size_t grain, int threads,
                   const std::function<void(size_t, size_t)>& fn);
 
+// Calls fn(task) once for each task in [0, tasks), on up to `threads` threads of the same pool;
+// each thread takes the next task as it finishes one, so a thread that is slowed (a busy or
+// shared machine) leaves its remaining tasks to the others. For work whose result does not depend
+// on which thread runs a task. Exceptions and nesting as parallel_for.
+void parallel_tasks(size_t tasks, int threads, const std::function<void(size_t)>& fn);
+
 }  // namespace mantissa

@@ -466,19 +466,25 @@ void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix
   const int64_t n_slivers = (N + kNR - 1) / kNR, m_slivers = (M + kMR - 1) / kMR;
   const bool split_n = N >= M ? n_slivers >= threads : m_slivers < threads;
   const int64_t units = split_n ? n_slivers : m_slivers;
-  const int64_t parts = std::min<int64_t>(threads, units);
-  parallel_for(static_cast<size_t>(parts), 1, static_cast<int>(parts), [&](size_t p0, size_t p1) {
-    for (size_t p = p0; p < p1; ++p) {
-      const int64_t u0 = units * static_cast<int64_t>(p) / parts,
-                    u1 = units * static_cast<int64_t>(p + 1) / parts;
-      if (split_n)
-        gemm_block(0, M, std::min(N, u0 * kNR), std::min(N, u1 * kNR), K, alpha, A, B, beta, C,
-                   f16p);
-      else
-        gemm_block(std::min(M, u0 * kMR), std::min(M, u1 * kMR), 0, N, K, alpha, A, B, beta, C,
-                   f16p);
-    }
-  });
+  // Column blocks of a large GEMM are cut finer than the threads and taken as threads come free:
+  // on a shared machine one thread is often slowed for milliseconds, and with one block each the
+  // other would wait for it. Each block packs A again, so the blocks stay wide (at least 512
+  // columns). Every element of C is computed the same way whatever the blocks, so the result does
+  // not depend on them.
+  const int64_t parts = split_n && threads > 1
+                            ? std::clamp<int64_t>(units / 32, threads, int64_t{4} * threads)
+                            : std::min<int64_t>(threads, units);
+  parallel_tasks(static_cast<size_t>(parts), static_cast<int>(std::min<int64_t>(threads, parts)),
+                 [&](size_t p) {
+                   const int64_t u0 = units * static_cast<int64_t>(p) / parts,
+                                 u1 = units * static_cast<int64_t>(p + 1) / parts;
+                   if (split_n)
+                     gemm_block(0, M, std::min(N, u0 * kNR), std::min(N, u1 * kNR), K, alpha, A, B,
+                                beta, C, f16p);
+                   else
+                     gemm_block(std::min(M, u0 * kMR), std::min(M, u1 * kMR), 0, N, K, alpha, A, B,
+                                beta, C, f16p);
+                 });
 }
 
 }  // namespace
