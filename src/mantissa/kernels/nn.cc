@@ -496,10 +496,11 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
   const int64_t CKK = g.C * g.KH * g.KW;
   const int64_t nb_max = g.chunk();
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
-  Tensor wide = f32_workspace({g.O * nb_max * g.plane});  // (O, nb * Hp * Wp)
   std::vector<int64_t> offset, position;
   const bool dense = g.dense();
   const int64_t HWo = g.Ho * g.Wo;
+  // (O, nb * Ho * Wo) dense, (O, nb * Hp * Wp) wide
+  Tensor wide = f32_workspace({g.O * nb_max * (dense ? HWo : g.plane)});
   GemmOptions go;
   go.partials = partials;
   for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
@@ -664,7 +665,8 @@ Tensor implicit_backward_weight(const Tensor& dy, const Tensor& x, const Shape& 
   return dwt;
 }
 
-// dW (O, CKK) of a stride-1, one-group convolution by GEMM without im2col: for a chunk of nb
+// dW (O, CKK) of a one-group convolution (any stride use_implicit accepts) by GEMM without
+// im2col: for a chunk of nb
 // images, dW += dY (O, L) x X^T (L, CKK), where L = nb*Ho*Wo output positions and
 // X^T(l, k) = xpad[position(l) + tap(k)] is listed to the GEMM by rows (positions) and columns
 // (taps) and packed from the padded buffer. Chunks add into one FP32 dW in order (beta = 1), as
@@ -881,10 +883,11 @@ Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Sha
   // Few output channels: lane-split dot products over the padded chunks (the tutorial CNN's
   // conv2, 12 x 125: 2.7 -> 1.5 ms). With more, the GEMM's register tiles reuse each loaded
   // value more (ResNet-18's 64 x 576: 96 against 82 GFLOP/s).
-  if (use_implicit(g) && g.p.stride_h == 1 && g.p.stride_w == 1 && partials == Partials::kF32 &&
-      g.O <= kDotMaxRows)
-    return implicit_backward_weight(dy, x, w_shape, g, out);
-  if (use_implicit(g)) return implicit_gemm_backward_weight(dy, x, w_shape, g, out, partials);
+  if (use_implicit(g)) {
+    if (g.p.stride_h == 1 && g.p.stride_w == 1 && partials == Partials::kF32 && g.O <= kDotMaxRows)
+      return implicit_backward_weight(dy, x, w_shape, g, out);
+    return implicit_gemm_backward_weight(dy, x, w_shape, g, out, partials);
+  }
   // dW_g (Og, CKK) = sum over images of dy_g (Og, L) x cols^T (L, CKK): a GEMM whose output is
   // small and whose depth is the whole batch. When the output is too small to split across
   // threads (the tutorial CNN's conv2: 12 x 125), the images are cut into a fixed number of
