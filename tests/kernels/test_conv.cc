@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "mantissa/kernels/nn.h"
+#include "mantissa/kernels/vector_kernels.h"
 #include "mantissa/mantissa.h"
 
 namespace mantissa::kernels {
@@ -125,6 +127,12 @@ const std::vector<Geometry>& geometries() {
       // the tutorial CNN, batch 3: conv1 (direct), conv2 (implicit)
       {"tutorial_conv1", {3, 1, 128, 128}, {5, 1, 3, 3}, params(1, 0)},
       {"tutorial_conv2", {3, 5, 63, 63}, {12, 5, 5, 5}, params(1, 0)},
+      // more direct geometries: padding (edge columns by tap, top and bottom rows not tiled),
+      // 7 channels (blocks of 6 + 1 forward, 5 + 2 weight gradient), 18 taps, rows of 21 (a
+      // 5-column tail); LeNet-5's conv1 (25 taps, rows of 28); stride 2 (not tiled)
+      {"direct_pad1_7_channels", {2, 2, 19, 21}, {7, 2, 3, 3}, params(1, 1)},
+      {"lenet_conv1", {2, 1, 32, 32}, {6, 1, 5, 5}, params(1, 0)},
+      {"direct_stride2", {2, 1, 20, 20}, {4, 1, 3, 3}, params(2, 1)},
       // ResNet-18 (CIFAR stem) shapes at reduced width: 3x3 pad 1 at 32x32, 16x16, 8x8 and 4x4
       // (implicit with dense columns: slivers of 16 read in place, rows of 8 and 4 packed in
       // runs; weight gradient through the GEMM above 16 channels, lane-split dot products at 16
@@ -170,6 +178,61 @@ TEST(Conv2d, SixteenBitStorageMatchesFp64Loops) {
 // convolution.
 TEST(Conv2d, Fp16PartialsMatchFp64Loops) {
   for (const Geometry& g : geometries()) check(g, DType::f16, Partials::kF16, 1.0 / 256);
+}
+
+// The register-tiled direct-convolution rows against their definitions (vector_kernels.h), bit
+// for bit, for every block shape and tail: channels 1-13, taps 1-11, 1-40 columns.
+TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> d(-2.0f, 2.0f);
+  auto values = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = d(gen);
+    return v;
+  };
+  for (int64_t O : {1, 2, 4, 5, 6, 7, 11, 13})
+    for (int64_t taps : {1, 2, 3, 9, 11})
+      for (int64_t n : {1, 5, 8, 15, 16, 21, 40}) {
+        const int64_t ws = taps + 2, ys = n + 3;
+        const std::vector<float> bias = values(static_cast<size_t>(O)),
+                                 w = values(static_cast<size_t>(O * ws)),
+                                 xs = values(static_cast<size_t>(taps * (n + 1))),
+                                 dy = values(static_cast<size_t>(O * ys));
+        std::vector<int64_t> tap(static_cast<size_t>(taps));
+        std::vector<const float*> x(static_cast<size_t>(taps));
+        for (int64_t i = 0; i < taps; ++i) {
+          tap[static_cast<size_t>(i)] = (i * 5) % ws;  // any order of weight columns
+          x[static_cast<size_t>(i)] = xs.data() + i * (n + 1) + (i % 2);
+        }
+        std::vector<float> y(static_cast<size_t>(O * ys), 0.0f), want_y = y;
+        detail::conv_rows_f32(y.data(), ys, O, bias.data(), w.data(), ws, tap.data(), x.data(),
+                              taps, n);
+        for (int64_t o = 0; o < O; ++o)
+          for (int64_t j = 0; j < n; ++j) {
+            float acc = bias[static_cast<size_t>(o)];
+            for (int64_t i = 0; i < taps; ++i) {
+              const float prod = w[static_cast<size_t>(o * ws + tap[static_cast<size_t>(i)])] *
+                                 x[static_cast<size_t>(i)][j];
+              acc += prod;
+            }
+            want_y[static_cast<size_t>(o * ys + j)] = acc;
+          }
+        std::vector<float> lanes = values(static_cast<size_t>(O * taps * detail::kDotLanes)),
+                           want_lanes = lanes;
+        detail::conv_wgrad_rows_f32(lanes.data(), O, dy.data(), ys, x.data(), taps, n);
+        for (int64_t o = 0; o < O; ++o)
+          for (int64_t i = 0; i < taps; ++i)
+            for (int64_t j = 0; j < n; ++j) {
+              const float prod = dy[static_cast<size_t>(o * ys + j)] * x[static_cast<size_t>(i)][j];
+              want_lanes[static_cast<size_t>((o * taps + i) * detail::kDotLanes +
+                                             j % detail::kDotLanes)] += prod;
+            }
+        const std::string at = "O " + std::to_string(O) + ", taps " + std::to_string(taps) +
+                               ", n " + std::to_string(n);
+        EXPECT_EQ(0, std::memcmp(y.data(), want_y.data(), y.size() * sizeof(float))) << at;
+        EXPECT_EQ(0, std::memcmp(lanes.data(), want_lanes.data(), lanes.size() * sizeof(float)))
+            << at;
+      }
 }
 
 }  // namespace

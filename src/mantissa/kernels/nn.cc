@@ -585,6 +585,18 @@ void for_each_row_tap(const ConvGeometry& g, const std::vector<TapSpan>& taps, i
   }
 }
 
+// The output columns that every tap reads (the register-tiled kernels' span on stride-1 rows;
+// the columns outside it have some tap in the padding). Empty when strided.
+std::pair<int64_t, int64_t> tiled_columns(const ConvGeometry& g, const std::vector<TapSpan>& taps) {
+  int64_t j0 = 0, j1 = g.Wo;
+  for (const TapSpan& t : taps) {
+    j0 = std::max(j0, t.lo);
+    j1 = std::min(j1, t.hi);
+  }
+  if (g.p.stride_w != 1 || j0 >= j1) return {0, 0};
+  return {j0, j1};
+}
+
 Tensor conv2d_direct(const Tensor& x_in, const Tensor& w_in, const std::vector<float>& bias,
                      const ConvGeometry& g, DType out) {
   const Tensor x = x_in.to(DType::f32), w = w_in.to(DType::f32);
@@ -593,24 +605,52 @@ Tensor conv2d_direct(const Tensor& x_in, const Tensor& w_in, const std::vector<f
   Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
   const int64_t sw = g.p.stride_w, plane = g.C * g.H * g.W;
   const std::vector<TapSpan> taps = tap_spans(g);
+  const auto [j0, j1] = tiled_columns(g, taps);
   const bool direct = out == DType::f32;  // FP32 rows are summed in place
+  // One output row of every channel at a time: the columns every tap reads by the register-tiled
+  // kernel, the others (padding) tap by tap. Either way each element is its bias plus its taps'
+  // products in increasing t, so the two agree bit for bit.
   parallel_for(
-      static_cast<size_t>(g.N * g.O), 1,
+      static_cast<size_t>(g.N * g.Ho), 1,
       g.N * g.O * g.HW * g.CKK >= kParallelElements ? default_num_threads() : 1,
-      [&](size_t p0, size_t p1) {
-        std::vector<float> acc(direct ? 0 : static_cast<size_t>(g.Wo));  // one row
-        for (size_t pl = p0; pl < p1; ++pl) {
-          const int64_t n = static_cast<int64_t>(pl) / g.O, o = static_cast<int64_t>(pl) % g.O;
+      [&](size_t r0, size_t r1) {
+        std::vector<float> acc(direct ? 0 : static_cast<size_t>(g.O * g.Wo));  // (O, Wo)
+        std::vector<int64_t> tap(static_cast<size_t>(g.CKK));
+        std::vector<const float*> xrow(static_cast<size_t>(g.CKK));
+        for (size_t r = r0; r < r1; ++r) {
+          const int64_t n = static_cast<int64_t>(r) / g.Ho, oh = static_cast<int64_t>(r) % g.Ho;
           const float* xn = xd + n * plane;
-          const float* wo = wd + o * g.CKK;
-          for (int64_t oh = 0; oh < g.Ho; ++oh) {
-            const int64_t at = static_cast<int64_t>(pl) * g.HW + oh * g.Wo;
-            float* row = direct ? y.data<float>() + at : acc.data();
-            std::fill(row, row + g.Wo, bias[static_cast<size_t>(o)]);
-            for_each_row_tap(g, taps, oh, [&](int64_t t, int64_t lo, int64_t cols, int64_t xo) {
-              detail::axpy_f32(row + lo, xn + xo, sw, wo[t], cols);
+          float* rows = direct ? y.data<float>() + n * g.O * g.HW + oh * g.Wo : acc.data();
+          const int64_t ys = direct ? g.HW : g.Wo;  // between channels' rows
+          if (j0 < j1) {
+            int64_t k = 0;
+            for_each_row_tap(g, taps, oh, [&](int64_t t, int64_t lo, int64_t, int64_t xo) {
+              tap[static_cast<size_t>(k)] = t;
+              xrow[static_cast<size_t>(k++)] = xn + xo + (j0 - lo);
             });
-            if (!direct) store_f32(row, g.Wo, bytes(y) + at * esize(out), out, 1);
+            detail::conv_rows_f32(rows + j0, ys, g.O, bias.data(), wd, g.CKK, tap.data(),
+                                  xrow.data(), k, j1 - j0);
+          }
+          for (int64_t o = 0; o < g.O; ++o) {
+            float* row = rows + o * ys;
+            const float* wo = wd + o * g.CKK;
+            auto by_tap = [&](int64_t a, int64_t b) {  // columns [a, b)
+              if (a >= b) return;
+              std::fill(row + a, row + b, bias[static_cast<size_t>(o)]);
+              for_each_row_tap(g, taps, oh, [&](int64_t t, int64_t lo, int64_t cols, int64_t xo) {
+                const int64_t s = std::max(a, lo), e = std::min(b, lo + cols);
+                if (s < e) detail::axpy_f32(row + s, xn + xo + (s - lo) * sw, sw, wo[t], e - s);
+              });
+            };
+            if (j0 < j1) {
+              by_tap(0, j0);
+              by_tap(j1, g.Wo);
+            } else {
+              by_tap(0, g.Wo);
+            }
+            if (!direct)
+              store_f32(row, g.Wo, bytes(y) + ((n * g.O + o) * g.HW + oh * g.Wo) * esize(out), out,
+                        1);
           }
         }
       });
@@ -712,12 +752,17 @@ Tensor conv2d_direct_backward_weight(const Tensor& dy_in, const Tensor& x_in, co
   const Tensor x = x_in.contiguous(), dy = dy_in.contiguous();
   const int64_t taps = g.O * g.CKK, sw = g.p.stride_w, plane = g.C * g.H * g.W;
   const std::vector<TapSpan> tap_list = tap_spans(g);
+  const auto [j0, j1] = tiled_columns(g, tap_list);
   std::vector<float> per_image(static_cast<size_t>(g.N * taps), 0.0f);  // (N, O, CKK)
   parallel_for(
       static_cast<size_t>(g.N), 1,
       g.N * g.HW * taps >= kParallelElements ? default_num_threads() : 1,
       [&](size_t n0, size_t n1) {
-        std::vector<float> lanes(static_cast<size_t>(g.Wo));
+        // Per image: 8 lane sums per (o, tap) for the rows where every tap reads the input, over
+        // the columns where it does (conv_wgrad_rows_f32, the sums in registers); the other
+        // products, one at a time in row order, into `rest`.
+        std::vector<float> lanes(static_cast<size_t>(taps * detail::kDotLanes)), rest(taps);
+        std::vector<const float*> xrow(static_cast<size_t>(g.CKK));
         // (C, H, W) and (O, Ho, Wo) of one image, when 16-bit
         std::vector<float> xbuf(x.dtype() == DType::f32 ? 0 : static_cast<size_t>(plane)),
             dybuf(dy.dtype() == DType::f32 ? 0 : static_cast<size_t>(g.O * g.HW));
@@ -727,24 +772,41 @@ Tensor conv2d_direct_backward_weight(const Tensor& dy_in, const Tensor& x_in, co
               row_f32(bytes(x) + ni * plane * esize(x.dtype()), x.dtype(), 1, plane, xbuf.data());
           const float* dyn = row_f32(bytes(dy) + ni * g.O * g.HW * esize(dy.dtype()), dy.dtype(), 1,
                                      g.O * g.HW, dybuf.data());
-          float* dw = per_image.data() + ni * taps;
-          // Whole planes per (o, tap): dy's and x's rows stream from L2. (Keeping all
-          // O x CKK column sums in L1 and walking the rows measured slower.)
-          for (int64_t o = 0; o < g.O; ++o)
-            for (int64_t t = 0; t < g.CKK; ++t) {
-              const TapSpan& sp = tap_list[static_cast<size_t>(t)];
-              std::fill(lanes.begin(), lanes.end(), 0.0f);
-              for (int64_t oh = 0; oh < g.Ho && sp.lo < sp.hi; ++oh) {
-                const int64_t ih = oh * g.p.stride_h - g.p.pad_h + sp.kh;
-                if (ih < 0 || ih >= g.H) continue;
-                detail::mul_acc_f32(lanes.data(), dyn + o * g.HW + oh * g.Wo + sp.lo,
-                                    xn + (sp.c * g.H + ih) * g.W + sp.lo * sw - g.p.pad_w + sp.kw,
-                                    sw, sp.hi - sp.lo);
-              }
-              float s = 0;
-              for (float v : lanes) s += v;
-              dw[o * g.CKK + t] = s;
+          std::fill(lanes.begin(), lanes.end(), 0.0f);
+          std::fill(rest.begin(), rest.end(), 0.0f);
+          for (int64_t oh = 0; oh < g.Ho; ++oh) {
+            int64_t valid = 0;
+            for_each_row_tap(g, tap_list, oh, [&](int64_t t, int64_t lo, int64_t, int64_t xo) {
+              xrow[static_cast<size_t>(t)] = xn + xo + (j0 - lo);
+              ++valid;
+            });
+            const bool tiled = j0 < j1 && valid == g.CKK;
+            if (tiled)
+              detail::conv_wgrad_rows_f32(lanes.data(), g.O, dyn + oh * g.Wo + j0, g.HW,
+                                          xrow.data(), g.CKK, j1 - j0);
+            if (tiled && j0 == 0 && j1 == g.Wo) continue;  // no products left
+            for (int64_t o = 0; o < g.O; ++o) {
+              const float* d = dyn + o * g.HW + oh * g.Wo;
+              for_each_row_tap(g, tap_list, oh,
+                               [&](int64_t t, int64_t lo, int64_t cols, int64_t xo) {
+                                 float& r = rest[static_cast<size_t>(o * g.CKK + t)];
+                                 auto add = [&](int64_t a, int64_t b) {  // columns [a, b)
+                                   for (int64_t j = a; j < b; ++j)
+                                     r += d[j] * xn[xo + (j - lo) * sw];
+                                 };
+                                 if (tiled) {
+                                   add(lo, std::min(lo + cols, j0));
+                                   add(std::max(lo, j1), lo + cols);
+                                 } else {
+                                   add(lo, lo + cols);
+                                 }
+                               });
             }
+          }
+          float* dw = per_image.data() + ni * taps;
+          for (int64_t i = 0; i < taps; ++i)
+            dw[i] = detail::dot_lanes_finish(lanes.data() + i * detail::kDotLanes) +
+                    rest[static_cast<size_t>(i)];
         }
       });
   std::vector<float> total(static_cast<size_t>(taps), 0.0f);

@@ -2,6 +2,7 @@
 // attributes; chosen at run time).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "mantissa/kernels/vector_kernels.h"
@@ -25,6 +26,158 @@ __attribute__((target("avx2"))) void mul_acc_f32_avx2(float* acc, const float* d
                      _mm256_add_ps(_mm256_loadu_ps(acc + j),
                                    _mm256_mul_ps(_mm256_loadu_ps(d + j), _mm256_loadu_ps(x + j))));
   for (; j < n; ++j) acc[j] += d[j] * x[j];
+}
+
+// OB output channels, 16 columns at a time (2 * OB sums in registers), the weights broadcast per
+// tap from L1; then 8 columns at a time, then the tail one column at a time (same arithmetic).
+template <int OB>
+__attribute__((target("avx2"))) void conv_rows_block(float* y, int64_t ys, const float* bias,
+                                                     const float* w, int64_t ws, const int64_t* tap,
+                                                     const float* const* x, int64_t taps,
+                                                     int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256 acc[OB][2];
+    for (int o = 0; o < OB; ++o) acc[o][0] = acc[o][1] = _mm256_set1_ps(bias[o]);
+    for (int64_t i = 0; i < taps; ++i) {
+      const __m256 x0 = _mm256_loadu_ps(x[i] + j), x1 = _mm256_loadu_ps(x[i] + j + 8);
+      for (int o = 0; o < OB; ++o) {
+        const __m256 wv = _mm256_broadcast_ss(w + o * ws + tap[i]);
+        acc[o][0] = _mm256_add_ps(acc[o][0], _mm256_mul_ps(wv, x0));
+        acc[o][1] = _mm256_add_ps(acc[o][1], _mm256_mul_ps(wv, x1));
+      }
+    }
+    for (int o = 0; o < OB; ++o) {
+      _mm256_storeu_ps(y + o * ys + j, acc[o][0]);
+      _mm256_storeu_ps(y + o * ys + j + 8, acc[o][1]);
+    }
+  }
+  for (; j + 8 <= n; j += 8) {
+    __m256 acc[OB];
+    for (int o = 0; o < OB; ++o) acc[o] = _mm256_set1_ps(bias[o]);
+    for (int64_t i = 0; i < taps; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x[i] + j);
+      for (int o = 0; o < OB; ++o)
+        acc[o] = _mm256_add_ps(acc[o], _mm256_mul_ps(_mm256_broadcast_ss(w + o * ws + tap[i]), xv));
+    }
+    for (int o = 0; o < OB; ++o) _mm256_storeu_ps(y + o * ys + j, acc[o]);
+  }
+  for (; j < n; ++j)
+    for (int o = 0; o < OB; ++o) {
+      float acc = bias[o];
+      for (int64_t i = 0; i < taps; ++i) acc += w[o * ws + tap[i]] * x[i][j];
+      y[o * ys + j] = acc;
+    }
+}
+
+// Output channels in blocks of up to 6 (12 sums, 2 input vectors and a weight: 15 registers).
+__attribute__((target("avx2"))) void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O,
+                                                        const float* bias, const float* w,
+                                                        int64_t ws, const int64_t* tap,
+                                                        const float* const* x, int64_t taps,
+                                                        int64_t n) {
+  for (int64_t o0 = 0; o0 < O;) {
+    const int64_t ob = std::min<int64_t>(6, O - o0);
+    float* yb = y + o0 * ys;
+    const float* wb = w + o0 * ws;
+    switch (ob) {
+      case 6:
+        conv_rows_block<6>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
+        break;
+      case 5:
+        conv_rows_block<5>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
+        break;
+      case 4:
+        conv_rows_block<4>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
+        break;
+      case 3:
+        conv_rows_block<3>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
+        break;
+      case 2:
+        conv_rows_block<2>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
+        break;
+      default:
+        conv_rows_block<1>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
+        break;
+    }
+    o0 += ob;
+  }
+}
+
+// OB output channels by TB taps: OB * TB lane vectors in registers over the segment, TB input
+// vectors loaded once per 8 columns and each gradient vector used TB times. The tail (fewer than
+// 8 columns) is loaded masked: the lanes past it add 0 * 0, which leaves a sum unchanged (a
+// sum that starts at +0 is never -0), so every lane gets exactly its own columns' products.
+template <int OB, int TB, bool kMasked>
+__attribute__((target("avx2"))) inline void conv_wgrad_step(__m256 (&acc)[OB][TB], const float* dy,
+                                                            int64_t ds, const float* const* x,
+                                                            int64_t j, __m256i mask) {
+  __m256 xv[TB];
+  for (int t = 0; t < TB; ++t)
+    xv[t] = kMasked ? _mm256_maskload_ps(x[t] + j, mask) : _mm256_loadu_ps(x[t] + j);
+  for (int o = 0; o < OB; ++o) {
+    const float* p = dy + o * ds + j;
+    const __m256 d = kMasked ? _mm256_maskload_ps(p, mask) : _mm256_loadu_ps(p);
+    for (int t = 0; t < TB; ++t) acc[o][t] = _mm256_add_ps(acc[o][t], _mm256_mul_ps(d, xv[t]));
+  }
+}
+
+template <int OB, int TB>
+__attribute__((target("avx2"))) void conv_wgrad_tile(float* lanes, int64_t taps, const float* dy,
+                                                     int64_t ds, const float* const* x, int64_t n) {
+  __m256 acc[OB][TB];
+  for (int o = 0; o < OB; ++o)
+    for (int t = 0; t < TB; ++t) acc[o][t] = _mm256_loadu_ps(lanes + (o * taps + t) * 8);
+  const __m256i all = _mm256_set1_epi32(-1);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) conv_wgrad_step<OB, TB, false>(acc, dy, ds, x, j, all);
+  if (j < n) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    conv_wgrad_step<OB, TB, true>(acc, dy, ds, x, j, mask);
+  }
+  for (int o = 0; o < OB; ++o)
+    for (int t = 0; t < TB; ++t) _mm256_storeu_ps(lanes + (o * taps + t) * 8, acc[o][t]);
+}
+
+template <int OB>
+__attribute__((target("avx2"))) void conv_wgrad_channels(float* lanes, int64_t taps,
+                                                         const float* dy, int64_t ds,
+                                                         const float* const* x, int64_t n) {
+  int64_t t0 = 0;
+  for (; t0 + 2 <= taps; t0 += 2) conv_wgrad_tile<OB, 2>(lanes + t0 * 8, taps, dy, ds, x + t0, n);
+  if (t0 < taps) conv_wgrad_tile<OB, 1>(lanes + t0 * 8, taps, dy, ds, x + t0, n);
+}
+
+// Output channels in blocks of up to 5 by pairs of taps (10 sums, 2 input vectors and a
+// gradient: 13 registers).
+__attribute__((target("avx2"))) void conv_wgrad_rows_f32_avx2(float* lanes, int64_t O,
+                                                              const float* dy, int64_t ds,
+                                                              const float* const* x, int64_t taps,
+                                                              int64_t n) {
+  for (int64_t o0 = 0; o0 < O;) {
+    const int64_t ob = std::min<int64_t>(5, O - o0);
+    float* l = lanes + o0 * taps * 8;
+    const float* d = dy + o0 * ds;
+    switch (ob) {
+      case 5:
+        conv_wgrad_channels<5>(l, taps, d, ds, x, n);
+        break;
+      case 4:
+        conv_wgrad_channels<4>(l, taps, d, ds, x, n);
+        break;
+      case 3:
+        conv_wgrad_channels<3>(l, taps, d, ds, x, n);
+        break;
+      case 2:
+        conv_wgrad_channels<2>(l, taps, d, ds, x, n);
+        break;
+      default:
+        conv_wgrad_channels<1>(l, taps, d, ds, x, n);
+        break;
+    }
+    o0 += ob;
+  }
 }
 
 // Lane-split dot products over columns [k0, k1) for a tile of up to 3 x 4 rows: full 3 x 4 tiles

@@ -31,6 +31,33 @@ void mul_acc_f32(float* acc, const float* d, const float* x, int64_t stride, int
   for (int64_t j = 0; j < n; ++j) acc[j] += d[j] * x[j * stride];
 }
 
+void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
+                   const int64_t* tap, const float* const* x, int64_t taps, int64_t n) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) return conv_rows_f32_avx2(y, ys, O, bias, w, ws, tap, x, taps, n);
+#endif
+  for (int64_t o = 0; o < O; ++o) {
+    float* row = y + o * ys;
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = bias[o];
+      for (int64_t i = 0; i < taps; ++i) acc += w[o * ws + tap[i]] * x[i][j];
+      row[j] = acc;
+    }
+  }
+}
+
+void conv_wgrad_rows_f32(float* lanes, int64_t O, const float* dy, int64_t ds,
+                         const float* const* x, int64_t taps, int64_t n) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) return conv_wgrad_rows_f32_avx2(lanes, O, dy, ds, x, taps, n);
+#endif
+  for (int64_t o = 0; o < O; ++o)
+    for (int64_t i = 0; i < taps; ++i) {
+      float* l = lanes + (o * taps + i) * kDotLanes;
+      for (int64_t j = 0; j < n; ++j) l[j % kDotLanes] += dy[o * ds + j] * x[i][j];
+    }
+}
+
 // ---- Lane-split dot products ----
 
 namespace {

@@ -12,6 +12,20 @@ void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n);
 // acc[j] += d[j] * x[j * stride], j < n.
 void mul_acc_f32(float* acc, const float* d, const float* x, int64_t stride, int64_t n);
 
+// ---- Direct convolution rows (few input channels and taps: the tutorial CNN's conv1), a row
+// segment of n output columns at a time, all output channels and taps together so that the sums
+// stay in registers. x[i] is tap i's input row (stride 1), already at the segment's first column.
+//
+// Forward: y[o * ys + j] = ((bias[o] + w[o * ws + tap[0]] * x[0][j]) + w[o * ws + tap[1]] *
+// x[1][j]) + ..., each product rounded and then added: the per-tap axpy_f32 loop's arithmetic,
+// bit for bit.
+void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
+                   const int64_t* tap, const float* const* x, int64_t taps, int64_t n);
+// Weight gradient: lanes[(o * taps + i) * 8 + j % 8] += dy[o * ds + j] * x[i][j], in increasing j,
+// each product rounded and then added. lanes: (O, taps, 8).
+void conv_wgrad_rows_f32(float* lanes, int64_t O, const float* dy, int64_t ds,
+                         const float* const* x, int64_t taps, int64_t n);
+
 // ---- Lane-split dot products (inner-product GEMM: C = A B^T with both operands contiguous
 // along K, read in place, nothing packed). For long K and few outputs (a linear layer's forward
 // at a small batch, a convolution's weight gradient), where packing an operand would cost as much
@@ -33,6 +47,11 @@ void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float
 // Tiles of up to 3 rows of A by 4 rows of B, columns [k0, k1) (k0 a multiple of 8).
 void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
                          const float* const* b, float* const* P);
+void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
+                        int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
+                        int64_t n);
+void conv_wgrad_rows_f32_avx2(float* lanes, int64_t O, const float* dy, int64_t ds,
+                              const float* const* x, int64_t taps, int64_t n);
 void axpy_f32_avx2(float* a, const float* x, float w, int64_t n);  // stride 1
 void mul_acc_f32_avx2(float* acc, const float* d, const float* x, int64_t n);
 #endif
