@@ -180,8 +180,8 @@ TEST(Conv2d, Fp16PartialsMatchFp64Loops) {
   for (const Geometry& g : geometries()) check(g, DType::f16, Partials::kF16, 1.0 / 256);
 }
 
-// The register-tiled direct-convolution rows against their definitions (vector_kernels.h), bit
-// for bit, for every block shape and tail: channels 1-13, taps 1-11, 1-40 columns.
+// The register-tiled convolution rows against their definitions (vector_kernels.h), bit for bit,
+// for every block shape and tail: channels 1-13, taps 1-11, 1-40 columns.
 TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> d(-2.0f, 2.0f);
@@ -192,7 +192,7 @@ TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
   };
   for (int64_t O : {1, 2, 4, 5, 6, 7, 11, 13})
     for (int64_t taps : {1, 2, 3, 9, 11})
-      for (int64_t n : {1, 5, 8, 15, 16, 21, 40}) {
+      for (int64_t n : {1, 5, 8, 9, 15, 16, 21, 24, 40}) {
         const int64_t ws = taps + 2, ys = n + 3;
         const std::vector<float> bias = values(static_cast<size_t>(O)),
                                  w = values(static_cast<size_t>(O * ws)),
@@ -217,6 +217,19 @@ TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
             }
             want_y[static_cast<size_t>(o * ys + j)] = acc;
           }
+        // The GEMM's arithmetic: an FMA chain from 0 in tap order, then the bias (or + 0).
+        std::vector<float> yf(static_cast<size_t>(O * ys), 0.0f), want_yf = yf, yn = yf,
+                                                                  want_yn = yf;
+        detail::conv_rows_fma_f32(yf.data(), ys, O, bias.data(), w.data(), ws, x.data(), taps, n);
+        detail::conv_rows_fma_f32(yn.data(), ys, O, nullptr, w.data(), ws, x.data(), taps, n);
+        for (int64_t o = 0; o < O; ++o)
+          for (int64_t j = 0; j < n; ++j) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < taps; ++i)
+              acc = std::fma(w[static_cast<size_t>(o * ws + i)], x[static_cast<size_t>(i)][j], acc);
+            want_yf[static_cast<size_t>(o * ys + j)] = acc + bias[static_cast<size_t>(o)];
+            want_yn[static_cast<size_t>(o * ys + j)] = acc + 0.0f;
+          }
         std::vector<float> lanes = values(static_cast<size_t>(O * taps * detail::kDotLanes)),
                            want_lanes = lanes;
         detail::conv_wgrad_rows_f32(lanes.data(), O, dy.data(), ys, x.data(), taps, n);
@@ -230,6 +243,8 @@ TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
         const std::string at = "O " + std::to_string(O) + ", taps " + std::to_string(taps) +
                                ", n " + std::to_string(n);
         EXPECT_EQ(0, std::memcmp(y.data(), want_y.data(), y.size() * sizeof(float))) << at;
+        EXPECT_EQ(0, std::memcmp(yf.data(), want_yf.data(), yf.size() * sizeof(float))) << at;
+        EXPECT_EQ(0, std::memcmp(yn.data(), want_yn.data(), yn.size() * sizeof(float))) << at;
         EXPECT_EQ(0, std::memcmp(lanes.data(), want_lanes.data(), lanes.size() * sizeof(float)))
             << at;
       }

@@ -481,6 +481,9 @@ void tap_offsets(const ImplicitConv& g, int64_t nb, std::vector<int64_t>& offset
             c * nb * g.plane + kh * g.dil_h * g.Wp + kw * g.dil_w;
 }
 
+// implicit_conv computes up to this many output channels by register-tiled rows, not the GEMM.
+constexpr int64_t kFmaRowsMaxChannels = 12;
+
 // The last wide column that is an output position, plus one. Reading row k up to it stays inside
 // the padded buffer (the last tap of the last channel ends at its last element).
 int64_t wide_columns(const ImplicitConv& g, int64_t nb) {
@@ -499,8 +502,16 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
   std::vector<int64_t> offset, position;
   const bool dense = g.dense();
   const int64_t HWo = g.Ho * g.Wo;
+  // Few output channels along unit-stride rows (the tutorial CNN's conv2 and its backward-input):
+  // the GEMM's 6 x 16 tiles would load each input value for at most two tiles, after packing it;
+  // register-tiled rows read the padded buffer in place with the same arithmetic.
+  const bool by_rows = g.sw == 1 && partials == Partials::kF32 && g.O <= kFmaRowsMaxChannels;
   // (O, nb * Ho * Wo) dense, (O, nb * Hp * Wp) wide
-  Tensor wide = f32_workspace({g.O * nb_max * (dense ? HWo : g.plane)});
+  Tensor wide = by_rows ? Tensor() : f32_workspace({g.O * nb_max * (dense ? HWo : g.plane)});
+  std::vector<float> w32(by_rows ? static_cast<size_t>(g.O * CKK) : 0);  // (O, CKK)
+  for (int64_t o = 0; o < (by_rows ? g.O : 0); ++o)
+    load_f32(static_cast<const char*>(w.data) + o * w.rs * esize(w.dtype), w.dtype, w.cs, CKK,
+             w32.data() + o * CKK);
   GemmOptions go;
   go.partials = partials;
   for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
@@ -508,6 +519,32 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
     float* xp = xpad.data<float>();
     pad_images(x, g, n0, nb, xp);
     tap_offsets(g, nb, offset);
+    if (by_rows) {
+      const bool direct = out == DType::f32;
+      parallel_for(
+          static_cast<size_t>(nb * g.Ho), 1,
+          nb * g.O * HWo * CKK >= kParallelElements ? default_num_threads() : 1,
+          [&](size_t r0, size_t r1) {
+            std::vector<const float*> xrow(static_cast<size_t>(CKK));
+            std::vector<float> acc(direct ? 0 : static_cast<size_t>(g.O * g.Wo));  // (O, Wo)
+            for (size_t r = r0; r < r1; ++r) {
+              const int64_t img = static_cast<int64_t>(r) / g.Ho,
+                            oh = static_cast<int64_t>(r) % g.Ho;
+              const float* start = xp + img * g.plane + oh * g.sh * g.Wp;  // the row's windows
+              for (int64_t t = 0; t < CKK; ++t)
+                xrow[static_cast<size_t>(t)] = start + offset[static_cast<size_t>(t)];
+              const int64_t at = (n0 + img) * g.O * HWo + oh * g.Wo;  // channel 0's row in y
+              detail::conv_rows_fma_f32(
+                  direct ? y.data<float>() + at : acc.data(), direct ? HWo : g.Wo, g.O,
+                  bias.empty() ? nullptr : bias.data(), w32.data(), CKK, xrow.data(), CKK, g.Wo);
+              if (!direct)
+                for (int64_t o = 0; o < g.O; ++o)
+                  store_f32(acc.data() + o * g.Wo, g.Wo, bytes(y) + (at + o * HWo) * esize(out),
+                            out, 1);
+            }
+          });
+      continue;
+    }
     OffsetMatrix B;
     B.data = xp;
     B.row_offset = offset.data();

@@ -38,15 +38,18 @@ __attribute__((target("avx2"))) void conv_rows_block(float* y, int64_t ys, const
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     __m256 acc[OB][2];
+#pragma GCC unroll 8
     for (int o = 0; o < OB; ++o) acc[o][0] = acc[o][1] = _mm256_set1_ps(bias[o]);
     for (int64_t i = 0; i < taps; ++i) {
       const __m256 x0 = _mm256_loadu_ps(x[i] + j), x1 = _mm256_loadu_ps(x[i] + j + 8);
+#pragma GCC unroll 8
       for (int o = 0; o < OB; ++o) {
         const __m256 wv = _mm256_broadcast_ss(w + o * ws + tap[i]);
         acc[o][0] = _mm256_add_ps(acc[o][0], _mm256_mul_ps(wv, x0));
         acc[o][1] = _mm256_add_ps(acc[o][1], _mm256_mul_ps(wv, x1));
       }
     }
+#pragma GCC unroll 8
     for (int o = 0; o < OB; ++o) {
       _mm256_storeu_ps(y + o * ys + j, acc[o][0]);
       _mm256_storeu_ps(y + o * ys + j + 8, acc[o][1]);
@@ -54,15 +57,19 @@ __attribute__((target("avx2"))) void conv_rows_block(float* y, int64_t ys, const
   }
   for (; j + 8 <= n; j += 8) {
     __m256 acc[OB];
+#pragma GCC unroll 8
     for (int o = 0; o < OB; ++o) acc[o] = _mm256_set1_ps(bias[o]);
     for (int64_t i = 0; i < taps; ++i) {
       const __m256 xv = _mm256_loadu_ps(x[i] + j);
+#pragma GCC unroll 8
       for (int o = 0; o < OB; ++o)
         acc[o] = _mm256_add_ps(acc[o], _mm256_mul_ps(_mm256_broadcast_ss(w + o * ws + tap[i]), xv));
     }
+#pragma GCC unroll 8
     for (int o = 0; o < OB; ++o) _mm256_storeu_ps(y + o * ys + j, acc[o]);
   }
   for (; j < n; ++j)
+#pragma GCC unroll 8
     for (int o = 0; o < OB; ++o) {
       float acc = bias[o];
       for (int64_t i = 0; i < taps; ++i) acc += w[o * ws + tap[i]] * x[i][j];
@@ -108,16 +115,114 @@ __attribute__((target("avx2"))) void conv_rows_f32_avx2(float* y, int64_t ys, in
 // vectors loaded once per 8 columns and each gradient vector used TB times. The tail (fewer than
 // 8 columns) is loaded masked: the lanes past it add 0 * 0, which leaves a sum unchanged (a
 // sum that starts at +0 is never -0), so every lane gets exactly its own columns' products.
+// OB output channels by 8 * V columns (kMasked: the first n columns of 8) of conv_rows_fma_f32.
+template <int OB, int V, bool kMasked>
+__attribute__((target("avx2,fma"))) inline void conv_fma_strip(float* y, int64_t ys,
+                                                               const float* bias, const float* w,
+                                                               int64_t ws, const float* const* x,
+                                                               int64_t taps, int64_t j,
+                                                               __m256i mask) {
+  __m256 acc[OB][V];
+#pragma GCC unroll 8
+  for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[o][v] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < taps; ++i) {
+    __m256 xv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
+      xv[v] = kMasked && v == V - 1 ? _mm256_maskload_ps(x[i] + j + 8 * v, mask)
+                                    : _mm256_loadu_ps(x[i] + j + 8 * v);
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o) {
+      const __m256 wv = _mm256_broadcast_ss(w + o * ws + i);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[o][v] = _mm256_fmadd_ps(wv, xv[v], acc[o][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int o = 0; o < OB; ++o) {
+    const __m256 b = _mm256_set1_ps(bias ? bias[o] : 0.0f);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      float* dst = y + o * ys + j + 8 * v;
+      const __m256 r = _mm256_add_ps(acc[o][v], b);
+      if (kMasked && v == V - 1)
+        _mm256_maskstore_ps(dst, mask, r);
+      else
+        _mm256_storeu_ps(dst, r);
+    }
+  }
+}
+
+template <int OB>
+__attribute__((target("avx2,fma"))) void conv_fma_block(float* y, int64_t ys, const float* bias,
+                                                        const float* w, int64_t ws,
+                                                        const float* const* x, int64_t taps,
+                                                        int64_t n) {
+  const __m256i all = _mm256_set1_epi32(-1);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) conv_fma_strip<OB, 2, false>(y, ys, bias, w, ws, x, taps, j, all);
+  // The last 1-15 columns: one strip whose last vector is masked (or whole when it is full).
+  const int64_t r = n - j;
+  if (r == 0) return;
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(r > 8 ? r - 8 : r)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  if (r > 8)
+    conv_fma_strip<OB, 2, true>(y, ys, bias, w, ws, x, taps, j, mask);
+  else if (r == 8)
+    conv_fma_strip<OB, 1, false>(y, ys, bias, w, ws, x, taps, j, all);
+  else
+    conv_fma_strip<OB, 1, true>(y, ys, bias, w, ws, x, taps, j, mask);
+}
+
+// Output channels in blocks of up to 6 (12 sums, 2 input vectors and a weight: 15 registers).
+__attribute__((target("avx2,fma"))) void conv_rows_fma_f32_avx2(float* y, int64_t ys, int64_t O,
+                                                                const float* bias, const float* w,
+                                                                int64_t ws, const float* const* x,
+                                                                int64_t taps, int64_t n) {
+  for (int64_t o0 = 0; o0 < O;) {
+    const int64_t ob = std::min<int64_t>(6, O - o0);
+    float* yb = y + o0 * ys;
+    const float* bb = bias ? bias + o0 : nullptr;
+    const float* wb = w + o0 * ws;
+    switch (ob) {
+      case 6:
+        conv_fma_block<6>(yb, ys, bb, wb, ws, x, taps, n);
+        break;
+      case 5:
+        conv_fma_block<5>(yb, ys, bb, wb, ws, x, taps, n);
+        break;
+      case 4:
+        conv_fma_block<4>(yb, ys, bb, wb, ws, x, taps, n);
+        break;
+      case 3:
+        conv_fma_block<3>(yb, ys, bb, wb, ws, x, taps, n);
+        break;
+      case 2:
+        conv_fma_block<2>(yb, ys, bb, wb, ws, x, taps, n);
+        break;
+      default:
+        conv_fma_block<1>(yb, ys, bb, wb, ws, x, taps, n);
+        break;
+    }
+    o0 += ob;
+  }
+}
+
 template <int OB, int TB, bool kMasked>
 __attribute__((target("avx2"))) inline void conv_wgrad_step(__m256 (&acc)[OB][TB], const float* dy,
                                                             int64_t ds, const float* const* x,
                                                             int64_t j, __m256i mask) {
   __m256 xv[TB];
+#pragma GCC unroll 4
   for (int t = 0; t < TB; ++t)
     xv[t] = kMasked ? _mm256_maskload_ps(x[t] + j, mask) : _mm256_loadu_ps(x[t] + j);
+#pragma GCC unroll 8
   for (int o = 0; o < OB; ++o) {
     const float* p = dy + o * ds + j;
     const __m256 d = kMasked ? _mm256_maskload_ps(p, mask) : _mm256_loadu_ps(p);
+#pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) acc[o][t] = _mm256_add_ps(acc[o][t], _mm256_mul_ps(d, xv[t]));
   }
 }
@@ -126,7 +231,9 @@ template <int OB, int TB>
 __attribute__((target("avx2"))) void conv_wgrad_tile(float* lanes, int64_t taps, const float* dy,
                                                      int64_t ds, const float* const* x, int64_t n) {
   __m256 acc[OB][TB];
+#pragma GCC unroll 8
   for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) acc[o][t] = _mm256_loadu_ps(lanes + (o * taps + t) * 8);
   const __m256i all = _mm256_set1_epi32(-1);
   int64_t j = 0;
@@ -136,7 +243,9 @@ __attribute__((target("avx2"))) void conv_wgrad_tile(float* lanes, int64_t taps,
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     conv_wgrad_step<OB, TB, true>(acc, dy, ds, x, j, mask);
   }
+#pragma GCC unroll 8
   for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 4
     for (int t = 0; t < TB; ++t) _mm256_storeu_ps(lanes + (o * taps + t) * 8, acc[o][t]);
 }
 
