@@ -220,8 +220,8 @@ TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
         // The GEMM's arithmetic: an FMA chain from 0 in tap order, then the bias (or + 0).
         std::vector<float> yf(static_cast<size_t>(O * ys), 0.0f), want_yf = yf, yn = yf,
                                                                   want_yn = yf;
-        detail::conv_rows_fma_f32(yf.data(), ys, O, bias.data(), w.data(), ws, x.data(), taps, n);
-        detail::conv_rows_fma_f32(yn.data(), ys, O, nullptr, w.data(), ws, x.data(), taps, n);
+        detail::fma_rows_f32(yf.data(), ys, O, bias.data(), w.data(), ws, x.data(), taps, n);
+        detail::fma_rows_f32(yn.data(), ys, O, nullptr, w.data(), ws, x.data(), taps, n);
         for (int64_t o = 0; o < O; ++o)
           for (int64_t j = 0; j < n; ++j) {
             float acc = 0.0f;

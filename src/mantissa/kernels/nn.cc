@@ -534,9 +534,9 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
               for (int64_t t = 0; t < CKK; ++t)
                 xrow[static_cast<size_t>(t)] = start + offset[static_cast<size_t>(t)];
               const int64_t at = (n0 + img) * g.O * HWo + oh * g.Wo;  // channel 0's row in y
-              detail::conv_rows_fma_f32(
-                  direct ? y.data<float>() + at : acc.data(), direct ? HWo : g.Wo, g.O,
-                  bias.empty() ? nullptr : bias.data(), w32.data(), CKK, xrow.data(), CKK, g.Wo);
+              detail::fma_rows_f32(direct ? y.data<float>() + at : acc.data(), direct ? HWo : g.Wo,
+                                   g.O, bias.empty() ? nullptr : bias.data(), w32.data(), CKK,
+                                   xrow.data(), CKK, g.Wo);
               if (!direct)
                 for (int64_t o = 0; o < g.O; ++o)
                   store_f32(acc.data() + o * g.Wo, g.Wo, bytes(y) + (at + o * HWo) * esize(out),

@@ -111,11 +111,8 @@ __attribute__((target("avx2"))) void conv_rows_f32_avx2(float* y, int64_t ys, in
   }
 }
 
-// OB output channels by TB taps: OB * TB lane vectors in registers over the segment, TB input
-// vectors loaded once per 8 columns and each gradient vector used TB times. The tail (fewer than
-// 8 columns) is loaded masked: the lanes past it add 0 * 0, which leaves a sum unchanged (a
-// sum that starts at +0 is never -0), so every lane gets exactly its own columns' products.
-// OB output channels by 8 * V columns (kMasked: the first n columns of 8) of conv_rows_fma_f32.
+// OB output channels by 8 * V columns of fma_rows_f32 (kMasked: the last vector holds only the
+// columns the mask selects; a masked store leaves the others untouched).
 template <int OB, int V, bool kMasked>
 __attribute__((target("avx2,fma"))) inline void conv_fma_strip(float* y, int64_t ys,
                                                                const float* bias, const float* w,
@@ -177,10 +174,10 @@ __attribute__((target("avx2,fma"))) void conv_fma_block(float* y, int64_t ys, co
 }
 
 // Output channels in blocks of up to 6 (12 sums, 2 input vectors and a weight: 15 registers).
-__attribute__((target("avx2,fma"))) void conv_rows_fma_f32_avx2(float* y, int64_t ys, int64_t O,
-                                                                const float* bias, const float* w,
-                                                                int64_t ws, const float* const* x,
-                                                                int64_t taps, int64_t n) {
+__attribute__((target("avx2,fma"))) void fma_rows_f32_avx2(float* y, int64_t ys, int64_t O,
+                                                           const float* bias, const float* w,
+                                                           int64_t ws, const float* const* x,
+                                                           int64_t taps, int64_t n) {
   for (int64_t o0 = 0; o0 < O;) {
     const int64_t ob = std::min<int64_t>(6, O - o0);
     float* yb = y + o0 * ys;
@@ -210,6 +207,10 @@ __attribute__((target("avx2,fma"))) void conv_rows_fma_f32_avx2(float* y, int64_
   }
 }
 
+// OB output channels by TB taps: OB * TB lane vectors in registers over the segment, TB input
+// vectors loaded once per 8 columns and each gradient vector used TB times. The tail (fewer than
+// 8 columns) is loaded masked: the lanes past it add 0 * 0, which leaves a sum unchanged (a
+// sum that starts at +0 is never -0), so every lane gets exactly its own columns' products.
 template <int OB, int TB, bool kMasked>
 __attribute__((target("avx2"))) inline void conv_wgrad_step(__m256 (&acc)[OB][TB], const float* dy,
                                                             int64_t ds, const float* const* x,

@@ -46,11 +46,11 @@ void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const flo
   }
 }
 
-void conv_rows_fma_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
-                       int64_t ws, const float* const* x, int64_t taps, int64_t n) {
+void fma_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
+                  const float* const* x, int64_t taps, int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD
   if (avx2_vectors() && cpu_features().fma)
-    return conv_rows_fma_f32_avx2(y, ys, O, bias, w, ws, x, taps, n);
+    return fma_rows_f32_avx2(y, ys, O, bias, w, ws, x, taps, n);
 #endif
   for (int64_t o = 0; o < O; ++o)
     for (int64_t j = 0; j < n; ++j) {

@@ -26,12 +26,13 @@ void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const flo
 void conv_wgrad_rows_f32(float* lanes, int64_t O, const float* dy, int64_t ds,
                          const float* const* x, int64_t taps, int64_t n);
 
-// Convolution rows as the GEMM computes them (few output channels, where the GEMM's 6-row tiles
-// would mostly pack and reload its B operand): y[o * ys + j] = acc + bias[o] (bias[o] = 0 when
-// bias is null), acc = fma(w[o * ws + i], x[i][j], acc) over i < taps in increasing order from
-// acc = 0: the arithmetic of gemm() followed by the bias, bit for bit.
-void conv_rows_fma_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
-                       int64_t ws, const float* const* x, int64_t taps, int64_t n);
+// Rows of a product as the GEMM computes them, for few output rows (a convolution's few output
+// channels, a small batch's rows), where the GEMM's 6-row tiles would pack each value of x for at
+// most two tiles: y[o * ys + j] = acc + bias[o] (bias[o] = 0 when bias is null), acc =
+// fma(w[o * ws + i], x[i][j], acc) over i < taps in increasing order from acc = 0: gemm()'s
+// arithmetic (followed by the bias), bit for bit. x[i] is row i of the right operand (stride 1).
+void fma_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
+                  const float* const* x, int64_t taps, int64_t n);
 
 // ---- Lane-split dot products (inner-product GEMM: C = A B^T with both operands contiguous
 // along K, read in place, nothing packed). For long K and few outputs (a linear layer's forward
@@ -57,8 +58,8 @@ void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const f
 void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
                         int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
                         int64_t n);
-void conv_rows_fma_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
-                            int64_t ws, const float* const* x, int64_t taps, int64_t n);
+void fma_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
+                       int64_t ws, const float* const* x, int64_t taps, int64_t n);
 void conv_wgrad_rows_f32_avx2(float* lanes, int64_t O, const float* dy, int64_t ds,
                               const float* const* x, int64_t taps, int64_t n);
 void axpy_f32_avx2(float* a, const float* x, float w, int64_t n);  // stride 1
