@@ -4,10 +4,26 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels::detail {
+namespace {
+
+// Calls f(std::integral_constant<int, count>{}) for count in [1, kMax]: a runtime block size to the
+// template that keeps that many sums in registers.
+template <int kMax, class F>
+void with_block(int64_t count, F&& f) {
+  if constexpr (kMax > 1) {
+    if (count == kMax) return f(std::integral_constant<int, kMax>{});
+    with_block<kMax - 1>(count, f);
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
+}  // namespace
 
 __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, float w, int64_t n) {
   const __m256 wv = _mm256_set1_ps(w);
@@ -87,26 +103,9 @@ __attribute__((target("avx2"))) void conv_rows_f32_avx2(float* y, int64_t ys, in
     const int64_t ob = std::min<int64_t>(6, O - o0);
     float* yb = y + o0 * ys;
     const float* wb = w + o0 * ws;
-    switch (ob) {
-      case 6:
-        conv_rows_block<6>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
-        break;
-      case 5:
-        conv_rows_block<5>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
-        break;
-      case 4:
-        conv_rows_block<4>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
-        break;
-      case 3:
-        conv_rows_block<3>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
-        break;
-      case 2:
-        conv_rows_block<2>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
-        break;
-      default:
-        conv_rows_block<1>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
-        break;
-    }
+    with_block<6>(ob, [&](auto k) {
+      conv_rows_block<decltype(k)::value>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
+    });
     o0 += ob;
   }
 }
@@ -183,26 +182,8 @@ __attribute__((target("avx2,fma"))) void fma_rows_f32_avx2(float* y, int64_t ys,
     float* yb = y + o0 * ys;
     const float* bb = bias ? bias + o0 : nullptr;
     const float* wb = w + o0 * ws;
-    switch (ob) {
-      case 6:
-        conv_fma_block<6>(yb, ys, bb, wb, ws, x, taps, n);
-        break;
-      case 5:
-        conv_fma_block<5>(yb, ys, bb, wb, ws, x, taps, n);
-        break;
-      case 4:
-        conv_fma_block<4>(yb, ys, bb, wb, ws, x, taps, n);
-        break;
-      case 3:
-        conv_fma_block<3>(yb, ys, bb, wb, ws, x, taps, n);
-        break;
-      case 2:
-        conv_fma_block<2>(yb, ys, bb, wb, ws, x, taps, n);
-        break;
-      default:
-        conv_fma_block<1>(yb, ys, bb, wb, ws, x, taps, n);
-        break;
-    }
+    with_block<6>(
+        ob, [&](auto k) { conv_fma_block<decltype(k)::value>(yb, ys, bb, wb, ws, x, taps, n); });
     o0 += ob;
   }
 }
@@ -269,23 +250,8 @@ __attribute__((target("avx2"))) void conv_wgrad_rows_f32_avx2(float* lanes, int6
     const int64_t ob = std::min<int64_t>(5, O - o0);
     float* l = lanes + o0 * taps * 8;
     const float* d = dy + o0 * ds;
-    switch (ob) {
-      case 5:
-        conv_wgrad_channels<5>(l, taps, d, ds, x, n);
-        break;
-      case 4:
-        conv_wgrad_channels<4>(l, taps, d, ds, x, n);
-        break;
-      case 3:
-        conv_wgrad_channels<3>(l, taps, d, ds, x, n);
-        break;
-      case 2:
-        conv_wgrad_channels<2>(l, taps, d, ds, x, n);
-        break;
-      default:
-        conv_wgrad_channels<1>(l, taps, d, ds, x, n);
-        break;
-    }
+    with_block<5>(ob,
+                  [&](auto k) { conv_wgrad_channels<decltype(k)::value>(l, taps, d, ds, x, n); });
     o0 += ob;
   }
 }
