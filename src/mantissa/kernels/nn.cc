@@ -509,9 +509,10 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
   // (O, nb * Ho * Wo) dense, (O, nb * Hp * Wp) wide
   Tensor wide = by_rows ? Tensor() : f32_workspace({g.O * nb_max * (dense ? HWo : g.plane)});
   std::vector<float> w32(by_rows ? static_cast<size_t>(g.O * CKK) : 0);  // (O, CKK)
-  for (int64_t o = 0; o < (by_rows ? g.O : 0); ++o)
-    load_f32(static_cast<const char*>(w.data) + o * w.rs * esize(w.dtype), w.dtype, w.cs, CKK,
-             w32.data() + o * CKK);
+  if (by_rows)
+    for (int64_t o = 0; o < g.O; ++o)
+      load_f32(static_cast<const char*>(w.data) + o * w.rs * esize(w.dtype), w.dtype, w.cs, CKK,
+               w32.data() + o * CKK);
   GemmOptions go;
   go.partials = partials;
   for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
@@ -580,9 +581,9 @@ Tensor implicit_conv(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
 
 // ---- Direct convolution for small filter banks ----
 // When the whole filter bank is tiny (the tutorial CNN's conv1: 5 x 1 x 3 x 3) im2col and GEMM
-// spend their time copying and packing; adding each tap's shifted input rows into an FP32 output
-// plane is several times faster. Used for groups 1, dilation 1 and FP32 partials; the tests run
-// both paths against the FP64 reference.
+// spend their time copying and packing; register-tiled rows of every output channel, reading the
+// taps' input rows in place, are several times faster. Used for groups 1, dilation 1 and FP32
+// partials; the tests run both paths against the FP64 reference.
 // Image groups of a small weight gradient (see conv2d_backward_weight).
 constexpr int64_t kWeightGradParts = 4;
 
@@ -634,6 +635,15 @@ std::pair<int64_t, int64_t> tiled_columns(const ConvGeometry& g, const std::vect
   return {j0, j1};
 }
 
+// Calls fn(a, b) for the ranges of output columns [a, b) that a row's tiled span [j0, j1) leaves
+// out (the whole row [0, Wo) when the row is not tiled).
+template <class Fn>
+void untiled_columns(bool tiled, int64_t j0, int64_t j1, int64_t Wo, Fn&& fn) {
+  if (!tiled) return fn(int64_t{0}, Wo);
+  if (j0 > 0) fn(int64_t{0}, j0);
+  if (j1 < Wo) fn(j1, Wo);
+}
+
 Tensor conv2d_direct(const Tensor& x_in, const Tensor& w_in, const std::vector<float>& bias,
                      const ConvGeometry& g, DType out) {
   const Tensor x = x_in.to(DType::f32), w = w_in.to(DType::f32);
@@ -671,20 +681,13 @@ Tensor conv2d_direct(const Tensor& x_in, const Tensor& w_in, const std::vector<f
           for (int64_t o = 0; o < g.O; ++o) {
             float* row = rows + o * ys;
             const float* wo = wd + o * g.CKK;
-            auto by_tap = [&](int64_t a, int64_t b) {  // columns [a, b)
-              if (a >= b) return;
+            untiled_columns(j0 < j1, j0, j1, g.Wo, [&](int64_t a, int64_t b) {
               std::fill(row + a, row + b, bias[static_cast<size_t>(o)]);
               for_each_row_tap(g, taps, oh, [&](int64_t t, int64_t lo, int64_t cols, int64_t xo) {
                 const int64_t s = std::max(a, lo), e = std::min(b, lo + cols);
                 if (s < e) detail::axpy_f32(row + s, xn + xo + (s - lo) * sw, sw, wo[t], e - s);
               });
-            };
-            if (j0 < j1) {
-              by_tap(0, j0);
-              by_tap(j1, g.Wo);
-            } else {
-              by_tap(0, g.Wo);
-            }
+            });
             if (!direct)
               store_f32(row, g.Wo, bytes(y) + ((n * g.O + o) * g.HW + oh * g.Wo) * esize(out), out,
                         1);
@@ -743,12 +746,11 @@ Tensor implicit_backward_weight(const Tensor& dy, const Tensor& x, const Shape& 
 }
 
 // dW (O, CKK) of a one-group convolution (any stride use_implicit accepts) by GEMM without
-// im2col: for a chunk of nb
-// images, dW += dY (O, L) x X^T (L, CKK), where L = nb*Ho*Wo output positions and
-// X^T(l, k) = xpad[position(l) + tap(k)] is listed to the GEMM by rows (positions) and columns
-// (taps) and packed from the padded buffer. Chunks add into one FP32 dW in order (beta = 1), as
-// the im2col path does; the GEMM splits the taps among threads, so the result does not depend on
-// the thread count.
+// im2col: for a chunk of nb images, dW += dY (O, L) x X^T (L, CKK), where L = nb*Ho*Wo output
+// positions and X^T(l, k) = xpad[position(l) + tap(k)] is listed to the GEMM by rows (positions)
+// and columns (taps) and packed from the padded buffer. Chunks add into one FP32 dW in order (beta
+// = 1), as the im2col path does; the GEMM splits the taps among threads, so the result does not
+// depend on the thread count.
 Tensor implicit_gemm_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
                                      const ConvGeometry& cg, DType out, Partials partials) {
   const ImplicitConv g(cg);
@@ -780,9 +782,9 @@ Tensor implicit_gemm_backward_weight(const Tensor& dy, const Tensor& x, const Sh
   return dw;
 }
 
-// dW[o, c, kh, kw] = sum over images and output positions of dy * x: per image, each tap's
-// products are added lane-wise into a row of partial sums, summed once; images are summed in
-// order, so the result does not depend on the thread count.
+// dW[o, c, kh, kw] = sum over images and output positions of dy * x: per image, 8 lane sums per
+// (o, tap) plus the products the tiled rows leave out, added once; images are summed in order, so
+// the result does not depend on the thread count.
 Tensor conv2d_direct_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Shape& w_shape,
                                      const ConvGeometry& g, DType out) {
   // 16-bit inputs are read into FP32 one image at a time (no whole-tensor FP32 copies).
@@ -821,23 +823,16 @@ Tensor conv2d_direct_backward_weight(const Tensor& dy_in, const Tensor& x_in, co
             if (tiled)
               detail::conv_wgrad_rows_f32(lanes.data(), g.O, dyn + oh * g.Wo + j0, g.HW,
                                           xrow.data(), g.CKK, j1 - j0);
-            if (tiled && j0 == 0 && j1 == g.Wo) continue;  // no products left
             for (int64_t o = 0; o < g.O; ++o) {
               const float* d = dyn + o * g.HW + oh * g.Wo;
-              for_each_row_tap(g, tap_list, oh,
-                               [&](int64_t t, int64_t lo, int64_t cols, int64_t xo) {
-                                 float& r = rest[static_cast<size_t>(o * g.CKK + t)];
-                                 auto add = [&](int64_t a, int64_t b) {  // columns [a, b)
-                                   for (int64_t j = a; j < b; ++j)
-                                     r += d[j] * xn[xo + (j - lo) * sw];
-                                 };
-                                 if (tiled) {
-                                   add(lo, std::min(lo + cols, j0));
-                                   add(std::max(lo, j1), lo + cols);
-                                 } else {
-                                   add(lo, lo + cols);
-                                 }
-                               });
+              untiled_columns(tiled, j0, j1, g.Wo, [&](int64_t a, int64_t b) {
+                for_each_row_tap(
+                    g, tap_list, oh, [&](int64_t t, int64_t lo, int64_t cols, int64_t xo) {
+                      float& r = rest[static_cast<size_t>(o * g.CKK + t)];
+                      for (int64_t j = std::max(a, lo); j < std::min(b, lo + cols); ++j)
+                        r += d[j] * xn[xo + (j - lo) * sw];
+                    });
+              });
             }
           }
           float* dw = per_image.data() + ni * taps;

@@ -23,6 +23,20 @@ void with_block(int64_t count, F&& f) {
   }
 }
 
+// Channels [0, O) in blocks of kMax (the last one smaller): f(o0, block size as with_block gives
+// it).
+template <int kMax, class F>
+void for_blocks(int64_t O, F&& f) {
+  for (int64_t o0 = 0; o0 < O; o0 += kMax)
+    with_block<kMax>(std::min<int64_t>(kMax, O - o0), [&](auto k) { f(o0, k); });
+}
+
+// Lanes [0, n) of a vector selected (n <= 8), for masked loads and stores of a row's tail.
+__attribute__((target("avx2"))) inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 }  // namespace
 
 __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, float w, int64_t n) {
@@ -32,16 +46,6 @@ __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, flo
     _mm256_storeu_ps(
         a + j, _mm256_add_ps(_mm256_loadu_ps(a + j), _mm256_mul_ps(wv, _mm256_loadu_ps(x + j))));
   for (; j < n; ++j) a[j] += w * x[j];
-}
-
-__attribute__((target("avx2"))) void mul_acc_f32_avx2(float* acc, const float* d, const float* x,
-                                                      int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm256_storeu_ps(acc + j,
-                     _mm256_add_ps(_mm256_loadu_ps(acc + j),
-                                   _mm256_mul_ps(_mm256_loadu_ps(d + j), _mm256_loadu_ps(x + j))));
-  for (; j < n; ++j) acc[j] += d[j] * x[j];
 }
 
 // OB output channels, 16 columns at a time (2 * OB sums in registers), the weights broadcast per
@@ -99,15 +103,10 @@ __attribute__((target("avx2"))) void conv_rows_f32_avx2(float* y, int64_t ys, in
                                                         int64_t ws, const int64_t* tap,
                                                         const float* const* x, int64_t taps,
                                                         int64_t n) {
-  for (int64_t o0 = 0; o0 < O;) {
-    const int64_t ob = std::min<int64_t>(6, O - o0);
-    float* yb = y + o0 * ys;
-    const float* wb = w + o0 * ws;
-    with_block<6>(ob, [&](auto k) {
-      conv_rows_block<decltype(k)::value>(yb, ys, bias + o0, wb, ws, tap, x, taps, n);
-    });
-    o0 += ob;
-  }
+  for_blocks<6>(O, [&](int64_t o0, auto k) {
+    conv_rows_block<decltype(k)::value>(y + o0 * ys, ys, bias + o0, w + o0 * ws, ws, tap, x, taps,
+                                        n);
+  });
 }
 
 // OB output channels by 8 * V columns of fma_rows_f32 (kMasked: the last vector holds only the
@@ -162,8 +161,7 @@ __attribute__((target("avx2,fma"))) void conv_fma_block(float* y, int64_t ys, co
   // The last 1-15 columns: one strip whose last vector is masked (or whole when it is full).
   const int64_t r = n - j;
   if (r == 0) return;
-  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(r > 8 ? r - 8 : r)),
-                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i mask = first_lanes(r > 8 ? r - 8 : r);
   if (r > 8)
     conv_fma_strip<OB, 2, true>(y, ys, bias, w, ws, x, taps, j, mask);
   else if (r == 8)
@@ -177,15 +175,10 @@ __attribute__((target("avx2,fma"))) void fma_rows_f32_avx2(float* y, int64_t ys,
                                                            const float* bias, const float* w,
                                                            int64_t ws, const float* const* x,
                                                            int64_t taps, int64_t n) {
-  for (int64_t o0 = 0; o0 < O;) {
-    const int64_t ob = std::min<int64_t>(6, O - o0);
-    float* yb = y + o0 * ys;
-    const float* bb = bias ? bias + o0 : nullptr;
-    const float* wb = w + o0 * ws;
-    with_block<6>(
-        ob, [&](auto k) { conv_fma_block<decltype(k)::value>(yb, ys, bb, wb, ws, x, taps, n); });
-    o0 += ob;
-  }
+  for_blocks<6>(O, [&](int64_t o0, auto k) {
+    conv_fma_block<decltype(k)::value>(y + o0 * ys, ys, bias ? bias + o0 : nullptr, w + o0 * ws, ws,
+                                       x, taps, n);
+  });
 }
 
 // OB output channels by TB taps: OB * TB lane vectors in registers over the segment, TB input
@@ -221,9 +214,7 @@ __attribute__((target("avx2"))) void conv_wgrad_tile(float* lanes, int64_t taps,
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) conv_wgrad_step<OB, TB, false>(acc, dy, ds, x, j, all);
   if (j < n) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    conv_wgrad_step<OB, TB, true>(acc, dy, ds, x, j, mask);
+    conv_wgrad_step<OB, TB, true>(acc, dy, ds, x, j, first_lanes(n - j));
   }
 #pragma GCC unroll 8
   for (int o = 0; o < OB; ++o)
@@ -246,14 +237,9 @@ __attribute__((target("avx2"))) void conv_wgrad_rows_f32_avx2(float* lanes, int6
                                                               const float* dy, int64_t ds,
                                                               const float* const* x, int64_t taps,
                                                               int64_t n) {
-  for (int64_t o0 = 0; o0 < O;) {
-    const int64_t ob = std::min<int64_t>(5, O - o0);
-    float* l = lanes + o0 * taps * 8;
-    const float* d = dy + o0 * ds;
-    with_block<5>(ob,
-                  [&](auto k) { conv_wgrad_channels<decltype(k)::value>(l, taps, d, ds, x, n); });
-    o0 += ob;
-  }
+  for_blocks<5>(O, [&](int64_t o0, auto k) {
+    conv_wgrad_channels<decltype(k)::value>(lanes + o0 * taps * 8, taps, dy + o0 * ds, ds, x, n);
+  });
 }
 
 // Lane-split dot products over columns [k0, k1) for a tile of up to 3 x 4 rows: full 3 x 4 tiles

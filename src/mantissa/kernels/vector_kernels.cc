@@ -24,13 +24,6 @@ void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n) {
   for (int64_t j = 0; j < n; ++j) a[j] += w * x[j * stride];
 }
 
-void mul_acc_f32(float* acc, const float* d, const float* x, int64_t stride, int64_t n) {
-#if MANTISSA_HAVE_X86_SIMD
-  if (stride == 1 && avx2_vectors()) return mul_acc_f32_avx2(acc, d, x, n);
-#endif
-  for (int64_t j = 0; j < n; ++j) acc[j] += d[j] * x[j * stride];
-}
-
 void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
                    const int64_t* tap, const float* const* x, int64_t taps, int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD

@@ -1,6 +1,7 @@
-// Internal: short FP32 vector loops used by the direct convolution, with an AVX2 version chosen
-// at run time. Both versions do the same IEEE multiply and add per element (no fused
-// multiply-add), so they give identical bits.
+// Internal: short FP32 vector loops of the convolutions and the small-batch linear layer, each with
+// an AVX2 version chosen at run time. Both versions do the same IEEE operations per element (each
+// function's comment says which: a rounded multiply then an add, or a fused multiply-add), so they
+// give identical bits.
 #pragma once
 
 #include <cstdint>
@@ -9,8 +10,6 @@ namespace mantissa::kernels::detail {
 
 // a[j] += w * x[j * stride], j < n.
 void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n);
-// acc[j] += d[j] * x[j * stride], j < n.
-void mul_acc_f32(float* acc, const float* d, const float* x, int64_t stride, int64_t n);
 
 // ---- Direct convolution rows (few input channels and taps: the tutorial CNN's conv1), a row
 // segment of n output columns at a time, all output channels and taps together so that the sums
@@ -63,7 +62,6 @@ void fma_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const
 void conv_wgrad_rows_f32_avx2(float* lanes, int64_t O, const float* dy, int64_t ds,
                               const float* const* x, int64_t taps, int64_t n);
 void axpy_f32_avx2(float* a, const float* x, float w, int64_t n);  // stride 1
-void mul_acc_f32_avx2(float* acc, const float* d, const float* x, int64_t n);
 #endif
 
 }  // namespace mantissa::kernels::detail
