@@ -77,6 +77,33 @@ TEST(Models, ForwardShapesOfEveryModel) {
   }
 }
 
+TEST(Models, ForwardMultiplyAddsMatchPyTorchsCount) {
+  // Conv2d and Linear multiply-adds of one image's forward. The ResNet and tutorial figures are
+  // PyTorch's: forward hooks on scripts/torch_models.py's models adding, per layer, the output's
+  // elements x in_channels/groups x KH x KW (Conv2d) or x in_features (Linear). LeNet-5's is by
+  // hand at 16x16: conv1 6x12x12x25, conv2 16x2x2x150, fc 16x120 + 120x84 + 84x10.
+  struct Case {
+    const char* name;
+    int64_t channels, size;
+    bool imagenet_stem;
+    int64_t macs;
+  };
+  for (const Case& k :
+       {Case{"tutorial-cnn", 1, 128, false, 10114120}, Case{"resnet18", 3, 32, false, 555422720},
+        Case{"resnet18", 3, 64, true, 148050944},
+        Case{"lenet5", 1, 16, false, 21600 + 9600 + 1920 + 10080 + 840}}) {
+    nn::ModelConfig c;
+    c.in_channels = k.channels;
+    c.image_size = k.size;
+    c.imagenet_stem = k.imagenet_stem;
+    auto m = nn::make_model(k.name, c);
+    m->eval();
+    MacCounter counter;
+    m->forward(Tensor::zeros({2, k.channels, k.size, k.size}, DType::f32));
+    EXPECT_EQ(counter.macs(), 2 * k.macs) << k.name << " at " << k.size;
+  }
+}
+
 TEST(Models, BadConfigurationsAreExplained) {
   EXPECT_NE(error_of([] { nn::make_model("vgg16", {}); }).find("choose one of: tutorial-cnn"),
             std::string::npos);

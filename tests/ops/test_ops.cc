@@ -552,5 +552,38 @@ TEST(Sum, ReductionsMatchFp64OnAnyThreadCount) {
   }
 }
 
+TEST(MacCounter, CountsEachMatrixOpsForwardOnceInTheInnermostScope) {
+  Tensor x = Tensor::full({3, 5}, 1.0, DType::f32).set_requires_grad(true);
+  Tensor w = Tensor::full({4, 5}, 1.0, DType::f32).set_requires_grad(true);
+  Tensor a = Tensor::full({2, 3, 5}, 1.0, DType::f32), b = Tensor::full({5, 7}, 1.0, DType::f32);
+  // Two groups, stride 2, padding 1: 9x9 -> 5x5 outputs, each 2 channels x 3x3 taps.
+  Tensor img = Tensor::full({2, 4, 9, 9}, 1.0, DType::f32),
+         k = Tensor::full({6, 2, 3, 3}, 1.0, DType::f32);
+  ops::Conv2dParams p;
+  p.stride_h = p.stride_w = 2;
+  p.pad_h = p.pad_w = 1;
+  p.groups = 2;
+  count_macs(1000);  // no counter: nothing to add to
+  MacCounter outer;
+  Tensor y = ops::linear(x, w);
+  EXPECT_EQ(outer.macs(), 3 * 4 * 5);
+  {
+    MacCounter inner;
+    ops::matmul(a, b);
+    EXPECT_EQ(inner.macs(), 2 * 3 * 7 * 5);
+    ops::conv2d(img, k, Tensor(), p);
+    EXPECT_EQ(inner.macs(), 2 * 3 * 7 * 5 + 2 * 6 * 5 * 5 * (2 * 3 * 3));
+  }
+  EXPECT_EQ(outer.macs(), 3 * 4 * 5);  // the inner scope's ops are its own
+  autograd::backward(ops::sum(y));     // backward kernels are not counted: 3x forward is a rule
+  EXPECT_EQ(outer.macs(), 3 * 4 * 5);
+  {
+    // Autocast re-dispatches the op with cast inputs: still counted once.
+    ops::AutocastScope autocast(DType::bf16, ops::AutocastPolicy());
+    ops::linear(x, w);
+  }
+  EXPECT_EQ(outer.macs(), 2 * 3 * 4 * 5);
+}
+
 }  // namespace
 }  // namespace mantissa

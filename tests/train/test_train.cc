@@ -178,6 +178,10 @@ TEST(Trainer, MetricsJsonHasEveryField) {
   EXPECT_TRUE(j["test_accuracy"].is_number());
   EXPECT_TRUE(j["images_per_second"].is_number());
   EXPECT_TRUE(j["data_wait_seconds"].is_number());
+  // LeNet-5 at 16x16: 44,040 multiply-adds a forward (tests/nn), 6 FLOPs each a trained image.
+  EXPECT_EQ(j["flops_per_image"].get<double>(), 6.0 * 44040);
+  EXPECT_NEAR(j["gflops_per_second"].get<double>(),
+              6.0 * 44040 * j["images_per_second"].get<double>() * 1e-9, 1e-9);
   for (auto k : {"total", "parameters", "gradients", "optimizer_state", "master_weights",
                  "activations", "workspace", "input_data"})
     EXPECT_TRUE(j["peak_memory_bytes"][k].is_number()) << k;

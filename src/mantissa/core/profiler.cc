@@ -4,6 +4,7 @@ namespace mantissa {
 
 namespace {
 thread_local Profiler* t_profiler = nullptr;
+thread_local MacCounter* t_macs = nullptr;
 }  // namespace
 
 void Profiler::add(std::string_view phase, std::string_view where, std::string_view op,
@@ -29,5 +30,12 @@ Profiler* active_profiler() { return t_profiler; }
 
 ProfilerScope::ProfilerScope(Profiler* p) : previous_(t_profiler) { t_profiler = p; }
 ProfilerScope::~ProfilerScope() { t_profiler = previous_; }
+
+MacCounter::MacCounter() : previous_(t_macs) { t_macs = this; }
+MacCounter::~MacCounter() { t_macs = previous_; }
+
+void count_macs(int64_t n) {
+  if (t_macs) t_macs->macs_ += n;
+}
 
 }  // namespace mantissa

@@ -73,4 +73,25 @@ class ProfileTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// Multiply-adds of the matrix ops (conv2d, linear, matmul forwards), counted for the calling
+// thread while a MacCounter is active: the model cost that training speed is compared with (a
+// trained image costs about 3x its forward's multiply-adds, 2 FLOPs each). Counters nest; each op
+// adds to the innermost one only. Costs one thread-local read when none is active.
+class MacCounter {
+ public:
+  MacCounter();
+  ~MacCounter();
+  MacCounter(const MacCounter&) = delete;
+  MacCounter& operator=(const MacCounter&) = delete;
+  int64_t macs() const { return macs_; }
+
+ private:
+  friend void count_macs(int64_t n);
+  int64_t macs_ = 0;
+  MacCounter* previous_;
+};
+
+// Adds n multiply-adds to the calling thread's innermost MacCounter, if any.
+void count_macs(int64_t n);
+
 }  // namespace mantissa

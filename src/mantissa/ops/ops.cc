@@ -7,6 +7,7 @@
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
 #include "mantissa/core/parallel.h"
+#include "mantissa/core/profiler.h"
 #include "mantissa/kernels/elementwise.h"
 #include "mantissa/ops/autocast.h"
 
@@ -160,6 +161,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
   const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
   Tensor y = kernels::linear(xd, wd, bd, out_or(opt, promote_types(x.dtype(), w.dtype())),
                              partials_of(opt));
+  count_macs(y.numel() * wd.size(1));
   const Partials p = partials_of(opt);
   return recorded(
       y, "linear", {&x, &w, &b},
@@ -186,6 +188,7 @@ Tensor matmul(const Tensor& a, const Tensor& b, const OpOptions& opt) {
   const Tensor ad = a.detach(), bd = b.detach();
   Tensor y =
       kernels::matmul(ad, bd, out_or(opt, promote_types(a.dtype(), b.dtype())), partials_of(opt));
+  count_macs(y.numel() * ad.size(-1));
   const Partials p = partials_of(opt);
   return recorded(
       y, "matmul", {&a, &b}, [ad, bd, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
@@ -215,6 +218,7 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dPar
   const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
   Tensor y = kernels::conv2d(xd, wd, bd, prm, out_or(opt, promote_types(x.dtype(), w.dtype())),
                              partials_of(opt));
+  count_macs(y.numel() * wd.size(1) * wd.size(2) * wd.size(3));  // per output: C/groups x KH x KW
   const Partials p = partials_of(opt);
   return recorded(
       y, "conv2d", {&x, &w, &b},

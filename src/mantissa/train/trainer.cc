@@ -493,7 +493,14 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
       std::optional<ops::StochasticOutputsScope> sr;
       if (config_.stochastic_outputs)
         sr.emplace(config_.seed ^ 0x4f5554u, static_cast<uint64_t>(step_ * N + f) << 24);
-      out = (*model_)(batch.images);
+      {
+        std::optional<MacCounter> macs;
+        if (forward_macs_per_image_ == 0) macs.emplace();
+        out = (*model_)(batch.images);
+        if (macs && batch.images.dim() > 0 && batch.images.size(0) > 0)
+          forward_macs_per_image_ =
+              static_cast<double>(macs->macs()) / static_cast<double>(batch.images.size(0));
+      }
       if (mode_.fp32_loss && out.dtype() != DType::f32) out = ops::cast(out, DType::f32);
       ProfileTimer timed_loss("forward", "", "loss");
       loss = model_->loss(out, batch.labels);
@@ -759,6 +766,8 @@ void Trainer::train_steps(TrainResult& result) {
   result.images_per_second =
       result.train_seconds > 0 ? static_cast<double>(images_total) / result.train_seconds : 0;
   result.data_wait_seconds = loader_->wait_seconds() - wait0;
+  result.flops_per_image = 6 * forward_macs_per_image_;
+  result.gflops_per_second = result.flops_per_image * result.images_per_second * 1e-9;
   if (config_.profile) {
     result.profile = profiler_.rows();
     result.profiled_steps = steps_run;
@@ -796,7 +805,9 @@ TrainResult Trainer::run() {
                     << r.test_examples << " images)" << std::endl;
   }
   if (streams_.out && r.train_seconds > 0)
-    *streams_.out << "training: " << fmt("%.1f", r.images_per_second) << " images/s, waited "
+    *streams_.out << "training: " << fmt("%.1f", r.images_per_second) << " images/s ("
+                  << fmt("%.1f", r.gflops_per_second) << " GFLOP/s at "
+                  << fmt("%.4g", r.flops_per_image * 1e-6) << " MFLOP an image), waited "
                   << fmt("%.2f", r.data_wait_seconds) << " s for data ("
                   << format_bytes(static_cast<size_t>(loader_->batch_bytes())) << " a batch), host "
                   << fmt("%.0f", r.host_seconds_per_step * 1e6) << " us a step, peak memory "
@@ -949,6 +960,8 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
   j["images_per_second"] = r.images_per_second;
   j["train_seconds"] = r.train_seconds;
   j["data_wait_seconds"] = r.data_wait_seconds;
+  j["flops_per_image"] = r.flops_per_image;
+  j["gflops_per_second"] = r.gflops_per_second;
   j["calls"] = r.calls;
   j["input_bytes"] = r.input_bytes;
   j["host_seconds_per_step"] = r.host_seconds_per_step;

@@ -149,8 +149,13 @@ struct TrainResult {
   double images_per_second = 0;  // over all training steps of this process
   double train_seconds = 0;
   double data_wait_seconds = 0;  // time the loop waited for the loader
-  int64_t steps = 0;             // global step count at the end
-  MemoryStats memory;            // peaks over training
+  // The model's cost: 6 x the multiply-adds of one image's forward (2 FLOPs each; a backward
+  // costs about twice its forward), counted over the first step's forward (MacCounter), and the
+  // rate it was trained at. 0 when no step ran.
+  double flops_per_image = 0;
+  double gflops_per_second = 0;
+  int64_t steps = 0;   // global step count at the end
+  MemoryStats memory;  // peaks over training
   // Loss scaling, when on: the final scale, steps skipped for inf/NaN gradients (whole run,
   // resumes included) and every change of the scale.
   std::optional<double> loss_scale;
@@ -252,8 +257,9 @@ class Trainer {
   std::unique_ptr<data::Loader> loader_;
   int64_t step_ = 0;
   std::vector<float> step_losses_;
-  double compute_seconds_ = 0;  // inside train_step, this run
-  Profiler profiler_;           // with config_.profile
+  double compute_seconds_ = 0;         // inside train_step, this run
+  double forward_macs_per_image_ = 0;  // counted on this run's first forward
+  Profiler profiler_;                  // with config_.profile
   std::unique_ptr<nn::NumericsRecorder> numerics_;
   amp::PrecisionMode mode_;
   ops::AutocastPolicy policy_;
