@@ -21,14 +21,17 @@ mantissa_ips() {  # model batch steps extra-flags...
   $PY - "$json" "$batch" <<'PYEOF'
 import json, sys
 m = json.load(open(sys.argv[1]))
-print(f"{m['images_per_second']:.1f} {m['data_wait_seconds']:.2f}")
+print(f"{m['images_per_second']:.1f} {m['data_wait_seconds']:.2f} {m['gflops_per_second']:.2f}")
 PYEOF
   rm -f "$json"
 }
 
 row() {  # label model batch steps [flags]
   local label=$1 model=$2 batch=$3 steps=$4; shift 4
-  read -r m_ips m_wait < <(mantissa_ips "$model" "$batch" "$steps" "$@")
+  # The FMA ceiling is measured next to the run it judges: this shared machine drifts.
+  local peak
+  peak=$("$BUILD/mantissa" peak --threads "$THREADS" | sed -E 's/^fp32 fma peak: ([0-9.]+) GFLOP.*/\1/')
+  read -r m_ips m_wait m_gflops < <(mantissa_ips "$model" "$batch" "$steps" "$@")
   local pt_ref pt_ob
   pt_ref=$($PY bench/train_pytorch.py --model "$model" --batch-size "$batch" --steps "$steps" --threads "$THREADS" | sed -E 's/.*: ([0-9.]+) images.*/\1/')
   if [ -e "$OPENBLAS_DIR/libblas.so.3" ]; then
@@ -38,11 +41,12 @@ row() {  # label model batch steps [flags]
   fi
   $PY -c "
 m, r, o = $m_ips, $pt_ref, float('$pt_ob')
-print(f'{\"$label\":<28} {m:>10.1f} {r:>12.1f} {o:>14.1f} {m / r:>8.2f}x {m / o:>8.2f}x   ({$m_wait} s waiting for data)')"
+print(f'{\"$label\":<28} {m:>10.1f} {r:>12.1f} {o:>14.1f} {m / r:>8.2f}x {m / o:>8.2f}x {$m_gflops:>8.1f} {100 * $m_gflops / $peak:>5.1f}% of $peak   ({$m_wait} s waiting for data)')"
 }
 
 echo "training images/s, FP32, $THREADS threads ($(date -u +%F))"
-printf '%-28s %10s %12s %14s %9s %9s\n' "model (batch)" mantissa "pytorch(ref)" "pytorch(oblas)" "vs ref" "vs oblas"
+echo "(GFLOP/s: mantissa's, at 6x a forward's multiply-adds an image; ceiling: 'mantissa peak', measured before each row)"
+printf '%-28s %10s %12s %14s %9s %9s %8s %s\n' "model (batch)" mantissa "pytorch(ref)" "pytorch(oblas)" "vs ref" "vs oblas" "GFLOP/s" "of the FMA ceiling"
 row "tutorial-cnn 128x128 (12)" tutorial-cnn 12 200
 row "tutorial-cnn 128x128 (64)" tutorial-cnn 64 40
 row "resnet18 cifar 32x32 (64)" resnet18 64 6

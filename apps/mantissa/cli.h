@@ -27,6 +27,7 @@ int run_cast(const std::vector<std::string>& args, std::istream& in, std::ostrea
 int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 int run_eval(const std::vector<std::string>& args, std::ostream& out);
 int run_memory(const std::vector<std::string>& args, std::ostream& out);
+int run_peak(const std::vector<std::string>& args, std::ostream& out);
 
 // A float as a user reads it: 9 significant digits, and "inf", "-inf", "nan".
 std::string format_float(float v);

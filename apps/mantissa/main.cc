@@ -16,6 +16,7 @@ constexpr const char* kUsage =
     "  train     train a model (default: the tutorial CNN on Fashion-MNIST)\n"
     "  eval      evaluate a checkpoint on a test set\n"
     "  memory    memory of one training step by category, layer and over time; two precisions\n"
+    "  peak      FP32 multiply-add throughput of this machine: the ceiling for training GFLOP/s\n"
     "Run 'mantissa <command> --help' for a command's options.\n";
 
 }  // namespace
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
     if (command == "train") return run_train(args, std::cout, std::cerr);
     if (command == "eval") return run_eval(args, std::cout);
     if (command == "memory") return run_memory(args, std::cout);
+    if (command == "peak") return run_peak(args, std::cout);
     if (command == "--version" || command == "version") {
       std::cout << "mantissa 0.1.0\n";
       return kExitOk;

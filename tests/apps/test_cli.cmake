@@ -33,6 +33,9 @@ file(MAKE_DIRECTORY ${WORK})
 set(STDIN_FILE ${WORK}/empty.txt)
 file(WRITE ${STDIN_FILE} "")
 
+expect(peak 0 "^fp32 fma peak: [0-9.]+ GFLOP/s on 2 threads \\([0-9.]+ on 1; " "^$" peak --threads 2 --seconds 0.01)
+expect(peak_bad_threads 2 "" "--threads must be an integer from 1 to 1024 \\(got 'x'\\)" peak --threads x)
+expect(peak_bad_option 2 "" "unknown option '--fast' for peak" peak --fast)
 expect(formats 0 "e4m3 +1/4/3 +1 +448 +0.015625 +0.001953125 +0.125.*conversion path" "^$" formats)
 expect(cast_f16 0 "^1.1 1.09960938 0x3c66\n65520 inf 0x7c00\n-0 -0 0x8000\nnan nan 0x7e00\n$" "^$"
        cast --to f16 1.1 65520 -0 nan)

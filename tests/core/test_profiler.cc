@@ -2,9 +2,12 @@
 // profiler and timers that do nothing without one.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <chrono>
+#include <cstdint>
 #include <thread>
 
+#include "mantissa/core/cpu_features.h"
 #include "mantissa/core/profiler.h"
 
 namespace mantissa {
@@ -54,6 +57,22 @@ TEST(Profiler, TimersRecordOnlyUnderAScope) {
   EXPECT_EQ(p.rows()[1].op, "forward");
   EXPECT_GE(p.rows()[0].seconds, 0.002);
   EXPECT_GE(p.rows()[1].seconds, p.rows()[0].seconds);
+}
+
+TEST(FmaPeak, ChainsGiveTheScalarLoopsBitsAndAPositiveRate) {
+  // The probe's arithmetic is checked, so the measured loop is the one the rate claims.
+  for (int64_t rounds : {0, 1, 7, 1000})
+    for (float a : {0.999f, -1.0009765625f}) {
+      const float got = fma_chains(rounds, 0.5f, 1.0f / 1024, a, 0.0625f);
+      const float want = fma_chains_reference(rounds, 0.5f, 1.0f / 1024, a, 0.0625f);
+      EXPECT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want))
+          << rounds << " rounds, a = " << a;
+    }
+  // 96 lanes from 0.5 in steps of 1/1024, no rounds: their sum.
+  EXPECT_FLOAT_EQ(fma_chains(0, 0.5f, 1.0f / 1024, 1, 0), 96 * 0.5f + 95 * 96 / 2 / 1024.0f);
+  const double rate = fma_peak_gflops(2, 0.01, 1);
+  EXPECT_GT(rate, 0.01);  // any machine does 10 MFLOP/s
+  EXPECT_LT(rate, 1e5);   // and no CPU 100 TFLOP/s
 }
 
 }  // namespace

@@ -1,5 +1,16 @@
 #include "mantissa/core/cpu_features.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+#if MANTISSA_HAVE_X86_SIMD
+#include <immintrin.h>
+#endif
+
 namespace mantissa {
 
 const CpuFeatures& cpu_features() {
@@ -30,6 +41,102 @@ std::string cpu_features_string() {
   add(f.f16c, "f16c");
   add(f.avx512f, "avx512f");
   return s.empty() ? "none" : s;
+}
+
+namespace {
+
+void fma_probe_start(float x0, float dx, float* x) {
+  for (int i = 0; i < kFmaProbeLanes; ++i) x[i] = x0 + static_cast<float>(i) * dx;
+}
+
+float fma_probe_sum(const float* x) {
+  float s = 0;
+  for (int i = 0; i < kFmaProbeLanes; ++i) s += x[i];
+  return s;
+}
+
+#if MANTISSA_HAVE_X86_SIMD
+__attribute__((target("avx2,fma"))) float fma_chains_avx2(int64_t rounds, const float* start,
+                                                          float a, float b) {
+  constexpr int kChains = kFmaProbeLanes / 8;
+  __m256 x[kChains];
+#pragma GCC unroll 12
+  for (int c = 0; c < kChains; ++c) x[c] = _mm256_loadu_ps(start + 8 * c);
+  const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+  for (int64_t r = 0; r < rounds; ++r) {
+#pragma GCC unroll 12
+    for (int c = 0; c < kChains; ++c) x[c] = _mm256_fmadd_ps(x[c], va, vb);
+  }
+  float out[kFmaProbeLanes];
+#pragma GCC unroll 12
+  for (int c = 0; c < kChains; ++c) _mm256_storeu_ps(out + 8 * c, x[c]);
+  return fma_probe_sum(out);
+}
+#endif
+
+}  // namespace
+
+float fma_chains_reference(int64_t rounds, float x0, float dx, float a, float b) {
+  float x[kFmaProbeLanes];
+  fma_probe_start(x0, dx, x);
+  for (int64_t r = 0; r < rounds; ++r)
+    for (float& v : x) v = std::fma(v, a, b);
+  return fma_probe_sum(x);
+}
+
+float fma_chains(int64_t rounds, float x0, float dx, float a, float b) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (cpu_features().avx2 && cpu_features().fma) {
+    float start[kFmaProbeLanes];
+    fma_probe_start(x0, dx, start);
+    return fma_chains_avx2(rounds, start, a, b);
+  }
+#endif
+  return fma_chains_reference(rounds, x0, dx, a, b);
+}
+
+double fma_peak_gflops(int threads, double seconds, int repeats) {
+  using Clock = std::chrono::steady_clock;
+  threads = std::max(threads, 1);
+  // Rounds for about `seconds` on one thread, from a short calibration.
+  int64_t rounds = 1 << 16;
+  for (;;) {
+    const auto t0 = Clock::now();
+    volatile float sink = fma_chains(rounds, 1.0f, 1e-3f, 0.999f, 1e-3f);
+    (void)sink;
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s >= 0.01 || rounds >= (int64_t{1} << 40)) {
+      rounds = std::max<int64_t>(
+          1, static_cast<int64_t>(static_cast<double>(rounds) * seconds / std::max(s, 1e-9)));
+      break;
+    }
+    rounds *= 4;
+  }
+  double best = 0;
+  for (int rep = 0; rep < std::max(repeats, 1); ++rep) {
+    // Threads of their own (not the pool's dynamic tasks: every thread must run its share at
+    // the same time), released together; the rate is over the wall time of the slowest.
+    std::atomic<int> ready{0};
+    std::atomic<bool> go{false};
+    std::vector<float> sums(static_cast<size_t>(threads));
+    auto body = [&](int t) {
+      ready.fetch_add(1);
+      while (!go.load()) std::this_thread::yield();
+      sums[static_cast<size_t>(t)] =
+          fma_chains(rounds, 1.0f + static_cast<float>(t), 1e-3f, 0.999f, 1e-3f);
+    };
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+    while (ready.load() < threads - 1) std::this_thread::yield();
+    const auto t0 = Clock::now();
+    go.store(true);
+    body(0);
+    for (std::thread& th : pool) th.join();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double flops = 2.0 * kFmaProbeLanes * static_cast<double>(rounds) * threads;
+    if (s > 0) best = std::max(best, flops / s * 1e-9);
+  }
+  return best;
 }
 
 }  // namespace mantissa
