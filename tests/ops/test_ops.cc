@@ -579,7 +579,8 @@ TEST(MacCounter, CountsEachMatrixOpsForwardOnceInTheInnermostScope) {
   EXPECT_EQ(outer.macs(), 3 * 4 * 5);
   {
     // Autocast re-dispatches the op with cast inputs: still counted once.
-    ops::AutocastScope autocast(DType::bf16, ops::AutocastPolicy());
+    const ops::AutocastPolicy policy;  // the scope keeps a reference to it
+    ops::AutocastScope autocast(DType::bf16, policy);
     ops::linear(x, w);
   }
   EXPECT_EQ(outer.macs(), 2 * 3 * 4 * 5);
