@@ -98,12 +98,16 @@ float fma_chains(int64_t rounds, float x0, float dx, float a, float b) {
 double fma_peak_gflops(int threads, double seconds, int repeats) {
   using Clock = std::chrono::steady_clock;
   threads = std::max(threads, 1);
+  // The result is kept (volatile), so the chains cannot be dropped as unused.
+  auto run = [](int64_t rounds, float x0) {
+    volatile float sink = fma_chains(rounds, x0, 1e-3f, 0.999f, 1e-3f);
+    (void)sink;
+  };
   // Rounds for about `seconds` on one thread, from a short calibration.
   int64_t rounds = 1 << 16;
   for (;;) {
     const auto t0 = Clock::now();
-    volatile float sink = fma_chains(rounds, 1.0f, 1e-3f, 0.999f, 1e-3f);
-    (void)sink;
+    run(rounds, 1.0f);
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (s >= 0.01 || rounds >= (int64_t{1} << 40)) {
       rounds = std::max<int64_t>(
@@ -118,12 +122,10 @@ double fma_peak_gflops(int threads, double seconds, int repeats) {
     // the same time), released together; the rate is over the wall time of the slowest.
     std::atomic<int> ready{0};
     std::atomic<bool> go{false};
-    std::vector<float> sums(static_cast<size_t>(threads));
     auto body = [&](int t) {
       ready.fetch_add(1);
       while (!go.load()) std::this_thread::yield();
-      sums[static_cast<size_t>(t)] =
-          fma_chains(rounds, 1.0f + static_cast<float>(t), 1e-3f, 0.999f, 1e-3f);
+      run(rounds, 1.0f + static_cast<float>(t));
     };
     std::vector<std::thread> pool;
     for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);

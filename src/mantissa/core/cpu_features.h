@@ -28,8 +28,8 @@ float fma_chains(int64_t rounds, float x0, float dx, float a, float b);
 // The scalar reference of fma_chains (the tests' oracle).
 float fma_chains_reference(int64_t rounds, float x0, float dx, float a, float b);
 
-// GFLOP/s (2 per FMA) of `threads` threads of the pool each running fma_chains for about
-// `seconds`, the best of `repeats` runs.
+// GFLOP/s (2 per FMA) of `threads` threads of its own, released together, each running
+// fma_chains for about `seconds`, the best of `repeats` runs.
 double fma_peak_gflops(int threads, double seconds, int repeats = 3);
 
 }  // namespace mantissa

@@ -32,7 +32,7 @@ void for_chunks(int64_t n, F&& f) {
 class Staged {
  public:
   // Unbound until bind(). The buffer is left uninitialized: value-initializing it (as
-  // std::optional<Staged> did) zeroed 4 KB per chunk, 15% of an FP32 AdamW update.
+  // std::optional<Staged> did) zeroed 4 KB per chunk, about a tenth of an FP32 AdamW update.
   Staged() {}
   Staged(const Tensor& t, int64_t begin, int64_t n) { bind(t, begin, n); }
   void bind(const Tensor& t, int64_t begin, int64_t n) {
