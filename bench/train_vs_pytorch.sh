@@ -17,11 +17,14 @@ mantissa_ips() {  # model batch steps extra-flags...
   "$BUILD/mantissa" train --model "$model" --dataset synthetic --synthetic-size $((batch * (steps + 5))) \
     --batch-size "$batch" --max-steps $((steps + 5)) --no-eval --no-progress --threads "$THREADS" \
     --metrics-json "$json" "$@" >/dev/null
-  # images/s over the whole run (5 extra steps make the first steps' warm-up cost small)
+  # images/s over the steps after the first 5, as train_pytorch.py times PyTorch (its 5 warm-up
+  # steps allocate the optimizer state and warm the caches); each step's time includes its data
   $PY - "$json" "$batch" <<'PYEOF'
 import json, sys
 m = json.load(open(sys.argv[1]))
-print(f"{m['images_per_second']:.1f} {m['data_wait_seconds']:.2f} {m['gflops_per_second']:.2f}")
+timed = m['step_seconds'][5:]
+ips = int(sys.argv[2]) * len(timed) / sum(timed)
+print(f"{ips:.1f} {m['data_wait_seconds']:.2f} {m['flops_per_image'] * ips * 1e-9:.2f}")
 PYEOF
   rm -f "$json"
 }

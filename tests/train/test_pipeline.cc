@@ -120,6 +120,10 @@ TEST(DeviceIterations, RunTheSameStepsAndReturnWhatTheOutputModeAsks) {
     const train::TrainResult r = train::Trainer(c).run();
     EXPECT_EQ(r.step_losses, r1.step_losses) << k.mode << ": the same steps, bit for bit";
     EXPECT_EQ(r.calls, 3) << k.mode;  // 3 + 3 + 1 steps
+    // Each call's time is shared by its steps: three equal times, three more, then one.
+    ASSERT_EQ(r.step_seconds.size(), 7u) << k.mode;
+    EXPECT_EQ(r.step_seconds[0], r.step_seconds[2]) << k.mode;
+    EXPECT_EQ(r.step_seconds[3], r.step_seconds[5]) << k.mode;
     ASSERT_EQ(r.epochs.size(), 1u);
     EXPECT_NEAR(r.epochs[0].loss, mean_of(k.returned), 1e-6) << k.mode;
     EXPECT_EQ(r.epochs[0].steps, 7);

@@ -178,6 +178,14 @@ TEST(Trainer, MetricsJsonHasEveryField) {
   EXPECT_TRUE(j["test_accuracy"].is_number());
   EXPECT_TRUE(j["images_per_second"].is_number());
   EXPECT_TRUE(j["data_wait_seconds"].is_number());
+  // One wall time per step, together no more than the whole run's.
+  ASSERT_EQ(j["step_seconds"].size(), 3u);
+  double steps_total = 0;
+  for (const auto& t : j["step_seconds"]) {
+    EXPECT_GT(t.get<double>(), 0);
+    steps_total += t.get<double>();
+  }
+  EXPECT_LE(steps_total, j["train_seconds"].get<double>());
   // LeNet-5 at 16x16: 44,040 multiply-adds a forward (tests/nn), 6 FLOPs each a trained image.
   EXPECT_EQ(j["flops_per_image"].get<double>(), 6.0 * 44040);
   EXPECT_NEAR(j["gflops_per_second"].get<double>(),

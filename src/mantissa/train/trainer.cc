@@ -718,6 +718,7 @@ void Trainer::train_steps(TrainResult& result) {
     while (step_ < last && !stop_requested()) {
       const int64_t k = std::min(K, last - step_);
       batches.clear();
+      const auto t_call = Clock::now();
       std::optional<ProfileTimer> timed;
       timed.emplace("step", "", "data");
       for (int64_t b = 0; b < k * N; ++b) {
@@ -729,6 +730,9 @@ void Trainer::train_steps(TrainResult& result) {
       }
       timed.reset();
       const CallOutput co = call(batches);
+      const double call_seconds = seconds_since(t_call);
+      for (int64_t i = 0; i < co.steps; ++i)
+        result.step_seconds.push_back(call_seconds / static_cast<double>(co.steps));
       ++result.calls;
       ++call_index;
       steps_run += co.steps;
@@ -959,6 +963,7 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
   j["test_examples"] = r.test_examples;
   j["images_per_second"] = r.images_per_second;
   j["train_seconds"] = r.train_seconds;
+  j["step_seconds"] = r.step_seconds;
   j["data_wait_seconds"] = r.data_wait_seconds;
   j["flops_per_image"] = r.flops_per_image;
   j["gflops_per_second"] = r.gflops_per_second;

@@ -147,6 +147,11 @@ struct TrainResult {
   std::optional<double> test_accuracy;
   int64_t test_examples = 0;
   double images_per_second = 0;  // over all training steps of this process
+  // Wall-clock seconds of each optimizer step of this run, its data included (with device
+  // iterations, a call's time shared evenly by its steps). A steady rate leaves out the first
+  // steps, which allocate the optimizer state and warm the caches (bench/train_vs_pytorch.sh
+  // times PyTorch after the same warm-up).
+  std::vector<double> step_seconds;
   double train_seconds = 0;
   double data_wait_seconds = 0;  // time the loop waited for the loader
   // The model's cost: 6 x the multiply-adds of one image's forward (2 FLOPs each; a backward
