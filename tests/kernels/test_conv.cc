@@ -1,8 +1,10 @@
 // Convolution kernels at the sizes the models use, against plain FP64 loops: forward, gradient of
 // the input and of the weights. Each geometry is picked to take one path: direct (tiny filter
-// banks), implicit GEMM (stride 1, one group, large planes; backward-input as a forward
-// convolution with flipped weights) or im2col + GEMM (everything else). CTest also runs this
-// program with MANTISSA_CONV_COLUMNS=4096, where every path works on one image at a time.
+// banks), Winograd F(2x2, 3x3) (FP32, 3x3 pad 1 stride 1, 16 or more channels each way: forward
+// and backward-input), implicit GEMM (stride 1, one group, large planes; backward-input
+// as a forward convolution with flipped weights) or im2col + GEMM (everything else). CTest also
+// runs this program with MANTISSA_CONV_COLUMNS=4096, where every path works on one image at a
+// time, and with MANTISSA_CONV_WINOGRAD=0, where the Winograd geometries take the implicit GEMM.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -143,6 +145,10 @@ const std::vector<Geometry>& geometries() {
       {"resnet_3x3_16", {2, 16, 16, 16}, {24, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_8", {2, 16, 8, 8}, {24, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_4", {3, 16, 4, 4}, {24, 16, 3, 3}, params(1, 1)},
+      // Winograd: 3 x 5 tiles an image (vectors of 8 tiles gathered across rows and images; a
+      // last partial vector), and rows of 8 tiles (read side by side)
+      {"winograd_odd_tiles", {3, 17, 6, 10}, {20, 17, 3, 3}, params(1, 1)},
+      {"winograd_rows_of_8_tiles", {2, 16, 4, 16}, {16, 16, 3, 3}, params(1, 1)},
       // dense columns whose slivers join rows of different images (3 rows of 8 per image)
       {"dense_rows_of_8_across_images", {3, 8, 3, 8}, {12, 8, 3, 3}, params(1, 1)},
       {"resnet_3x3_stride2", {2, 16, 16, 16}, {32, 16, 3, 3}, params(2, 1)},
@@ -178,6 +184,84 @@ TEST(Conv2d, SixteenBitStorageMatchesFp64Loops) {
 // convolution.
 TEST(Conv2d, Fp16PartialsMatchFp64Loops) {
   for (const Geometry& g : geometries()) check(g, DType::f16, Partials::kF16, 1.0 / 256);
+}
+
+// Winograd (FP32 operands) adds the bias once per output, after the output transform.
+TEST(Conv2d, WinogradAddsTheBias) {
+  const Geometry g{"winograd_bias", {2, 16, 8, 8}, {16, 16, 3, 3}, params(1, 1)};
+  const Shape ys = conv2d_output_shape(g.x, g.w, g.p);
+  const std::vector<double> bias = random_values(16, 4);
+  for (DType t : {DType::f32}) {
+    const Tensor x = stored(random_values(2 * 16 * 64, 1), g.x, t),
+                 w = stored(random_values(16 * 16 * 9, 2), g.w, t), b = stored(bias, {16}, t);
+    Expected e = reference(g, ys, as_stored(x), as_stored(w),
+                           std::vector<double>(static_cast<size_t>(2 * 16 * 64), 0.0));
+    const std::vector<double> b_stored = as_stored(b);
+    for (size_t i = 0; i < e.y.size(); ++i) e.y[i] += b_stored[(i / 64) % 16];
+    expect_close("winograd bias " + std::string(dtype_name(t)), e.y, conv2d(x, w, b, g.p, t),
+                 t == DType::f32 ? 2e-6 : 1.0 / 256);
+  }
+}
+
+// The Winograd transforms against their definitions (vector_kernels.h), bit for bit: eight tiles
+// side by side, eight anywhere, and fewer.
+TEST(Conv2d, WinogradTransformsMatchTheirDefinitionBitForBit) {
+  std::mt19937 gen(9);
+  std::uniform_real_distribution<float> d(-2.0f, 2.0f);
+  const int64_t ld = 37, vs = 11;
+  std::vector<float> src(static_cast<size_t>(ld * 8));
+  for (float& v : src) v = d(gen);
+  const int64_t spread[8] = {0, 6, 20, 2, 34, 24, 10, 30};  // tile starts when not side by side
+  for (bool side_by_side : {true, false})
+    for (int n : {8, 5, 1}) {
+      const float* in[8];
+      for (int l = 0; l < 8; ++l) in[l] = src.data() + (side_by_side ? 2 * l : spread[l]);
+      std::vector<float> v(static_cast<size_t>(16 * vs), 0.0f), want = v;
+      detail::winograd_input_f32(in, n, ld, v.data(), vs);
+      for (int l = 0; l < n; ++l) {
+        float x[4][4], e[4][4];
+        for (int a = 0; a < 4; ++a)
+          for (int b = 0; b < 4; ++b) x[a][b] = in[l][a * ld + b];
+        for (int b = 0; b < 4; ++b) {
+          e[0][b] = x[0][b] - x[2][b];
+          e[1][b] = x[1][b] + x[2][b];
+          e[2][b] = x[2][b] - x[1][b];
+          e[3][b] = x[1][b] - x[3][b];
+        }
+        for (int a = 0; a < 4; ++a) {
+          want[static_cast<size_t>((a * 4 + 0) * vs + l)] = e[a][0] - e[a][2];
+          want[static_cast<size_t>((a * 4 + 1) * vs + l)] = e[a][1] + e[a][2];
+          want[static_cast<size_t>((a * 4 + 2) * vs + l)] = e[a][2] - e[a][1];
+          want[static_cast<size_t>((a * 4 + 3) * vs + l)] = e[a][1] - e[a][3];
+        }
+      }
+      const std::string at =
+          (side_by_side ? "side by side, n " : "gathered, n ") + std::to_string(n);
+      EXPECT_EQ(0, std::memcmp(v.data(), want.data(), v.size() * sizeof(float))) << at;
+      // Output: the products of tile l at m[xi * vs + l], results to out[l] and out[l] + ld.
+      std::vector<float> y(src.size(), 0.0f), want_y = y;
+      float* out[8];
+      float* want_out[8];
+      for (int l = 0; l < 8; ++l) {
+        out[l] = y.data() + (side_by_side ? 2 * l : spread[l]);
+        want_out[l] = want_y.data() + (side_by_side ? 2 * l : spread[l]);
+      }
+      const float bias = 0.375f;
+      detail::winograd_output_f32(v.data(), vs, n, bias, out, ld);
+      for (int l = 0; l < n; ++l) {
+        auto m = [&](int xi) { return v[static_cast<size_t>(xi * vs + l)]; };
+        float r[2][4];
+        for (int b = 0; b < 4; ++b) {
+          r[0][b] = (m(b) + m(4 + b)) + m(8 + b);
+          r[1][b] = (m(4 + b) - m(8 + b)) - m(12 + b);
+        }
+        for (int a = 0; a < 2; ++a) {
+          want_out[l][a * ld] = ((r[a][0] + r[a][1]) + r[a][2]) + bias;
+          want_out[l][a * ld + 1] = ((r[a][1] - r[a][2]) - r[a][3]) + bias;
+        }
+      }
+      EXPECT_EQ(0, std::memcmp(y.data(), want_y.data(), y.size() * sizeof(float))) << at;
+    }
 }
 
 // The register-tiled convolution rows against their definitions (vector_kernels.h), bit for bit,

@@ -39,6 +39,119 @@ __attribute__((target("avx2"))) inline __m256i first_lanes(int64_t n) {
 
 }  // namespace
 
+namespace {
+// Lanes 0, 2, ..., 14 and 1, 3, ..., 15 of the 16 floats lo:hi.
+__attribute__((target("avx2"))) inline __m256 even_lanes(__m256 lo, __m256 hi) {
+  return _mm256_castpd_ps(
+      _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xD8));
+}
+__attribute__((target("avx2"))) inline __m256 odd_lanes(__m256 lo, __m256 hi) {
+  return _mm256_castpd_ps(
+      _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xDD)), 0xD8));
+}
+}  // namespace
+
+namespace {
+// (B^T d B) of eight tiles, d[a][b] holding row a, column b of tile l in lane l; stored at v[xi *
+// vs].
+__attribute__((target("avx2"))) inline void winograd_input_lanes(const __m256 (&d)[4][4], float* v,
+                                                                 int64_t vs) {
+  __m256 e[4][4];
+  for (int b = 0; b < 4; ++b) {
+    e[0][b] = _mm256_sub_ps(d[0][b], d[2][b]);
+    e[1][b] = _mm256_add_ps(d[1][b], d[2][b]);
+    e[2][b] = _mm256_sub_ps(d[2][b], d[1][b]);
+    e[3][b] = _mm256_sub_ps(d[1][b], d[3][b]);
+  }
+  for (int a = 0; a < 4; ++a) {
+    _mm256_storeu_ps(v + (a * 4 + 0) * vs, _mm256_sub_ps(e[a][0], e[a][2]));
+    _mm256_storeu_ps(v + (a * 4 + 1) * vs, _mm256_add_ps(e[a][1], e[a][2]));
+    _mm256_storeu_ps(v + (a * 4 + 2) * vs, _mm256_sub_ps(e[a][2], e[a][1]));
+    _mm256_storeu_ps(v + (a * 4 + 3) * vs, _mm256_sub_ps(e[a][1], e[a][3]));
+  }
+}
+
+// Row a of the eight tiles' results, y[a][0] and y[a][1] in lane l (bias added).
+__attribute__((target("avx2"))) inline void winograd_output_lanes(const float* m, int64_t ms,
+                                                                  float bias, __m256 (&y)[2][2]) {
+  __m256 r[2][4];
+  for (int b = 0; b < 4; ++b) {
+    const __m256 m0 = _mm256_loadu_ps(m + b * ms), m1 = _mm256_loadu_ps(m + (4 + b) * ms);
+    const __m256 m2 = _mm256_loadu_ps(m + (8 + b) * ms), m3 = _mm256_loadu_ps(m + (12 + b) * ms);
+    r[0][b] = _mm256_add_ps(_mm256_add_ps(m0, m1), m2);
+    r[1][b] = _mm256_sub_ps(_mm256_sub_ps(m1, m2), m3);
+  }
+  const __m256 bv = _mm256_set1_ps(bias);
+  for (int a = 0; a < 2; ++a) {
+    y[a][0] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(r[a][0], r[a][1]), r[a][2]), bv);
+    y[a][1] = _mm256_add_ps(_mm256_sub_ps(_mm256_sub_ps(r[a][1], r[a][2]), r[a][3]), bv);
+  }
+}
+}  // namespace
+
+__attribute__((target("avx2"))) void winograd_input_row8_avx2(const float* in, int64_t ld, float* v,
+                                                              int64_t vs) {
+  __m256 d[4][4];  // d[a][b], lane l: row a, column b of tile l (input columns 2 l + b)
+  for (int a = 0; a < 4; ++a) {
+    const float* p = in + a * ld;
+    const __m256 lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+    const __m256 lo2 = _mm256_loadu_ps(p + 2), hi2 = _mm256_loadu_ps(p + 10);
+    d[a][0] = even_lanes(lo, hi);
+    d[a][1] = odd_lanes(lo, hi);
+    d[a][2] = even_lanes(lo2, hi2);
+    d[a][3] = odd_lanes(lo2, hi2);
+  }
+  winograd_input_lanes(d, v, vs);
+}
+
+__attribute__((target("avx2"))) void winograd_input_gather8_avx2(const float* const* in, int64_t ld,
+                                                                 float* v, int64_t vs) {
+  __m256 d[4][4];
+  for (int a = 0; a < 4; ++a) {
+    __m256 q[4];  // q[l] = row a of tiles l and l + 4
+    for (int l = 0; l < 4; ++l)
+      q[l] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(in[l] + a * ld)),
+                                  _mm_loadu_ps(in[l + 4] + a * ld), 1);
+    const __m256 t0 = _mm256_unpacklo_ps(q[0], q[1]), t1 = _mm256_unpackhi_ps(q[0], q[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(q[2], q[3]), t3 = _mm256_unpackhi_ps(q[2], q[3]);
+    d[a][0] = _mm256_shuffle_ps(t0, t2, 0x44);
+    d[a][1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+    d[a][2] = _mm256_shuffle_ps(t1, t3, 0x44);
+    d[a][3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+  }
+  winograd_input_lanes(d, v, vs);
+}
+
+__attribute__((target("avx2"))) void winograd_output_row8_avx2(const float* m, int64_t ms,
+                                                               float bias, float* out, int64_t ld) {
+  __m256 y[2][2];
+  winograd_output_lanes(m, ms, bias, y);
+  for (int a = 0; a < 2; ++a) {
+    const __m256 lo = _mm256_unpacklo_ps(y[a][0], y[a][1]),
+                 hi = _mm256_unpackhi_ps(y[a][0], y[a][1]);
+    _mm256_storeu_ps(out + a * ld, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(out + a * ld + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+}
+
+__attribute__((target("avx2"))) void winograd_output_gather8_avx2(const float* m, int64_t ms,
+                                                                  float bias, float* const* out,
+                                                                  int64_t ld) {
+  __m256 y[2][2];
+  winograd_output_lanes(m, ms, bias, y);
+  for (int a = 0; a < 2; ++a) {
+    // lo: tiles 0, 1 | 4, 5; hi: tiles 2, 3 | 6, 7; each tile's pair (y0, y1) side by side
+    const __m256 lo = _mm256_unpacklo_ps(y[a][0], y[a][1]),
+                 hi = _mm256_unpackhi_ps(y[a][0], y[a][1]);
+    const __m128 part[4] = {_mm256_castps256_ps128(lo), _mm256_castps256_ps128(hi),
+                            _mm256_extractf128_ps(lo, 1), _mm256_extractf128_ps(hi, 1)};
+    for (int k = 0; k < 4; ++k) {
+      _mm_storel_pi(reinterpret_cast<__m64*>(out[2 * k] + a * ld), part[k]);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(out[2 * k + 1] + a * ld), part[k]);
+    }
+  }
+}
+
 __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, float w, int64_t n) {
   const __m256 wv = _mm256_set1_ps(w);
   int64_t j = 0;

@@ -17,6 +17,62 @@ namespace {
 
 }  // namespace
 
+namespace {
+// Whether n tiles sit side by side in one row: tile l at p[0] + 2 l.
+template <class T>
+bool side_by_side(T* const* p, int n) {
+  if (n != kWinoTiles) return false;
+  for (int l = 1; l < n; ++l)
+    if (p[l] != p[0] + 2 * l) return false;
+  return true;
+}
+}  // namespace
+
+void winograd_input_f32(const float* const* in, int n, int64_t ld, float* v, int64_t vs) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors() && n == kWinoTiles)
+    return side_by_side(in, n) ? winograd_input_row8_avx2(in[0], ld, v, vs)
+                               : winograd_input_gather8_avx2(in, ld, v, vs);
+#endif
+  for (int l = 0; l < n; ++l) {
+    float d[4][4], e[4][4];
+    for (int a = 0; a < 4; ++a)
+      for (int b = 0; b < 4; ++b) d[a][b] = in[l][a * ld + b];
+    for (int b = 0; b < 4; ++b) {
+      e[0][b] = d[0][b] - d[2][b];
+      e[1][b] = d[1][b] + d[2][b];
+      e[2][b] = d[2][b] - d[1][b];
+      e[3][b] = d[1][b] - d[3][b];
+    }
+    for (int a = 0; a < 4; ++a) {
+      v[(a * 4 + 0) * vs + l] = e[a][0] - e[a][2];
+      v[(a * 4 + 1) * vs + l] = e[a][1] + e[a][2];
+      v[(a * 4 + 2) * vs + l] = e[a][2] - e[a][1];
+      v[(a * 4 + 3) * vs + l] = e[a][1] - e[a][3];
+    }
+  }
+}
+
+void winograd_output_f32(const float* m, int64_t ms, int n, float bias, float* const* out,
+                         int64_t ld) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors() && n == kWinoTiles)
+    return side_by_side(out, n) ? winograd_output_row8_avx2(m, ms, bias, out[0], ld)
+                                : winograd_output_gather8_avx2(m, ms, bias, out, ld);
+#endif
+  for (int l = 0; l < n; ++l) {
+    float r[2][4];
+    for (int b = 0; b < 4; ++b) {
+      r[0][b] = (m[b * ms + l] + m[(4 + b) * ms + l]) + m[(8 + b) * ms + l];
+      r[1][b] = (m[(4 + b) * ms + l] - m[(8 + b) * ms + l]) - m[(12 + b) * ms + l];
+    }
+    for (int a = 0; a < 2; ++a) {
+      out[l][a * ld] = ((r[a][0] + r[a][1]) + r[a][2]) + bias;
+      out[l][a * ld + 1] = ((r[a][1] - r[a][2]) - r[a][3]) + bias;
+    }
+  }
+}
+
 void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD
   if (stride == 1 && avx2_vectors()) return axpy_f32_avx2(a, x, w, n);
