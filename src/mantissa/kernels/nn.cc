@@ -643,8 +643,10 @@ Tensor winograd_conv(const Tensor& x, const ImplicitConv& g, const float* w32,
   // Tiles per block: V (16, C, Tb) and M (16, O, Tb) within about 4 MiB, so the transforms and
   // the GEMMs pass them through the caches (and the FP32 workspace stays small beside 16-bit
   // activations); a multiple of the GEMM's 16-column slivers.
-  const int64_t Tb_max = std::clamp<int64_t>((int64_t{4} << 20) / (64 * (C + O)) / 16 * 16, 64,
-                                             std::max<int64_t>(16, (nb_max * P + 15) / 16 * 16));
+  // At least 64, at most a chunk's tiles (rounded up to 16).
+  const int64_t Tb_max =
+      std::min(std::max<int64_t>((int64_t{4} << 20) / (64 * (C + O)) / 16 * 16, 64),
+               (nb_max * P + 15) / 16 * 16);
   Tensor v_t = f32_workspace({16, C, Tb_max}), m_t = f32_workspace({16, O, Tb_max});
   float *V = v_t.data<float>(), *M = m_t.data<float>();
   const bool direct = out_dtype == DType::f32;
