@@ -186,21 +186,20 @@ TEST(Conv2d, Fp16PartialsMatchFp64Loops) {
   for (const Geometry& g : geometries()) check(g, DType::f16, Partials::kF16, 1.0 / 256);
 }
 
-// Winograd (FP32 operands) adds the bias once per output, after the output transform.
+// Winograd (FP32 operands) adds the bias once per output, after the output transform; a 16-bit
+// output is rounded once from the FP32 result.
 TEST(Conv2d, WinogradAddsTheBias) {
   const Geometry g{"winograd_bias", {2, 16, 8, 8}, {16, 16, 3, 3}, params(1, 1)};
   const Shape ys = conv2d_output_shape(g.x, g.w, g.p);
-  const std::vector<double> bias = random_values(16, 4);
-  for (DType t : {DType::f32}) {
-    const Tensor x = stored(random_values(2 * 16 * 64, 1), g.x, t),
-                 w = stored(random_values(16 * 16 * 9, 2), g.w, t), b = stored(bias, {16}, t);
-    Expected e = reference(g, ys, as_stored(x), as_stored(w),
-                           std::vector<double>(static_cast<size_t>(2 * 16 * 64), 0.0));
-    const std::vector<double> b_stored = as_stored(b);
-    for (size_t i = 0; i < e.y.size(); ++i) e.y[i] += b_stored[(i / 64) % 16];
-    expect_close("winograd bias " + std::string(dtype_name(t)), e.y, conv2d(x, w, b, g.p, t),
-                 t == DType::f32 ? 2e-6 : 1.0 / 256);
-  }
+  const Tensor x = stored(random_values(2 * 16 * 64, 1), g.x, DType::f32),
+               w = stored(random_values(16 * 16 * 9, 2), g.w, DType::f32),
+               b = stored(random_values(16, 4), {16}, DType::f32);
+  Expected e = reference(g, ys, as_stored(x), as_stored(w),
+                         std::vector<double>(static_cast<size_t>(2 * 16 * 64), 0.0));
+  const std::vector<double> b_stored = as_stored(b);
+  for (size_t i = 0; i < e.y.size(); ++i) e.y[i] += b_stored[(i / 64) % 16];
+  expect_close("winograd bias f32", e.y, conv2d(x, w, b, g.p, DType::f32), 2e-6);
+  expect_close("winograd bias, bf16 output", e.y, conv2d(x, w, b, g.p, DType::bf16), 1.0 / 256);
 }
 
 // The Winograd transforms against their definitions (vector_kernels.h), bit for bit: eight tiles

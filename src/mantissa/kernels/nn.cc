@@ -598,12 +598,12 @@ bool winograd_enabled() {
   return on;
 }
 
-// Used for FP32 operands only: its FP32 workspace (the transformed filters, 16/9 of the weights)
-// would undo a 16-bit model's memory savings, and 16-bit operands keep the implicit GEMM's
-// arithmetic. Whether the Winograd path computes a convolution of this geometry: 3x3, stride 1, pad
-// 1, dilation 1, one group, FP32 partials (its sums are not the FP16-partials emulation), even
-// height and width (whole 2x2 tiles within the padded image) and at least 16 channels each way
-// (below that the transforms cost more than the products they save).
+// Whether the Winograd path computes a convolution of this geometry: 3x3, stride 1, pad 1,
+// dilation 1, FP32 partials (its sums are not the FP16-partials emulation), even height and width
+// (whole 2x2 tiles within the padded image) and at least 16 channels each way (below that the
+// transforms cost more than the products they save). Callers also ask for one group and FP32
+// operands: its FP32 workspace (the transformed filters, 16/9 of the weights) would undo a 16-bit
+// model's memory savings, and 16-bit operands keep the implicit GEMM's arithmetic.
 bool winograd_fits(const ImplicitConv& g, Partials partials) {
   return winograd_enabled() && partials == Partials::kF32 && g.KH == 3 && g.KW == 3 && g.sh == 1 &&
          g.sw == 1 && g.pad_h == 1 && g.pad_w == 1 && g.dil_h == 1 && g.dil_w == 1 &&
@@ -641,9 +641,8 @@ Tensor winograd_conv(const Tensor& x, const ImplicitConv& g, const float* w32,
   const int64_t nb_max = g.chunk();
   Tensor xpad = f32_workspace({C * nb_max * g.plane});  // (C, nb, H+2, W+2)
   // Tiles per block: V (16, C, Tb) and M (16, O, Tb) within about 4 MiB, so the transforms and
-  // the GEMMs pass them through the caches (and the FP32 workspace stays small beside 16-bit
-  // activations); a multiple of the GEMM's 16-column slivers.
-  // At least 64, at most a chunk's tiles (rounded up to 16).
+  // the GEMMs pass them through the caches; at least 64, at most a chunk's tiles, a multiple of
+  // the GEMM's 16-column slivers.
   const int64_t Tb_max =
       std::min(std::max<int64_t>((int64_t{4} << 20) / (64 * (C + O)) / 16 * 16, 64),
                (nb_max * P + 15) / 16 * 16);
@@ -1009,11 +1008,9 @@ Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Con
   const std::vector<float> bias = bias_f32(b, g.O);
   if (use_direct_conv(g, partials)) return conv2d_direct(x, w, bias, g, out);
   if (g.G == 1 && x.dtype() == DType::f32 && w.dtype() == DType::f32 &&
-      winograd_fits(ImplicitConv(g), partials)) {
-    std::vector<float> w32(static_cast<size_t>(w.numel()));  // (O, C, 3, 3)
-    load_f32(bytes(w), w.dtype(), 1, w.numel(), w32.data());
-    return winograd_conv(x, ImplicitConv(g), w32.data(), bias, out, MemoryCategory::activations);
-  }
+      winograd_fits(ImplicitConv(g), partials))
+    return winograd_conv(x, ImplicitConv(g), w.data<float>(), bias, out,
+                         MemoryCategory::activations);
   if (use_implicit(g))
     return implicit_conv(x, ImplicitConv(g), {w.data_ptr(), w.dtype(), g.CKK, 1}, bias, out,
                          partials, MemoryCategory::activations);
@@ -1067,19 +1064,10 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
   if (implicit_enabled() && g.G == 1 && g.p.stride_h == 1 && g.p.stride_w == 1 && tp_h >= 0 &&
       tp_w >= 0) {
     const ImplicitConv t(dy.shape(), g.C, g.KH, g.KW, tp_h, tp_w, g.p.dilation_h, g.p.dilation_w);
-    if (t.Ho == g.H && t.Wo == g.W && dy.dtype() == DType::f32 && w.dtype() == DType::f32 &&
-        winograd_fits(t, partials)) {
-      // wt (C, O, 3, 3) in FP32: the flipped weights with their channels swapped.
-      std::vector<float> w32(static_cast<size_t>(w.numel())), wt32(w32.size());
-      load_f32(bytes(w), w.dtype(), 1, w.numel(), w32.data());
-      for (int64_t o = 0; o < g.O; ++o)
-        for (int64_t c = 0; c < g.C; ++c)
-          for (int64_t k = 0; k < 9; ++k)
-            wt32[static_cast<size_t>((c * g.O + o) * 9 + (8 - k))] =
-                w32[static_cast<size_t>((o * g.C + c) * 9 + k)];
-      return winograd_conv(dy, t, wt32.data(), {}, out, MemoryCategory::gradients);
-    }
-    if (t.worthwhile() && t.Ho == g.H && t.Wo == g.W) {
+    // Winograd (FP32 operands) or the implicit GEMM, both with the flipped weights.
+    const bool winograd = t.Ho == g.H && t.Wo == g.W && dy.dtype() == DType::f32 &&
+                          w.dtype() == DType::f32 && winograd_fits(t, partials);
+    if (winograd || (t.worthwhile() && t.Ho == g.H && t.Wo == g.W)) {
       // The flipped weights in w's own dtype (the GEMM converts while packing): no FP32 copy of
       // 16-bit weights.
       Tensor wt = byte_workspace(g.C * g.O * g.KH * g.KW, w.dtype());
@@ -1105,6 +1093,8 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
                          "report this as a bug");
           flip(uint8_t{});
       }
+      if (winograd)
+        return winograd_conv(dy, t, wt.data<float>(), {}, out, MemoryCategory::gradients);
       return implicit_conv(dy, t, {wt.data_ptr(), w.dtype(), g.O * KK, 1}, {}, out, partials,
                            MemoryCategory::gradients);
     }

@@ -15,24 +15,21 @@ namespace {
   return on;
 }
 
-}  // namespace
-
-namespace {
-// Whether n tiles sit side by side in one row: tile l at p[0] + 2 l.
+// Whether kWinoTiles tiles sit side by side in one row: tile l at p[0] + 2 l.
 template <class T>
-bool side_by_side(T* const* p, int n) {
-  if (n != kWinoTiles) return false;
-  for (int l = 1; l < n; ++l)
+bool side_by_side(T* const* p) {
+  for (int l = 1; l < kWinoTiles; ++l)
     if (p[l] != p[0] + 2 * l) return false;
   return true;
 }
+
 }  // namespace
 
 void winograd_input_f32(const float* const* in, int n, int64_t ld, float* v, int64_t vs) {
 #if MANTISSA_HAVE_X86_SIMD
   if (avx2_vectors() && n == kWinoTiles)
-    return side_by_side(in, n) ? winograd_input_row8_avx2(in[0], ld, v, vs)
-                               : winograd_input_gather8_avx2(in, ld, v, vs);
+    return side_by_side(in) ? winograd_input_row8_avx2(in[0], ld, v, vs)
+                            : winograd_input_gather8_avx2(in, ld, v, vs);
 #endif
   for (int l = 0; l < n; ++l) {
     float d[4][4], e[4][4];
@@ -57,8 +54,8 @@ void winograd_output_f32(const float* m, int64_t ms, int n, float bias, float* c
                          int64_t ld) {
 #if MANTISSA_HAVE_X86_SIMD
   if (avx2_vectors() && n == kWinoTiles)
-    return side_by_side(out, n) ? winograd_output_row8_avx2(m, ms, bias, out[0], ld)
-                                : winograd_output_gather8_avx2(m, ms, bias, out, ld);
+    return side_by_side(out) ? winograd_output_row8_avx2(m, ms, bias, out[0], ld)
+                             : winograd_output_gather8_avx2(m, ms, bias, out, ld);
 #endif
   for (int l = 0; l < n; ++l) {
     float r[2][4];
