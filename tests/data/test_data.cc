@@ -176,6 +176,88 @@ TEST(Transform, FlipAndPaddedCrop) {
   EXPECT_EQ(cropped[4 + 3], 0.0f);  // padding column
 }
 
+// The transform's definition, one pixel at a time: v = byte / 255, bilinear resize as
+// F.interpolate (align_corners=False) when the size changes, then output (y, x) reads row y + oy,
+// column (flip ? S - 1 - x : x) + ox of the result (0 outside), normalized as (v - mean) / std.
+std::vector<float> transform_reference(const std::vector<uint8_t>& src, int64_t C, int64_t H,
+                                       int64_t S, const data::Transform& t, int64_t oy, int64_t ox,
+                                       bool flip) {
+  std::vector<float> img(static_cast<size_t>(C * S * S));
+  const float scale = static_cast<float>(H) / static_cast<float>(S);
+  auto tap = [&](int64_t o, int64_t& i0, int64_t& step, float& lambda) {
+    float f = scale * (static_cast<float>(o) + 0.5f) - 0.5f;
+    if (f < 0) f = 0;
+    i0 = static_cast<int64_t>(f);
+    step = i0 < H - 1 ? 1 : 0;
+    lambda = f - static_cast<float>(i0);
+  };
+  auto px = [&](int64_t c, int64_t y, int64_t x) {
+    return static_cast<float>(src[static_cast<size_t>((c * H + y) * H + x)]) / 255.0f;
+  };
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t y = 0; y < S; ++y)
+      for (int64_t x = 0; x < S; ++x) {
+        float& v = img[static_cast<size_t>((c * S + y) * S + x)];
+        if (S == H) {
+          v = px(c, y, x);
+          continue;
+        }
+        int64_t y0, ys, x0, xs;
+        float h1, w1;
+        tap(y, y0, ys, h1);
+        tap(x, x0, xs, w1);
+        const float h0 = 1.0f - h1, w0 = 1.0f - w1;
+        v = h0 * (w0 * px(c, y0, x0) + w1 * px(c, y0, x0 + xs)) +
+            h1 * (w0 * px(c, y0 + ys, x0) + w1 * px(c, y0 + ys, x0 + xs));
+      }
+  std::vector<float> out(img.size());
+  for (int64_t c = 0; c < C; ++c) {
+    const size_t k = t.mean.size() == 1 ? 0 : static_cast<size_t>(c);
+    for (int64_t y = 0; y < S; ++y)
+      for (int64_t x = 0; x < S; ++x) {
+        const int64_t sy = y + oy, sx = (flip ? S - 1 - x : x) + ox;
+        const float v = sy >= 0 && sy < S && sx >= 0 && sx < S
+                            ? img[static_cast<size_t>((c * S + sy) * S + sx)]
+                            : 0.0f;
+        out[static_cast<size_t>((c * S + y) * S + x)] = (v - t.mean[k]) / t.std[k];
+      }
+  }
+  return out;
+}
+
+TEST(Transform, MatchesItsDefinitionBitForBitForEveryCropAndFlip) {
+  // Crop offsets and flips of a padding of 3, with and without a resize, per-channel
+  // normalization: the row-wise implementation (tables of the 256 byte values, padding runs)
+  // against the pixel-by-pixel definition.
+  const int64_t C = 3, P = 3;
+  std::vector<uint8_t> src(static_cast<size_t>(C * 9 * 9));
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>((i * 37 + 11) % 256);
+  src[5] = 0;
+  src[6] = 255;
+  for (const int64_t size : {int64_t{9}, int64_t{13}}) {
+    data::Transform t;
+    t.image_size = size;
+    t.crop_padding = P;
+    t.random_flip = true;
+    t.mean = {0.4914f, 0.4822f, 0.4465f};
+    t.std = {0.247f, 0.243f, 0.261f};
+    for (uint32_t cy = 0; cy < 2 * P + 1; ++cy)
+      for (uint32_t cx = 0; cx < 2 * P + 1; ++cx)
+        for (uint32_t flip = 0; flip < 2; ++flip) {
+          const uint32_t random = cy | (cx << 8) | (flip << 31);
+          std::vector<float> got(static_cast<size_t>(C * size * size));
+          data::transform_image(src.data(), C, 9, 9, t, random, got.data());
+          // The offsets as the random word gives them (its flip bit counts in the modulo).
+          const int64_t oy = static_cast<int64_t>(random % (2 * P + 1)) - P,
+                        ox = static_cast<int64_t>((random >> 8) % (2 * P + 1)) - P;
+          const std::vector<float> want =
+              transform_reference(src, C, 9, size, t, oy, ox, flip != 0);
+          ASSERT_EQ(got, want) << "size " << size << " offsets " << cy << "," << cx << " flip "
+                               << flip;
+        }
+  }
+}
+
 data::Dataset tiny(int64_t n) {
   data::SyntheticConfig c;
   c.size = n;

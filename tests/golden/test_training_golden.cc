@@ -21,7 +21,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const io::SafetensorsFile& golden() { return testing::golden_file("training.safetensors"); }
+io::SafetensorsFile golden() { return testing::golden_file("training.safetensors"); }
 
 std::vector<double> values(const Tensor& t) { return reference::from_tensor(t).v; }
 
@@ -171,7 +171,7 @@ TEST(TrainingGolden, TutorialCnnFirst20LossesMatchPyTorch) {
   const fs::path dir = tmp.path();
   // The 240 images as an IDX pair, read back through the dataset reader.
   Tensor labels_u8 = Tensor::empty({240}, DType::u8);
-  const Tensor& labels = golden().at("cnn/labels");
+  const Tensor labels = golden().at("cnn/labels");
   for (int64_t i = 0; i < 240; ++i)
     static_cast<uint8_t*>(labels_u8.data_ptr())[i] =
         static_cast<uint8_t>(labels.data<int64_t>()[i]);

@@ -1,8 +1,6 @@
-// The PyTorch golden files of tests/golden (from scripts/make_golden*.py), each read once per
-// test program.
+// The PyTorch golden files of tests/golden (from scripts/make_golden*.py).
 #pragma once
 
-#include <map>
 #include <string>
 
 #include "mantissa/io/safetensors.h"
@@ -13,13 +11,11 @@
 
 namespace mantissa::testing {
 
-inline const io::SafetensorsFile& golden_file(const std::string& name) {
-  static std::map<std::string, io::SafetensorsFile> cache;
-  auto it = cache.find(name);
-  if (it == cache.end())
-    it = cache.emplace(name, io::load_safetensors(std::string(MANTISSA_GOLDEN_DIR) + "/" + name))
-             .first;
-  return it->second;
+// Loaded on every call, not cached: tensors kept alive for the rest of the process would be
+// counted by the memory tracker in later tests of the same binary (a memory report covers every
+// live tensor).
+inline io::SafetensorsFile golden_file(const std::string& name) {
+  return io::load_safetensors(std::string(MANTISSA_GOLDEN_DIR) + "/" + name);
 }
 
 }  // namespace mantissa::testing

@@ -1,6 +1,7 @@
 #include "mantissa/data/loader.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 
@@ -46,12 +47,18 @@ void transform_image(const uint8_t* src, int64_t C, int64_t H, int64_t W, const 
                  "give one mean per channel, or one for all");
   MANTISSA_CHECK(t.std.size() == t.mean.size(), "normalization needs as many std values as means",
                  "");
-  // The source in [0, 1] (C, H, W), each pixel divided once.
-  std::vector<float> unit(static_cast<size_t>(C * H * W));
-  for (int64_t i = 0; i < C * H * W; ++i) unit[static_cast<size_t>(i)] = src[i] / 255.0f;
-  // Resized image in [0, 1] (C, S, SW).
+  // A pixel in [0, 1]: the byte divided by 255 (one division per byte value, not per pixel).
+  static const std::array<float, 256> kUnit = [] {
+    std::array<float, 256> u{};
+    for (int v = 0; v < 256; ++v) u[static_cast<size_t>(v)] = static_cast<float>(v) / 255.0f;
+    return u;
+  }();
+  // Resized image in [0, 1] (C, S, SW), when the size changes.
+  const bool resize = S != H || SW != W;
   std::vector<float> resized;
-  if (S != H || SW != W) {
+  if (resize) {
+    std::vector<float> unit(static_cast<size_t>(C * H * W));
+    for (int64_t i = 0; i < C * H * W; ++i) unit[static_cast<size_t>(i)] = kUnit[src[i]];
     resized.resize(static_cast<size_t>(C * S * SW));
     const Taps th = bilinear_taps(H, S), tw = bilinear_taps(W, SW);
     for (int64_t c = 0; c < C; ++c)
@@ -67,8 +74,8 @@ void transform_image(const uint8_t* src, int64_t C, int64_t H, int64_t W, const 
         }
       }
   }
-  const std::vector<float>& img = resized.empty() ? unit : resized;
-  // Crop offsets and flip from the random word.
+  // Crop offsets and flip from the random word: output (y, x) reads source row y + oy and
+  // column (flip ? SW - 1 - x : x) + ox, zero (before normalization) outside the image.
   int64_t oy = 0, ox = 0;
   const int64_t P = t.crop_padding;
   if (P > 0) {
@@ -76,17 +83,40 @@ void transform_image(const uint8_t* src, int64_t C, int64_t H, int64_t W, const 
     ox = static_cast<int64_t>((random >> 8) % static_cast<uint32_t>(2 * P + 1)) - P;
   }
   const bool flip = t.random_flip && ((random >> 31) & 1u);
+  // The columns x whose source column lies in the image: [x0, x1).
+  const int64_t x0 = std::clamp<int64_t>(flip ? ox : -ox, 0, SW),
+                x1 = std::clamp<int64_t>(flip ? SW + ox : SW - ox, x0, SW);
   for (int64_t c = 0; c < C; ++c) {
     const size_t k = t.mean.size() == 1 ? 0 : static_cast<size_t>(c);
     const float mean = t.mean[k], sd = t.std[k];
-    for (int64_t y = 0; y < S; ++y)
-      for (int64_t x = 0; x < SW; ++x) {
-        const int64_t sy = y + oy, sx0 = flip ? SW - 1 - x : x, sx = sx0 + ox;
-        const float v = (sy >= 0 && sy < S && sx >= 0 && sx < SW)
-                            ? img[static_cast<size_t>((c * S + sy) * SW + sx)]
-                            : 0.0f;
-        dst[(c * S + y) * SW + x] = (v - mean) / sd;
+    // Each value normalized as (v - mean) / sd; without a resize, once per byte value.
+    const float pad = (0.0f - mean) / sd;
+    std::array<float, 256> norm{};
+    if (!resize)
+      for (size_t v = 0; v < 256; ++v) norm[v] = (kUnit[v] - mean) / sd;
+    for (int64_t y = 0; y < S; ++y) {
+      float* out = dst + (c * S + y) * SW;
+      const int64_t sy = y + oy;
+      if (sy < 0 || sy >= S) {
+        std::fill(out, out + SW, pad);
+        continue;
       }
+      std::fill(out, out + x0, pad);
+      std::fill(out + x1, out + SW, pad);
+      if (resize) {
+        const float* row = resized.data() + (c * S + sy) * SW;
+        if (flip)
+          for (int64_t x = x0; x < x1; ++x) out[x] = (row[SW - 1 - x + ox] - mean) / sd;
+        else
+          for (int64_t x = x0; x < x1; ++x) out[x] = (row[x + ox] - mean) / sd;
+      } else {
+        const uint8_t* row = src + (c * S + sy) * SW;
+        if (flip)
+          for (int64_t x = x0; x < x1; ++x) out[x] = norm[row[SW - 1 - x + ox]];
+        else
+          for (int64_t x = x0; x < x1; ++x) out[x] = norm[row[x + ox]];
+      }
+    }
   }
 }
 
