@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -331,6 +332,45 @@ TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
         EXPECT_EQ(0, std::memcmp(lanes.data(), want_lanes.data(), lanes.size() * sizeof(float)))
             << at;
       }
+}
+
+// The 2x2 stride-2 max pooling (the tutorial CNN's pool) against its definition, window by window:
+// ties (few distinct values), infinities and NaN, rows of whole 8-output blocks and tails, odd
+// input sizes (the last row and column unused). Values and indices must match exactly.
+TEST(Pool, MaxPool2x2MatchesItsDefinition) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = INFINITY;
+  const float pick[] = {-1.0f, 0.0f, 2.0f, 2.0f, 3.0f, -inf, inf, nan};
+  std::mt19937 gen(5);
+  for (const int64_t wo :
+       {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{16}, int64_t{23}}) {
+    for (const int64_t extra : {int64_t{0}, int64_t{1}}) {
+      const int64_t H = 6 + extra, W = 2 * wo + extra;
+      std::vector<float> v(static_cast<size_t>(2 * 3 * H * W));
+      for (float& e : v) e = pick[gen() % 8];
+      const Tensor x = Tensor::from_floats(v, {2, 3, H, W});
+      auto [y, idx] = max_pool2d(x, Pool2dParams{}, DType::f32);
+      ASSERT_EQ(y.shape(), (Shape{2, 3, 3, wo}));
+      const std::vector<float> got = y.to_float_vector();
+      for (int64_t pl = 0; pl < 6; ++pl)
+        for (int64_t oh = 0; oh < 3; ++oh)
+          for (int64_t ow = 0; ow < wo; ++ow) {
+            // Window order; a later value wins when larger or NaN, never after a NaN.
+            const int64_t at0 = 2 * oh * W + 2 * ow;
+            const int64_t cand[4] = {at0, at0 + 1, at0 + W, at0 + W + 1};
+            int64_t at = cand[0];
+            for (int k = 1; k < 4; ++k) {
+              const float b = v[static_cast<size_t>(pl * H * W + at)],
+                          c = v[static_cast<size_t>(pl * H * W + cand[k])];
+              if (!std::isnan(b) && (c > b || std::isnan(c))) at = cand[k];
+            }
+            const size_t o = static_cast<size_t>((pl * 3 + oh) * wo + ow);
+            const float want = v[static_cast<size_t>(pl * H * W + at)];
+            ASSERT_EQ(idx.data<int32_t>()[o], at)
+                << "width " << W << " plane " << pl << " at " << oh << "," << ow;
+            ASSERT_TRUE(std::isnan(want) ? std::isnan(got[o]) : got[o] == want);
+          }
+    }
+  }
 }
 
 }  // namespace

@@ -224,6 +224,7 @@ std::vector<OpCase> all_cases() {
     return q;
   };
   for (auto [name, q] : {std::pair{"k2s2", pool(2, 2, 0, false, true)},
+                         std::pair{"k2s2_ceil", pool(2, 2, 0, true, true)},
                          std::pair{"k3s2p1", pool(3, 2, 1, false, true)},
                          std::pair{"k3s2_ceil", pool(3, 2, 0, true, true)}}) {
     cs.push_back({std::string("max_pool2d_") + name,

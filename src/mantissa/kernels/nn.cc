@@ -1265,34 +1265,22 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
   Tensor y = Tensor::empty(ys, out, charged_to(MemoryCategory::activations));
   Tensor idx = Tensor::empty(ys, DType::i32, charged_to(MemoryCategory::activations));
   int32_t* ib = idx.data<int32_t>();
-  // The common 2x2 window with stride 2 and no padding: the four candidates in window order,
-  // NaN propagating from the first one found (as the general loop below does).
+  // The common 2x2 window with stride 2 and no padding, every window inside the input (ceil mode
+  // on an odd size makes a last window of one row or column: the general loop): the four
+  // candidates in window order, NaN propagating from the first one found (as the general loop
+  // below does).
   const bool two_by_two = p.kernel_h == 2 && p.kernel_w == 2 && p.stride_h == 2 &&
-                          p.stride_w == 2 && p.pad_h == 0 && p.pad_w == 0;
+                          p.stride_w == 2 && p.pad_h == 0 && p.pad_w == 0 && 2 * Ho <= H &&
+                          2 * Wo <= W;
   for_each_plane(x, ys[0] * ys[1], H * W, [&](int64_t pl, const float* in) {
     OutPlane plane(y, pl, Ho * Wo);
     float* row = plane.data();
     if (two_by_two) {
       int32_t* ip = ib + pl * Ho * Wo;
-      for (int64_t oh = 0; oh < Ho; ++oh) {
-        const float* r0 = in + 2 * oh * W;
-        const float* r1 = r0 + W;
-        for (int64_t ow = 0; ow < Wo; ++ow) {
-          const int64_t c = 2 * ow;
-          float best = r0[c];
-          int32_t at = static_cast<int32_t>(2 * oh * W + c);
-          const float cand[3] = {r0[c + 1], r1[c], r1[c + 1]};
-          const int32_t w32 = static_cast<int32_t>(W);
-          const int32_t pos[3] = {at + 1, at + w32, at + w32 + 1};
-          for (int k = 0; k < 3; ++k) {
-            const bool take = !std::isnan(best) && (cand[k] > best || std::isnan(cand[k]));
-            best = take ? cand[k] : best;
-            at = take ? pos[k] : at;
-          }
-          row[oh * Wo + ow] = best;
-          ip[oh * Wo + ow] = at;
-        }
-      }
+      for (int64_t oh = 0; oh < Ho; ++oh)
+        detail::max_pool_2x2_row_f32(in + 2 * oh * W, in + (2 * oh + 1) * W, Wo,
+                                     static_cast<int32_t>(2 * oh * W), static_cast<int32_t>(W),
+                                     row + oh * Wo, ip + oh * Wo);
       plane.flush();
       return;
     }

@@ -161,6 +161,49 @@ __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, flo
   for (; j < n; ++j) a[j] += w * x[j];
 }
 
+namespace {
+// Columns 2j (even) and 2j + 1 (odd) of 16 consecutive values, j = 0..7, in order.
+__attribute__((target("avx2"))) inline void split_even_odd(const float* p, __m256& even,
+                                                           __m256& odd) {
+  const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+  // Within each 128-bit lane: a's pairs then b's; the 64-bit permute puts a's before b's.
+  even = _mm256_castpd_ps(_mm256_permute4x64_pd(
+      _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), _MM_SHUFFLE(3, 1, 2, 0)));
+  odd = _mm256_castpd_ps(_mm256_permute4x64_pd(
+      _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+}  // namespace
+
+__attribute__((target("avx2"))) void max_pool_2x2_row_avx2(const float* r0, const float* r1,
+                                                           int64_t n, int32_t base, int32_t ld,
+                                                           float* out, int32_t* idx) {
+  const __m256i step = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i off1 = _mm256_set1_epi32(1), offw = _mm256_set1_epi32(ld),
+                offw1 = _mm256_set1_epi32(ld + 1);
+  for (int64_t j = 0; j < n; j += 8) {
+    __m256 c[4];
+    split_even_odd(r0 + 2 * j, c[0], c[1]);
+    split_even_odd(r1 + 2 * j, c[2], c[3]);
+    const __m256i at0 =
+        _mm256_add_epi32(_mm256_set1_epi32(base + static_cast<int32_t>(2 * j)), step);
+    const __m256i pos[3] = {_mm256_add_epi32(at0, off1), _mm256_add_epi32(at0, offw),
+                            _mm256_add_epi32(at0, offw1)};
+    __m256 best = c[0];
+    __m256 at = _mm256_castsi256_ps(at0);
+    for (int k = 0; k < 3; ++k) {
+      const __m256 cand = c[k + 1];
+      // take = !isnan(best) && (cand > best || isnan(cand))
+      const __m256 take = _mm256_andnot_ps(_mm256_cmp_ps(best, best, _CMP_UNORD_Q),
+                                           _mm256_or_ps(_mm256_cmp_ps(cand, best, _CMP_GT_OQ),
+                                                        _mm256_cmp_ps(cand, cand, _CMP_UNORD_Q)));
+      best = _mm256_blendv_ps(best, cand, take);
+      at = _mm256_blendv_ps(at, _mm256_castsi256_ps(pos[k]), take);
+    }
+    _mm256_storeu_ps(out + j, best);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + j), _mm256_castps_si256(at));
+  }
+}
+
 // OB output channels, 16 columns at a time (2 * OB sums in registers), the weights broadcast per
 // tap from L1; then 8 columns at a time, then the tail one column at a time (same arithmetic).
 template <int OB>

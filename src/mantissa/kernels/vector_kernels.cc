@@ -77,6 +77,31 @@ void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n) {
   for (int64_t j = 0; j < n; ++j) a[j] += w * x[j * stride];
 }
 
+void max_pool_2x2_row_f32(const float* r0, const float* r1, int64_t n, int32_t base, int32_t ld,
+                          float* out, int32_t* idx) {
+  int64_t j = 0;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors() && n >= 8) {
+    j = n / 8 * 8;
+    max_pool_2x2_row_avx2(r0, r1, j, base, ld, out, idx);
+  }
+#endif
+  for (; j < n; ++j) {
+    const int64_t c = 2 * j;
+    float best = r0[c];
+    int32_t at = base + static_cast<int32_t>(c);
+    const float cand[3] = {r0[c + 1], r1[c], r1[c + 1]};
+    const int32_t pos[3] = {at + 1, at + ld, at + ld + 1};
+    for (int k = 0; k < 3; ++k) {
+      const bool take = !std::isnan(best) && (cand[k] > best || std::isnan(cand[k]));
+      best = take ? cand[k] : best;
+      at = take ? pos[k] : at;
+    }
+    out[j] = best;
+    idx[j] = at;
+  }
+}
+
 void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
                    const int64_t* tap, const float* const* x, int64_t taps, int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD
