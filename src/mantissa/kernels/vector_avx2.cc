@@ -161,19 +161,6 @@ __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, flo
   for (; j < n; ++j) a[j] += w * x[j];
 }
 
-namespace {
-// Columns 2j (even) and 2j + 1 (odd) of 16 consecutive values, j = 0..7, in order.
-__attribute__((target("avx2"))) inline void split_even_odd(const float* p, __m256& even,
-                                                           __m256& odd) {
-  const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
-  // Within each 128-bit lane: a's pairs then b's; the 64-bit permute puts a's before b's.
-  even = _mm256_castpd_ps(_mm256_permute4x64_pd(
-      _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), _MM_SHUFFLE(3, 1, 2, 0)));
-  odd = _mm256_castpd_ps(_mm256_permute4x64_pd(
-      _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), _MM_SHUFFLE(3, 1, 2, 0)));
-}
-}  // namespace
-
 __attribute__((target("avx2"))) void max_pool_2x2_row_avx2(const float* r0, const float* r1,
                                                            int64_t n, int32_t base, int32_t ld,
                                                            float* out, int32_t* idx) {
@@ -181,9 +168,11 @@ __attribute__((target("avx2"))) void max_pool_2x2_row_avx2(const float* r0, cons
   const __m256i off1 = _mm256_set1_epi32(1), offw = _mm256_set1_epi32(ld),
                 offw1 = _mm256_set1_epi32(ld + 1);
   for (int64_t j = 0; j < n; j += 8) {
-    __m256 c[4];
-    split_even_odd(r0 + 2 * j, c[0], c[1]);
-    split_even_odd(r1 + 2 * j, c[2], c[3]);
+    const __m256 a0 = _mm256_loadu_ps(r0 + 2 * j), a1 = _mm256_loadu_ps(r0 + 2 * j + 8),
+                 b0 = _mm256_loadu_ps(r1 + 2 * j), b1 = _mm256_loadu_ps(r1 + 2 * j + 8);
+    // The window's four values in window order: top-left, top-right, bottom-left, bottom-right.
+    const __m256 c[4] = {even_lanes(a0, a1), odd_lanes(a0, a1), even_lanes(b0, b1),
+                         odd_lanes(b0, b1)};
     const __m256i at0 =
         _mm256_add_epi32(_mm256_set1_epi32(base + static_cast<int32_t>(2 * j)), step);
     const __m256i pos[3] = {_mm256_add_epi32(at0, off1), _mm256_add_epi32(at0, offw),
@@ -205,7 +194,7 @@ __attribute__((target("avx2"))) void max_pool_2x2_row_avx2(const float* r0, cons
 }
 
 // OB output channels, 16 columns at a time (2 * OB sums in registers), the weights broadcast per
-// tap from L1; then 8 columns at a time, then the tail one column at a time (same arithmetic).
+// tap from L1; then 8 columns at a time, then the last few columns masked (same arithmetic).
 template <int OB>
 __attribute__((target("avx2"))) void conv_rows_block(float* y, int64_t ys, const float* bias,
                                                      const float* w, int64_t ws, const int64_t* tap,
@@ -244,13 +233,20 @@ __attribute__((target("avx2"))) void conv_rows_block(float* y, int64_t ys, const
 #pragma GCC unroll 8
     for (int o = 0; o < OB; ++o) _mm256_storeu_ps(y + o * ys + j, acc[o]);
   }
-  for (; j < n; ++j)
+  if (j < n) {  // the last 1-7 columns, masked (lanes past n neither read nor written)
+    const __m256i mask = first_lanes(n - j);
+    __m256 acc[OB];
 #pragma GCC unroll 8
-    for (int o = 0; o < OB; ++o) {
-      float acc = bias[o];
-      for (int64_t i = 0; i < taps; ++i) acc += w[o * ws + tap[i]] * x[i][j];
-      y[o * ys + j] = acc;
+    for (int o = 0; o < OB; ++o) acc[o] = _mm256_set1_ps(bias[o]);
+    for (int64_t i = 0; i < taps; ++i) {
+      const __m256 xv = _mm256_maskload_ps(x[i] + j, mask);
+#pragma GCC unroll 8
+      for (int o = 0; o < OB; ++o)
+        acc[o] = _mm256_add_ps(acc[o], _mm256_mul_ps(_mm256_broadcast_ss(w + o * ws + tap[i]), xv));
     }
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o) _mm256_maskstore_ps(y + o * ys + j, mask, acc[o]);
+  }
 }
 
 // Output channels in blocks of up to 6 (12 sums, 2 input vectors and a weight: 15 registers).
