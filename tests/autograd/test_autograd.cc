@@ -1,8 +1,12 @@
 // The autograd engine: accumulation, graph shapes, no-grad scope, saved tensors, errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
 
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/mantissa.h"
@@ -232,6 +236,87 @@ TEST(Autograd, ReluGradientSelectionVectorized) {
       EXPECT_EQ(g[i], gv[i]) << i;
     }
   }
+}
+
+// A linear layer's weight gradient handed over in parts (AutogradMeta::consume_grad_parts, as an
+// update in the backward pass takes it): every element exactly once, each equal to the whole
+// gradient bit for bit, FP32 and FP16 (rounded once, as the matmul rounds); the input's gradient
+// computed from the weights before any part is consumed (the consumer overwrites them); nothing
+// stored. Outputs 13 (groups of 6, 6 and 1) by inputs 4500 (parts of 2048, 2048 and 404), 7
+// rows. A batch above the part kernel's limit, or a second use of the weight, gets the whole
+// gradient instead.
+TEST(Autograd, LinearWeightGradientInPartsEqualsTheWholeOne) {
+  std::mt19937 gen(11);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  auto values = [&](int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& e : v) e = dist(gen);
+    return v;
+  };
+  const int64_t out = 13, in = 4500;
+  const std::vector<float> w0 = values(out * in), b0 = values(out);
+  struct Run {
+    std::vector<float> dw, dx;
+    std::vector<int> seen;
+    bool stored = false;
+    int wholes = 0;
+  };
+  auto run = [&](const std::vector<float>& xv, DType dt, bool parts, bool twice) {
+    const int64_t rows = static_cast<int64_t>(xv.size()) / in;
+    const Tensor x = leaf(xv, {rows, in}, dt);
+    Tensor w = leaf(w0, {out, in}, dt), b = leaf(b0, {out}, dt);
+    Run r;
+    r.dw.assign(static_cast<size_t>(out * in), 0.0f);
+    r.seen.assign(static_cast<size_t>(out * in), 0);
+    AutogradMeta& meta = *w.autograd_meta();
+    auto record = [&r, dt](int64_t begin, int64_t n, const void* g, DType t) {
+      EXPECT_EQ(t, dt);
+      std::vector<float> f(static_cast<size_t>(n));
+      convert(g, t, f.data(), DType::f32, static_cast<size_t>(n));
+      std::copy(f.begin(), f.end(), r.dw.begin() + begin);
+      for (int64_t i = begin; i < begin + n; ++i) ++r.seen[static_cast<size_t>(i)];
+    };
+    meta.consume_grad = [&](int64_t begin, int64_t n, const void* g, DType t) {
+      ++r.wholes;
+      record(begin, n, g, t);
+    };
+    if (parts) {
+      const Tensor nan = Tensor::full({1}, NAN, dt);
+      const size_t es = dtype_size(dt);
+      char* wd = static_cast<char*>(w.data_ptr());
+      meta.consume_grad_parts = [&, nan, es, wd]() -> GradPartConsumer {
+        return [&, nan, es, wd](int64_t begin, int64_t n, const void* g, DType t) {
+          record(begin, n, g, t);  // parts are disjoint: no two threads share an element
+          for (int64_t i = begin; i < begin + n; ++i)  // as an update would change them
+            std::memcpy(wd + i * static_cast<int64_t>(es), nan.data_ptr(), es);
+        };
+      };
+    }
+    Tensor y = ops::linear(x, w, b);
+    if (twice) y = ops::add(y, ops::linear(x, w, b));
+    autograd::backward(ops::sum(ops::mul(y, y)));
+    r.dx = x.grad().to_float_vector();
+    r.stored = w.grad().defined();
+    return r;
+  };
+  for (const DType dt : {DType::f32, DType::f16})
+    for (const int64_t rows : {int64_t{7}, int64_t{65}}) {
+      const std::vector<float> xv = values(rows * in);
+      const Run p = run(xv, dt, true, false), whole = run(xv, dt, false, false);
+      const std::string at = std::string(dtype_name(dt)) + ", " + std::to_string(rows) + " rows";
+      EXPECT_FALSE(p.stored || whole.stored) << at;
+      EXPECT_EQ(whole.wholes, 1) << at;
+      EXPECT_EQ(p.wholes, rows <= 64 ? 0 : 1) << at << ": in parts only for small batches";
+      EXPECT_TRUE(std::all_of(p.seen.begin(), p.seen.end(), [](int c) { return c == 1; })) << at;
+      EXPECT_EQ(0, std::memcmp(p.dw.data(), whole.dw.data(), whole.dw.size() * sizeof(float)))
+          << at;
+      for (float v : p.dx) ASSERT_TRUE(std::isfinite(v)) << at;
+      EXPECT_EQ(p.dx, whole.dx) << at << ": dx from the weights before the update";
+    }
+  // Two uses of the weight: its gradients are summed first, the ordinary way.
+  const Run twice = run(values(7 * in), DType::f32, true, true);
+  EXPECT_TRUE(twice.stored);
+  EXPECT_EQ(twice.wholes, 0);
 }
 
 }  // namespace

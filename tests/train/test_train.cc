@@ -315,9 +315,10 @@ TEST(Optimizer, UpdatesInTheBackwardPassEqualTheStep) {
     for (float& e : v) e = dist(gen);
     return Tensor::from_floats(v, shape);
   };
-  // w1 has 60000 elements: several chunks on two threads.
-  const Tensor x = random({8, 200}), w1_0 = random({300, 200}), b1_0 = random({300}),
-               w2_0 = random({300, 300}), u_0 = random({10});
+  // w1 has 134400 elements: several chunks on two threads; in FP32 its gradient comes in parts
+  // (groups of 6 outputs, parts of 2048 inputs: partial ones of each).
+  const Tensor x = random({8, 2100}), w1_0 = random({64, 2100}), b1_0 = random({64}),
+               w2_0 = random({64, 64}), u_0 = random({10});
   struct Run {
     std::vector<std::vector<float>> params, state;
     std::vector<std::string> state_names;

@@ -117,6 +117,7 @@ void accumulate_leaf(AutogradMeta& meta, Tensor g, DType tensor_dtype) {
     const Tensor c = (g.dtype() == dtype ? std::move(g) : g.to(dtype)).contiguous();
     meta.consume_grad(0, c.numel(), c.data_ptr(), dtype);
     meta.consume_grad = nullptr;
+    meta.consume_grad_parts = nullptr;
     return;
   }
   Tensor converted = g.dtype() == dtype ? std::move(g) : g.to(dtype);
@@ -157,6 +158,18 @@ void check_gradients(const Node& node, const Tensor& grad_output,
 }
 
 }  // namespace
+
+GradPartConsumer take_grad_part_consumer(const Node& node, size_t i) {
+  if (i >= node.inputs().size() || t_anomaly) return {};
+  const Node::Input& in = node.inputs()[i];
+  if (in.fn || !in.leaf) return {};
+  AutogradMeta& meta = *in.leaf;
+  if (!meta.consume_grad || !meta.consume_grad_parts || meta.grad) return {};
+  GradPartConsumer consume = meta.consume_grad_parts();
+  meta.consume_grad = nullptr;
+  meta.consume_grad_parts = nullptr;
+  return consume;
+}
 
 void backward(const Tensor& root, const Tensor& grad_root) {
   MANTISSA_CHECK(root.defined(), "backward: the root tensor is undefined",
@@ -207,7 +220,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
     for (const Node::Input& in : node->inputs())
       if (in.leaf && in.leaf->consume_grad) ++uses[in.leaf.get()];
   for (auto& [meta, count] : uses)
-    if (count > 1 || meta->grad) meta->consume_grad = nullptr;
+    if (count > 1 || meta->grad) meta->consume_grad = nullptr, meta->consume_grad_parts = nullptr;
   std::unordered_map<Node*, Tensor> pending;
   pending[root.grad_fn().get()] = seed;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {

@@ -107,6 +107,14 @@ class Node {
   std::string module_path_;
 };
 
+// For an op whose backward can compute a leaf input's gradient in parts (AutogradMeta::
+// consume_grad_parts): the part consumer of input i of `node`, when that input is a leaf whose
+// gradient of this pass goes to an update in the backward pass (the leaf gets no other gradient)
+// and anomaly detection is off; empty otherwise. Taking it clears the
+// leaf's consumers: the op must then give every element of the gradient to it and return no
+// gradient for that input.
+GradPartConsumer take_grad_part_consumer(const Node& node, size_t i);
+
 // Whether an op on these inputs must record: grad mode is on and an input requires grad.
 bool needs_grad(std::initializer_list<const Tensor*> inputs);
 

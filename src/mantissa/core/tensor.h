@@ -79,6 +79,11 @@ inline TensorOptions charged_to(MemoryCategory category) {
   return o;
 }
 
+// Consumes elements [begin, begin + n) of a flat gradient: n values of `dtype` (the type the op
+// would have returned the gradient in) contiguous at g. It may be called from several threads at
+// once for disjoint parts; each element must be given exactly once.
+using GradPartConsumer = std::function<void(int64_t begin, int64_t n, const void* g, DType dtype)>;
+
 // Autograd state of a tensor, shared by every copy of the Tensor handle (not by views, which are
 // new tensors). A leaf that requires grad accumulates into `grad`; a computed tensor points to the
 // node that made it.
@@ -98,6 +103,13 @@ struct AutogradMeta {
   // used, and beforehand where the leaf would get more than one gradient (a shared weight) or
   // already has one.
   std::function<void(int64_t begin, int64_t n, const void* g, DType dtype)> consume_grad;
+  // Set with consume_grad, by the same optimizer: the same update (the parts converted to
+  // grad_dtype as `grad` would be) for a gradient an op computes in parts and hands over while each
+  // part is in cache, instead of materializing it (a linear layer's weight gradient: the update's
+  // reads of the parameter and its state are then the only pass over them). Called once, on the
+  // backward thread (see autograd::take_grad_part_consumer), it prepares the update and returns the
+  // part consumer.
+  std::function<GradPartConsumer()> consume_grad_parts;
 };
 
 class Tensor {

@@ -43,6 +43,9 @@ void require_rank(const Tensor& t, int64_t rank, const char* op, const char* wha
 // Lane-split dot products (vector_kernels.h) for outputs with at most this many rows and a
 // reduction at least this deep.
 constexpr int64_t kDotMaxRows = 16;
+// linear_weight_grad_parts: batches of up to kPartsMaxRows rows; parts of kPartRows outputs (the
+// row kernel's block) by kPartColumns inputs (48 KiB, in L2 with the inputs' columns).
+constexpr int64_t kPartsMaxRows = 64, kPartRows = 6, kPartColumns = 2048;
 constexpr int64_t kDotMinDepth = 1024;
 
 // A bias (or zeros where there is none) as n FP32 values.
@@ -146,6 +149,56 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
        {acc.data_ptr(), acc.dtype(), outf, 1}, go);
   if (acc.storage() != y.storage()) y.view({rows, outf}).copy_from(acc);
   return y;
+}
+
+bool linear_weight_grad_parts_fit(int64_t rows) { return rows >= 1 && rows <= kPartsMaxRows; }
+
+void linear_weight_grad_parts(const Tensor& g_in, const Tensor& x_in, DType out,
+                              const GradPartConsumer& consume) {
+  MANTISSA_CHECK(g_in.dim() == 2 && x_in.dim() == 2 && g_in.size(0) == x_in.size(0) &&
+                     linear_weight_grad_parts_fit(g_in.size(0)),
+                 "internal: linear_weight_grad_parts takes (rows, out) and (rows, in) matrices of "
+                 "at most " +
+                     str(kPartsMaxRows) + " rows",
+                 "report this as a bug");
+  require_float(g_in, "linear backward", "gradient");
+  require_float(x_in, "linear backward", "input");
+  const int64_t rows = g_in.size(0), outf = g_in.size(1), in = x_in.size(1);
+  // FP32 operands (16-bit values convert exactly, as the GEMM's packing converts them):
+  // g^T (out, rows), row o holding the factors of output o in row order, and x (rows, in).
+  const Tensor g = g_in.to(DType::f32).contiguous(), x = x_in.to(DType::f32).contiguous();
+  std::vector<float> gt(static_cast<size_t>(outf * rows));
+  const float* gd = g.data<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < outf; ++o) gt[static_cast<size_t>(o * rows + r)] = gd[r * outf + o];
+  const float* xd = x.data<float>();
+  const int64_t groups = (outf + kPartRows - 1) / kPartRows;
+  const size_t out_size = esize(out);
+  // Each thread takes whole groups of outputs and walks their rows from the first input to the
+  // last: the consumer streams through a few rows of the parameter and its state at a time.
+  parallel_for(static_cast<size_t>(groups), 1, default_num_threads(), [&](size_t g0, size_t g1) {
+    std::vector<float> part(static_cast<size_t>(kPartRows * kPartColumns));  // (kPartRows, cols)
+    std::vector<char> rounded(out == DType::f32 ? 0 : kPartColumns * out_size);
+    std::vector<const float*> xr(static_cast<size_t>(rows));
+    for (size_t grp = g0; grp < g1; ++grp) {
+      const int64_t o0 = static_cast<int64_t>(grp) * kPartRows, no = std::min(kPartRows, outf - o0);
+      for (int64_t j0 = 0; j0 < in; j0 += kPartColumns) {
+        const int64_t n = std::min(kPartColumns, in - j0);
+        for (int64_t r = 0; r < rows; ++r) xr[static_cast<size_t>(r)] = xd + r * in + j0;
+        detail::fma_rows_f32(part.data(), kPartColumns, no, nullptr, gt.data() + o0 * rows, rows,
+                             xr.data(), rows, n);
+        for (int64_t o = 0; o < no; ++o) {
+          const float* values = part.data() + o * kPartColumns;
+          if (out == DType::f32) {
+            consume((o0 + o) * in + j0, n, values, out);
+          } else {  // rounded once, to nearest even, as the GEMM stores a 16-bit result
+            store_f32(values, n, rounded.data(), out, 1);
+            consume((o0 + o) * in + j0, n, rounded.data(), out);
+          }
+        }
+      }
+    }
+  });
 }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, MemoryCategory cat) {
@@ -1626,35 +1679,55 @@ void sums_d_dxhat(const float* d, const float* x, int64_t n, float mu, float rs,
   }
 }
 
-// dx (FP32, x.size() values), dw, db of y = xhat * w + b with xhat normalized by statistics over
-// each stat group (those statistics depend on x when `through_stats`; batch norm in eval mode
-// uses fixed ones). Sums in float lanes and FP64 across chunks; dx elementwise in FP32.
-void norm_backward(FloatSpan dy, FloatSpan x, const NormLayout& L, const std::vector<float>& mean,
+// A contiguous float tensor's values in FP32 a row at a time: the row itself when the tensor is
+// FP32, else converted into the caller's buffer (no whole-tensor FP32 copy of a 16-bit tensor).
+struct FloatRows {
+  const char* base;
+  DType dtype;
+  const float* row(int64_t offset, int64_t n, float* buf) const {
+    if (dtype == DType::f32) return reinterpret_cast<const float*>(base) + offset;
+    load_f32(base + offset * esize(dtype), dtype, 1, n, buf);
+    return buf;
+  }
+};
+
+// dx (dtype dx_type, x's element count), dw, db of y = xhat * w + b with xhat normalized by
+// statistics over each stat group (those statistics depend on x when `through_stats`; batch norm
+// in eval mode uses fixed ones). Sums in float lanes and FP64 across chunks; dx elementwise in
+// FP32, rounded once into dx_type. 16-bit rows are converted one at a time.
+void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::vector<float>& mean,
                    const std::vector<float>& rstd, const std::vector<float>* w, bool through_stats,
-                   float* dx, std::vector<double>& dw, std::vector<double>& db) {
+                   void* dx, DType dx_type, std::vector<double>& dw, std::vector<double>& db) {
   const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
   const int64_t rows = L.outer * L.groups;
+  const size_t elements = static_cast<size_t>(rows * L.inner);
   dw.assign(static_cast<size_t>(L.channels), 0.0);
   db.assign(static_cast<size_t>(L.channels), 0.0);
+  // Row buffers for 16-bit tensors (empty for FP32, which is read and written in place).
+  auto buffer = [&](DType t) {
+    return std::vector<float>(t == DType::f32 ? 0 : static_cast<size_t>(L.inner));
+  };
   // Pass 1, per stat group: sums of g = dy*w and g*xhat; per channel: sums of dy and dy*xhat.
   // Tasks own whole stat groups; channel sums are per task, added at the end.
   std::vector<double> sum_g(static_cast<size_t>(stats), 0.0),
       sum_gx(static_cast<size_t>(stats), 0.0);
   std::mutex merge;
-  parallel_for(static_cast<size_t>(stats), 1, norm_threads(x.size()), [&](size_t s0, size_t s1) {
+  parallel_for(static_cast<size_t>(stats), 1, norm_threads(elements), [&](size_t s0, size_t s1) {
     std::vector<double> tdw(static_cast<size_t>(L.channels), 0.0),
         tdb(static_cast<size_t>(L.channels), 0.0);
+    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype);
     for (size_t st = s0; st < s1; ++st) {
       // The rows of stat group st: one row, or (batch norm) row o * groups + st for every o.
       const int64_t n_rows = L.across_outer ? L.outer : 1;
       for (int64_t k = 0; k < n_rows; ++k) {
         const int64_t r =
             L.across_outer ? k * L.groups + static_cast<int64_t>(st) : static_cast<int64_t>(st);
+        const float* dr = dy.row(r * L.inner, L.inner, dybuf.data());
+        const float* xr = x.row(r * L.inner, L.inner, xbuf.data());
         for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
           const double wc = w ? (*w)[c] : 1.0;
           double sd = 0, sdx = 0;
-          sums_d_dxhat(dy.data() + r * L.inner + i0, x.data() + r * L.inner + i0, i1 - i0, mean[s],
-                       rstd[s], sd, sdx);
+          sums_d_dxhat(dr + i0, xr + i0, i1 - i0, mean[s], rstd[s], sd, sdx);
           sum_g[s] += wc * sd;
           sum_gx[s] += wc * sdx;
           tdw[c] += sdx;
@@ -1668,13 +1741,16 @@ void norm_backward(FloatSpan dy, FloatSpan x, const NormLayout& L, const std::ve
   // Pass 2: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per stat group, as
   // dx = dy * (rstd * w) - (rstd * mean(g)) - xhat * (rstd * mean(g * xhat)).
   const double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
-  parallel_for(static_cast<size_t>(rows), 1, norm_threads(x.size()), [&](size_t r0, size_t r1) {
+  const size_t dx_size = esize(dx_type);
+  parallel_for(static_cast<size_t>(rows), 1, norm_threads(elements), [&](size_t r0, size_t r1) {
+    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype), outbuf = buffer(dx_type);
     for (size_t rr = r0; rr < r1; ++rr) {
       const int64_t r = static_cast<int64_t>(rr);
+      const float* dr = dy.row(r * L.inner, L.inner, dybuf.data());
+      const float* xr = x.row(r * L.inner, L.inner, xbuf.data());
+      char* dst = static_cast<char*>(dx) + r * L.inner * static_cast<int64_t>(dx_size);
+      float* out = dx_type == DType::f32 ? reinterpret_cast<float*>(dst) : outbuf.data();
       for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
-        const float* xr = x.data() + r * L.inner;
-        const float* dr = dy.data() + r * L.inner;
-        float* out = dx + r * L.inner;
         const double wc = w ? (*w)[c] : 1.0;
         const float mu = mean[s], rs = rstd[s];
         const float scale = static_cast<float>(rs * wc);
@@ -1683,27 +1759,26 @@ void norm_backward(FloatSpan dy, FloatSpan x, const NormLayout& L, const std::ve
         for (int64_t i = i0; i < i1; ++i)
           out[i] = dr[i] * scale - shift - ((xr[i] - mu) * rs) * slope;
       });
+      if (dx_type != DType::f32) store_f32(out, L.inner, dst, dx_type, 1);
     }
   });
 }
 
-// The backward of a norm on tensors: stage the inputs, differentiate (dx written in place when
-// it is FP32), package dx, dw, db.
-std::tuple<Tensor, Tensor, Tensor> norm_backward_tensors(const Tensor& dy, const Tensor& x,
+// The backward of a norm on tensors: differentiate (dx written in its own dtype, rows of 16-bit
+// tensors converted one at a time), package dx, dw, db.
+std::tuple<Tensor, Tensor, Tensor> norm_backward_tensors(const Tensor& dy_in, const Tensor& x_in,
                                                          const NormLayout& L, const Tensor& weight,
                                                          const Tensor& mean, const Tensor& rstd,
                                                          bool through_stats, DType dx_type) {
   std::vector<float> wv;
   if (weight.defined()) wv = load_all(weight);
   std::vector<double> dw, db;
-  Tensor sdy, sx;
+  const Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
   Tensor tdx = Tensor::empty(x.shape(), dx_type, charged_to(MemoryCategory::gradients));
-  Tensor staging = dx_type == DType::f32 ? tdx : f32_workspace({x.numel()});
-  norm_backward(as_f32(dy, sdy), as_f32(x, sx), L, load_all(mean), load_all(rstd),
-                weight.defined() ? &wv : nullptr, through_stats, staging.data<float>(), dw, db);
-  if (dx_type != DType::f32)
-    convert_parallel(staging.data_ptr(), DType::f32, tdx.data_ptr(), dx_type,
-                     static_cast<size_t>(x.numel()), {}, default_num_threads());
+  norm_backward({static_cast<const char*>(dy.data_ptr()), dy.dtype()},
+                {static_cast<const char*>(x.data_ptr()), x.dtype()}, L, load_all(mean),
+                load_all(rstd), weight.defined() ? &wv : nullptr, through_stats, tdx.data_ptr(),
+                dx_type, dw, db);
   if (!weight.defined()) return {tdx, Tensor(), Tensor()};
   std::vector<float> fw(dw.begin(), dw.end()), fb(db.begin(), db.end());
   return {tdx, from_vector(fw, weight.shape(), weight.dtype(), MemoryCategory::gradients),

@@ -173,9 +173,19 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
         if (n.needs_input_grad(0))  // dx = g w
           out[0] = kernels::matmul(g2, wd, n.input_dtype(0), p, MemoryCategory::gradients)
                        .view(xd.shape());
-        if (n.needs_input_grad(1))  // dw = g^T x
-          out[1] = kernels::matmul(g2.transpose(0, 1), xd.reshape({rows, in}), n.input_dtype(1), p,
-                                   MemoryCategory::gradients);
+        if (n.needs_input_grad(1)) {  // dw = g^T x
+          // After dx, which read the weights: an update in the backward pass may take dw in
+          // parts, changing the weights as each part is handed over.
+          const Tensor x2 = xd.reshape({rows, in});
+          GradPartConsumer parts;
+          if (p == Partials::kF32 && kernels::linear_weight_grad_parts_fit(rows))
+            parts = autograd::take_grad_part_consumer(n, 1);
+          if (parts)
+            kernels::linear_weight_grad_parts(g2, x2, n.input_dtype(1), parts);
+          else
+            out[1] = kernels::matmul(g2.transpose(0, 1), x2, n.input_dtype(1), p,
+                                     MemoryCategory::gradients);
+        }
         if (n.needs_input_grad(2))
           out[2] = kernels::sum(g2, {0}, false, n.input_dtype(2), MemoryCategory::gradients);
         return out;

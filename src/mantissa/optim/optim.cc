@@ -185,7 +185,7 @@ StepReport Optimizer::step(const StepOptions& so) {
     backward_step_ = false;
     for (auto& p : params_) {
       AutogradMeta* meta = p.tensor->autograd_meta().get();
-      if (meta) meta->consume_grad = nullptr;
+      if (meta) meta->consume_grad = nullptr, meta->consume_grad_parts = nullptr;
     }
   } else {
     ++steps_;
@@ -296,6 +296,37 @@ size_t Optimizer::begin_backward_step() {
       for_chunks(n, [&](int64_t b, int64_t len) {
         update_elements(a, bufs.data(), begin + b, len, static_cast<const char*>(g) + b * gs, gt);
       });
+    };
+    // The same update for a gradient given in parts, each converted to the gradient type as
+    // `grad` would hold it (on the calling thread, a chunk at a time). Its profile row
+    // ("in-backward", the parameter, the optimizer) lasts as long as the consumer, which the op
+    // drops once it has given every part: the gradient's computation, fused with the update, is
+    // inside it.
+    meta->consume_grad_parts = [this, i, gt = meta->grad_dtype.value_or(p.dtype())]() {
+      struct Timed {
+        std::string op;
+        ProfileTimer timer;
+        Timed(std::string o, const std::string& where)
+            : op(std::move(o)), timer("in-backward", where, op) {}
+      };
+      auto timed = std::make_shared<Timed>(name(), params_[i].name);
+      ChunkArgs a;
+      a.param = i;
+      const std::vector<Tensor*> bufs = state_buffers(i, &a.fresh_state);
+      return GradPartConsumer(
+          [this, a, bufs, gt, timed](int64_t begin, int64_t n, const void* g, DType dt) {
+            const size_t in_size = dtype_size(dt);
+            alignas(32) char converted[kChunk * 8];
+            for (int64_t b = 0; b < n; b += kChunk) {
+              const int64_t len = std::min(kChunk, n - b);
+              const char* part = static_cast<const char*>(g) + b * static_cast<int64_t>(in_size);
+              if (dt != gt) {
+                convert(part, dt, converted, gt, static_cast<size_t>(len));
+                part = converted;
+              }
+              update_elements(a, bufs.data(), begin + b, len, part, gt);
+            }
+          });
     };
     ++installed;
   }

@@ -64,9 +64,12 @@ class Optimizer {
   // parameters whose gradients were stored the ordinary way (a shared weight). The arithmetic is
   // the ordinary step's, bit for bit; only a step that needs nothing global qualifies (the
   // caller's to decide: no clipping, no inf/NaN skip, no loss scale, one backward pass).
-  // Eligible: contiguous parameters (any dtype, master copies too). An exception in the
-  // backward pass leaves the parameters updated so far updated. Returns how many parameters got
-  // a consumer.
+  // Eligible: contiguous parameters (any dtype, master copies too). They also accept their
+  // gradient in parts (AutogradMeta::consume_grad_parts), which a linear layer's backward hands
+  // over as it computes them: the weight gradient is never stored whole, and the update reads
+  // each part from cache. The arithmetic is the same, element by element.
+  // An exception in the backward pass leaves the parameters updated so far updated. Returns how
+  // many parameters got a consumer.
   size_t begin_backward_step();
 
   // FP32 master copies of the 16-bit parameters, made now from their current values (charged to
