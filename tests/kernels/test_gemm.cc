@@ -345,6 +345,41 @@ TEST(DotLanes, MatchesTheReferenceBitForBit) {
   }
 }
 
+// 16-bit B rows (f16, bf16), converted a depth pass at a time: the same sums, bit for bit, as the
+// FP32 path on FP32 rows holding the same values (several depth passes, partial tiles, calls split
+// at a depth that is not a multiple of 8, 1-3 threads).
+TEST(DotLanes, SixteenBitRowsGiveTheFp32RowsSums) {
+  const int64_t M = 5, N = 7, K = 2500, ldb = K + 5, lda = K + 3;
+  std::mt19937 gen(17);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> a(static_cast<size_t>(M * lda)), b32(static_cast<size_t>(N * ldb));
+  for (float& v : a) v = d(gen);
+  for (const DType bt : {DType::f16, DType::bf16}) {
+    for (float& v : b32) v = d(gen);
+    std::vector<uint16_t> b16(b32.size());
+    convert(b32.data(), DType::f32, b16.data(), bt, b32.size());
+    convert(b16.data(), bt, b32.data(), DType::f32, b32.size());  // the values the rows hold
+    std::vector<int64_t> rows(static_cast<size_t>(N));
+    for (int64_t j = 0; j < N; ++j) rows[static_cast<size_t>(j)] = (N - 1 - j) * ldb + 2;
+    const int64_t split = 1029;
+    std::vector<int64_t> rows2 = rows;
+    for (int64_t& r : rows2) r += split;
+    std::vector<float> want(static_cast<size_t>(M * N * kDotLanes), 0.25f);
+    dot_lanes_accumulate(M, N, split, a.data(), lda, b32.data(), rows.data(), want.data(), 1);
+    dot_lanes_accumulate(M, N, K - split, a.data() + split, lda, b32.data(), rows2.data(),
+                         want.data(), 1);
+    for (int threads : {1, 2, 3}) {
+      std::vector<float> got(want.size(), 0.25f);
+      dot_lanes_accumulate(M, N, split, a.data(), lda, b16.data(), bt, rows.data(), got.data(),
+                           threads);
+      dot_lanes_accumulate(M, N, K - split, a.data() + split, lda, b16.data(), bt, rows2.data(),
+                           got.data(), threads);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+          << dtype_name(bt) << ", threads " << threads;
+    }
+  }
+}
+
 TEST(DotLanes, FinishAddsTheLanesInTheDocumentedTree) {
   // 2^24 + 1 - 2^24 shows the order: only adding 1 to 2^24 last (or to another small value
   // first) keeps it.

@@ -115,17 +115,22 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
   Shape yshape = x.shape();
   yshape.back() = outf;
   Tensor y = Tensor::empty(yshape, out, charged_to(MemoryCategory::activations));
-  // A small batch through a long FP32 layer (the tutorial CNN's fc1: 12 x 41772 by 100 x 41772):
-  // lane-split dot products read the weight rows in place, once; the GEMM would pack (transpose)
-  // the whole weight for a dozen uses of each value.
-  if (rows <= kDotMaxRows && in >= kDotMinDepth && p == Partials::kF32 && x.dtype() == DType::f32 &&
-      w_in.dtype() == DType::f32 && w_in.stride(1) == 1) {
+  // A small batch through a long layer (the tutorial CNN's fc1: 12 x 41772 by 100 x 41772):
+  // lane-split dot products read the weight rows in place, once (16-bit weights converted a
+  // depth pass at a time; a 16-bit input staged in FP32, a few rows); the GEMM would pack
+  // (transpose) the whole weight for a dozen uses of each value.
+  if (rows <= kDotMaxRows && in >= kDotMinDepth && p == Partials::kF32 && w_in.stride(1) == 1 &&
+      (w_in.dtype() == DType::f32 || w_in.dtype() == DType::f16 || w_in.dtype() == DType::bf16)) {
+    Tensor x32 = x.dtype() == DType::f32 ? x : f32_workspace({rows, in});
+    if (x.dtype() != DType::f32)
+      convert(x.data_ptr(), x.dtype(), x32.data_ptr(), DType::f32, static_cast<size_t>(rows * in));
     Tensor lanes = f32_workspace({rows, outf, detail::kDotLanes});
     std::fill(lanes.data<float>(), lanes.data<float>() + lanes.numel(), 0.0f);
     std::vector<int64_t> w_rows(static_cast<size_t>(outf));
     for (int64_t j = 0; j < outf; ++j) w_rows[static_cast<size_t>(j)] = j * w_in.stride(0);
-    detail::dot_lanes_accumulate(rows, outf, in, x.data<float>(), in, w_in.data<float>(),
-                                 w_rows.data(), lanes.data<float>(), default_num_threads());
+    detail::dot_lanes_accumulate(rows, outf, in, x32.data<float>(), in, w_in.data_ptr(),
+                                 w_in.dtype(), w_rows.data(), lanes.data<float>(),
+                                 default_num_threads());
     const std::vector<float> bias = bias_f32(b, outf);
     std::vector<float> row(static_cast<size_t>(outf));
     for (int64_t i = 0; i < rows; ++i) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "mantissa/core/convert.h"
 #include "mantissa/core/cpu_features.h"
@@ -176,8 +177,12 @@ void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float
     }
 }
 
-void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
-                          const float* b, const int64_t* b_row, float* P, int threads) {
+namespace {
+// The driver of both versions: rows_of(j0, rb, k0, k1, brows) gives the B rows of group j0 for
+// depths [k0, k1), as pointers that index by k - shift (shift: k0 for staged rows, 0 in place).
+template <class RowsOf>
+void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, float* P,
+                   int threads, RowsOf&& rows_of) {
   if (M <= 0 || N <= 0 || K <= 0) return;
   auto tile = dot_tile_portable;
 #if MANTISSA_HAVE_X86_SIMD
@@ -188,6 +193,7 @@ void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64
   const int64_t groups = (N + kDotRowsB - 1) / kDotRowsB;
   const int t = static_cast<int>(std::clamp<int64_t>(threads, 1, groups));
   parallel_for(static_cast<size_t>(t), 1, t, [&](size_t p0, size_t p1) {
+    std::vector<float> stage;  // staged B rows, when rows_of converts
     for (size_t part = p0; part < p1; ++part) {
       const int64_t g0 = groups * static_cast<int64_t>(part) / t,
                     g1 = groups * static_cast<int64_t>(part + 1) / t;
@@ -197,22 +203,53 @@ void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64
           const int64_t j0 = g * kDotRowsB;
           const int rb = static_cast<int>(std::min<int64_t>(kDotRowsB, N - j0));
           const float* brows[kDotRowsB];
-          for (int j = 0; j < rb; ++j) brows[j] = b + b_row[j0 + j];
+          const int64_t shift = rows_of(j0, rb, k0, k1, brows, stage);
           for (int64_t i0 = 0; i0 < M; i0 += kDotRowsA) {
             const int ra = static_cast<int>(std::min<int64_t>(kDotRowsA, M - i0));
             const float* arows[kDotRowsA];
             float* lanes[kDotRowsA * kDotRowsB];
             for (int i = 0; i < ra; ++i) {
-              arows[i] = a + (i0 + i) * lda;
+              arows[i] = a + (i0 + i) * lda + shift;
               for (int j = 0; j < rb; ++j)
                 lanes[i * kDotRowsB + j] = P + ((i0 + i) * N + j0 + j) * kDotLanes;
             }
-            tile(ra, rb, k0, k1, arows, brows, lanes);
+            // Depths relative to the shift keep their lane: k0 is a multiple of 8.
+            tile(ra, rb, k0 - shift, k1 - shift, arows, brows, lanes);
           }
         }
       }
     }
   });
+}
+}  // namespace
+
+void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                          const float* b, const int64_t* b_row, float* P, int threads) {
+  dot_lanes_run(M, N, K, a, lda, P, threads,
+                [&](int64_t j0, int rb, int64_t, int64_t, const float** brows,
+                    std::vector<float>&) -> int64_t {
+                  for (int j = 0; j < rb; ++j) brows[j] = b + b_row[j0 + j];
+                  return 0;
+                });
+}
+
+void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                          const void* b, DType bt, const int64_t* b_row, float* P, int threads) {
+  if (bt == DType::f32)
+    return dot_lanes_accumulate(M, N, K, a, lda, static_cast<const float*>(b), b_row, P, threads);
+  const size_t es = dtype_size(bt);
+  dot_lanes_run(M, N, K, a, lda, P, threads,
+                [&](int64_t j0, int rb, int64_t k0, int64_t k1, const float** brows,
+                    std::vector<float>& stage) -> int64_t {
+                  stage.resize(static_cast<size_t>(kDotRowsB * kDotDepth));
+                  for (int j = 0; j < rb; ++j) {
+                    float* row = stage.data() + j * kDotDepth;
+                    convert(static_cast<const char*>(b) + (b_row[j0 + j] + k0) * es, bt, row,
+                            DType::f32, static_cast<size_t>(k1 - k0));
+                    brows[j] = row;
+                  }
+                  return k0;
+                });
 }
 
 }  // namespace mantissa::kernels::detail

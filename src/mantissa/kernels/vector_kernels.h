@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "mantissa/core/dtype.h"
+
 namespace mantissa::kernels::detail {
 
 // a[j] += w * x[j * stride], j < n.
@@ -54,6 +56,11 @@ inline constexpr int kDotLanes = 8;
 void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                           const float* b, const int64_t* b_row, float* P, int threads);
 float dot_lanes_finish(const float* lanes);
+// The same with B stored in 16 bits (bt f16 or bf16; b_row in elements): a tile's B rows are
+// converted to FP32 a depth pass at a time, exactly, so the sums are those of FP32 rows holding
+// the same values (a 16-bit model's linear layer reads its weights once, in 16 bits).
+void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                          const void* b, DType bt, const int64_t* b_row, float* P, int threads);
 // The scalar reference of the same arithmetic (the oracle of the tests).
 void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                                     const float* b, const int64_t* b_row, float* P);
