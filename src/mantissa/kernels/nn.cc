@@ -1513,24 +1513,17 @@ struct NormLayout {
   bool across_outer;                // batch norm: statistics of group g pool all outer
 };
 
-// FP32 values of a tensor: its own memory when it is contiguous FP32, else a converted copy.
-struct FloatSpan {
-  const float* p = nullptr;
-  size_t n = 0;
-  const float* data() const { return p; }
-  size_t size() const { return n; }
-  float operator[](size_t i) const { return p[i]; }
+// A contiguous float tensor's values in FP32 a row at a time: the row itself when the tensor is
+// FP32, else converted into the caller's buffer (no whole-tensor FP32 copy of a 16-bit tensor).
+struct FloatRows {
+  const char* base;
+  DType dtype;
+  const float* row(int64_t offset, int64_t n, float* buf) const {
+    if (dtype == DType::f32) return reinterpret_cast<const float*>(base) + offset;
+    load_f32(base + offset * esize(dtype), dtype, 1, n, buf);
+    return buf;
+  }
 };
-// Staging buffers are workspace tensors: their blocks are reused (no page faults, no zeroing).
-FloatSpan as_f32(const Tensor& t, Tensor& staging) {
-  if (t.dtype() == DType::f32 && t.is_contiguous())
-    return {t.data<float>(), static_cast<size_t>(t.numel())};
-  staging = f32_workspace({t.numel()});
-  const Tensor c = t.contiguous();
-  convert_parallel(c.data_ptr(), c.dtype(), staging.data_ptr(), DType::f32,
-                   static_cast<size_t>(t.numel()), {}, default_num_threads());
-  return {staging.data<float>(), static_cast<size_t>(t.numel())};
-}
 
 // Sum of n floats, 8 lanes at a time (vectorizable), in FP64 across chunks of 4096.
 double sum_f(const float* p, int64_t n) {
@@ -1579,29 +1572,31 @@ Tensor from_vector(const std::vector<float>& v, const Shape& shape, DType t, Mem
 
 // Statistics per stat index s (outer*groups entries, or groups when across_outer), accumulated in
 // FP64 (sums over whole batches lose too much in FP32).
-void norm_stats(FloatSpan x, const NormLayout& L, double eps, std::vector<float>& mean,
+void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>& mean,
                 std::vector<float>& rstd, std::vector<double>* var_out) {
   const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
   mean.assign(static_cast<size_t>(stats), 0.0f);
   rstd.assign(static_cast<size_t>(stats), 0.0f);
   if (var_out) var_out->assign(static_cast<size_t>(stats), 0.0);
   parallel_for(static_cast<size_t>(stats), 1,
-               static_cast<int64_t>(x.size()) >= kParallelElements ? default_num_threads() : 1,
+               L.outer * L.groups * L.inner >= kParallelElements ? default_num_threads() : 1,
                [&](size_t s0, size_t s1) {
+                 std::vector<float> buf(x.dtype == DType::f32 ? 0 : static_cast<size_t>(L.inner));
+                 auto row = [&](int64_t o, int64_t grp) {
+                   return x.row((o * L.groups + grp) * L.inner, L.inner, buf.data());
+                 };
                  for (size_t s = s0; s < s1; ++s) {
                    const int64_t o_begin = L.across_outer ? 0 : static_cast<int64_t>(s) / L.groups;
                    const int64_t o_end = L.across_outer ? L.outer : o_begin + 1;
                    const int64_t grp = L.across_outer ? static_cast<int64_t>(s)
                                                       : static_cast<int64_t>(s) % L.groups;
                    double sum = 0;
-                   for (int64_t o = o_begin; o < o_end; ++o)
-                     sum += sum_f(x.data() + (o * L.groups + grp) * L.inner, L.inner);
+                   for (int64_t o = o_begin; o < o_end; ++o) sum += sum_f(row(o, grp), L.inner);
                    const double count = static_cast<double>((o_end - o_begin) * L.inner);
                    const double mu = sum / count;
                    double sq = 0;  // two passes: the variance of values around their mean
                    for (int64_t o = o_begin; o < o_end; ++o)
-                     sq += sum_sq_f(x.data() + (o * L.groups + grp) * L.inner, L.inner,
-                                    static_cast<float>(mu));
+                     sq += sum_sq_f(row(o, grp), L.inner, static_cast<float>(mu));
                    const double var = sq / count;
                    mean[s] = static_cast<float>(mu);
                    rstd[s] = static_cast<float>(1.0 / std::sqrt(var + eps));
@@ -1629,37 +1624,40 @@ int norm_threads(size_t elements) {
   return static_cast<int64_t>(elements) >= kParallelElements ? default_num_threads() : 1;
 }
 
-// y = (x - mean) * rstd * w[c] + b[c]
-void norm_apply(FloatSpan x, const NormLayout& L, const std::vector<float>& mean,
+// y = (x - mean) * rstd * w[c] + b[c], computed in FP32 and stored in yt (a row at a time).
+void norm_apply(FloatRows x, const NormLayout& L, const std::vector<float>& mean,
                 const std::vector<float>& rstd, const std::vector<float>* w,
-                const std::vector<float>* b, float* y) {
-  parallel_for(static_cast<size_t>(L.outer * L.groups), 1, norm_threads(x.size()),
+                const std::vector<float>* b, void* y, DType yt) {
+  const int64_t rows = L.outer * L.groups;
+  const int64_t ys = static_cast<int64_t>(esize(yt));
+  parallel_for(static_cast<size_t>(rows), 1, norm_threads(static_cast<size_t>(rows * L.inner)),
                [&](size_t r0, size_t r1) {
-                 for (size_t r = r0; r < r1; ++r)
-                   for_each_channel_run(
-                       L, static_cast<int64_t>(r), [&](size_t s, int64_t i0, int64_t i1, size_t c) {
-                         const float scale = w ? rstd[s] * (*w)[c] : rstd[s];
-                         const float shift = w ? (*b)[c] - mean[s] * scale : -mean[s] * scale;
-                         const float* xs = x.data() + static_cast<int64_t>(r) * L.inner;
-                         float* ys = y + static_cast<int64_t>(r) * L.inner;
-                         for (int64_t i = i0; i < i1; ++i) ys[i] = xs[i] * scale + shift;
-                       });
+                 std::vector<float> xbuf(x.dtype == DType::f32 ? 0 : static_cast<size_t>(L.inner)),
+                     ybuf(yt == DType::f32 ? 0 : static_cast<size_t>(L.inner));
+                 for (size_t rr = r0; rr < r1; ++rr) {
+                   const int64_t r = static_cast<int64_t>(rr);
+                   const float* xs = x.row(r * L.inner, L.inner, xbuf.data());
+                   char* dst = static_cast<char*>(y) + r * L.inner * ys;
+                   float* row = yt == DType::f32 ? reinterpret_cast<float*>(dst) : ybuf.data();
+                   for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
+                     const float scale = w ? rstd[s] * (*w)[c] : rstd[s];
+                     const float shift = w ? (*b)[c] - mean[s] * scale : -mean[s] * scale;
+                     for (int64_t i = i0; i < i1; ++i) row[i] = xs[i] * scale + shift;
+                   });
+                   if (yt != DType::f32) store_f32(row, L.inner, dst, yt, 1);
+                 }
                });
 }
 
 // y = norm_apply(...) as a tensor of `out` dtype: written in place when FP32.
-Tensor normalized(FloatSpan x, const Shape& shape, const NormLayout& L,
+Tensor normalized(FloatRows x, const Shape& shape, const NormLayout& L,
                   const std::vector<float>& mean, const std::vector<float>& rstd,
                   const Tensor& weight, const Tensor& bias, DType out) {
   std::vector<float> wv, bv;
   if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
   Tensor y = Tensor::empty(shape, out, charged_to(MemoryCategory::activations));
-  Tensor staging = out == DType::f32 ? y : f32_workspace({static_cast<int64_t>(x.size())});
   norm_apply(x, L, mean, rstd, weight.defined() ? &wv : nullptr, weight.defined() ? &bv : nullptr,
-             staging.data<float>());
-  if (out != DType::f32)
-    convert_parallel(staging.data_ptr(), DType::f32, y.data_ptr(), out, x.size(), {},
-                     default_num_threads());
+             y.data_ptr(), out);
   return y;
 }
 
@@ -1685,18 +1683,6 @@ void sums_d_dxhat(const float* d, const float* x, int64_t n, float mu, float rs,
     sdx += ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
   }
 }
-
-// A contiguous float tensor's values in FP32 a row at a time: the row itself when the tensor is
-// FP32, else converted into the caller's buffer (no whole-tensor FP32 copy of a 16-bit tensor).
-struct FloatRows {
-  const char* base;
-  DType dtype;
-  const float* row(int64_t offset, int64_t n, float* buf) const {
-    if (dtype == DType::f32) return reinterpret_cast<const float*>(base) + offset;
-    load_f32(base + offset * esize(dtype), dtype, 1, n, buf);
-    return buf;
-  }
-};
 
 // dx (dtype dx_type, x's element count), dw, db of y = xhat * w + b with xhat normalized by
 // statistics over each stat group (those statistics depend on x when `through_stats`; batch norm
@@ -1816,8 +1802,8 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& wei
   check_affine(weight, bias, C, "batch_norm");
   const int64_t inner = x.numel() / std::max<int64_t>(x.size(0) * C, 1);
   const NormLayout L{x.size(0), C, inner, C, inner, true};
-  Tensor staging;
-  const FloatSpan xv = as_f32(x, staging);
+  const Tensor xc = x.contiguous();  // read a row at a time, converted when 16-bit
+  const FloatRows xv{static_cast<const char*>(xc.data_ptr()), xc.dtype()};
   std::vector<float> mean, rstd;
   if (training) {
     MANTISSA_CHECK(x.size(0) * inner > 1,
@@ -1876,8 +1862,8 @@ std::tuple<Tensor, Tensor, Tensor> group_norm(const Tensor& x, int64_t groups, c
   check_affine(weight, bias, C, "group_norm");
   const int64_t spatial = x.numel() / std::max<int64_t>(N * C, 1);
   const NormLayout L{N, groups, (C / groups) * spatial, C, spatial, false};
-  Tensor staging;
-  const FloatSpan xv = as_f32(x, staging);
+  const Tensor xc = x.contiguous();  // read a row at a time, converted when 16-bit
+  const FloatRows xv{static_cast<const char*>(xc.data_ptr()), xc.dtype()};
   std::vector<float> mean, rstd;
   norm_stats(xv, L, eps, mean, rstd, nullptr);
   return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
@@ -1907,8 +1893,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, int64_t normalize
   check_affine(weight, bias, D, "layer_norm");
   const int64_t rows = x.numel() / std::max<int64_t>(D, 1);
   const NormLayout L{rows, 1, D, D, 1, false};
-  Tensor staging;
-  const FloatSpan xv = as_f32(x, staging);
+  const Tensor xc = x.contiguous();  // read a row at a time, converted when 16-bit
+  const FloatRows xv{static_cast<const char*>(xc.data_ptr()), xc.dtype()};
   std::vector<float> mean, rstd;
   norm_stats(xv, L, eps, mean, rstd, nullptr);
   return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
