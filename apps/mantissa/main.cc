@@ -61,6 +61,11 @@ int main(int argc, char** argv) {
     if (!e.hint().empty()) std::cerr << " (" << e.hint() << ")";
     std::cerr << '\n';
     return kExitBadInput;
+  } catch (const mantissa::InternalError& e) {
+    // A bug in Mantissa: the place it was detected, and where it belongs.
+    std::cout.flush();
+    std::cerr << "mantissa: " << e.what() << " -- please report this as a bug\n";
+    return kExitFailure;
   } catch (const std::exception& e) {
     std::cout.flush();
     std::cerr << "mantissa: internal error: " << e.what() << '\n';

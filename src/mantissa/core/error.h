@@ -28,10 +28,34 @@ class OutOfMemoryError : public Error {
   using Error::Error;
 };
 
+// A broken internal invariant: a bug in Mantissa, never the user's input. Deliberately not an
+// Error, so that the program reports it as an internal error (exit status 1) with the place it
+// was detected, instead of as bad input with a hint.
+class InternalError : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+namespace detail {
+[[noreturn]] inline void internal_error(const char* file, int line, const char* cond,
+                                        const std::string& msg) {
+  throw InternalError(std::string(file) + ":" + std::to_string(line) + ": internal error: " + msg +
+                      " (" + cond + " failed)");
+}
+}  // namespace detail
+
 }  // namespace mantissa
 
 // Checks a condition that depends on user input; throws mantissa::Error with a message and hint.
 #define MANTISSA_CHECK(cond, msg, hint)                  \
   do {                                                   \
     if (!(cond)) throw ::mantissa::Error((msg), (hint)); \
+  } while (0)
+
+// Checks an internal invariant (always on: these are cheap and guard against silent garbage);
+// throws mantissa::InternalError naming the file, line, condition and `msg`. For conditions that
+// depend on what a user passed, use MANTISSA_CHECK.
+#define MANTISSA_ASSERT(cond, msg)                                                    \
+  do {                                                                                \
+    if (!(cond)) ::mantissa::detail::internal_error(__FILE__, __LINE__, #cond, (msg)); \
   } while (0)

@@ -275,8 +275,7 @@ void Optimizer::update_param(size_t i, const Tensor& g, float unscale, float cli
 }
 
 size_t Optimizer::begin_backward_step() {
-  MANTISSA_CHECK(!backward_step_, "internal: begin_backward_step twice without step()",
-                 "report this as a bug");
+  MANTISSA_ASSERT(!backward_step_, "begin_backward_step twice without step()");
   ++steps_;
   begin_step();
   backward_step_ = true;

@@ -723,8 +723,7 @@ void Trainer::train_steps(TrainResult& result) {
       timed.emplace("step", "", "data");
       for (int64_t b = 0; b < k * N; ++b) {
         std::optional<data::Batch> batch = loader_->next();
-        MANTISSA_CHECK(batch.has_value(), "internal: the loader ended before the epoch's steps",
-                       "report this as a bug");
+        MANTISSA_ASSERT(batch.has_value(), "the loader ended before the epoch's steps");
         result.input_bytes += batch->images.nbytes() + batch->labels.nbytes();
         batches.push_back(std::move(*batch));
       }
