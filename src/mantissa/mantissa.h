@@ -15,6 +15,7 @@
 #include "mantissa/core/tensor.h"
 #include "mantissa/data/datasets.h"
 #include "mantissa/data/loader.h"
+#include "mantissa/data/source.h"
 #include "mantissa/io/safetensors.h"
 #include "mantissa/nn/init.h"
 #include "mantissa/nn/layers.h"

@@ -362,5 +362,114 @@ TEST(Loader, AnErrorInAWorkerReachesTheConsumerWithItsCause) {
   }  // the destructor joins the workers that stopped on the error
 }
 
+// A user's dataset: (N, 3) f32 inputs whose values encode their index, labels index % 4.
+data::TensorDataset indexed_tensors(int64_t n) {
+  Tensor x = Tensor::empty({n, 3}, DType::f32);
+  Tensor y = Tensor::empty({n}, DType::i64);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < 3; ++j) x.data<float>()[i * 3 + j] = static_cast<float>(10 * i + j);
+    y.data<int64_t>()[i] = i % 4;
+  }
+  return data::TensorDataset(x, y, 4, "indexed");
+}
+
+TEST(ExampleSource, TensorDatasetChecksItsTensors) {
+  Tensor x = Tensor::zeros({5, 2}, DType::f32);
+  Tensor y = Tensor::zeros({5}, DType::i64);
+  EXPECT_NO_THROW(data::TensorDataset(x, y, 3));
+  EXPECT_NE(error_of([&] {
+              data::TensorDataset(x, Tensor::zeros({4}, DType::i64), 3);
+            }).find("5 inputs but 4 labels"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              data::TensorDataset(x, Tensor::zeros({5}, DType::f32), 3);
+            }).find("labels must be i64 (N)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              data::TensorDataset(Tensor::zeros({5}, DType::f32), y, 3);
+            }).find("at least one dimension per example"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              data::TensorDataset(Tensor::zeros({5, 2}, DType::i64), y, 3);
+            }).find("must be f32, f16, bf16 or u8"),
+            std::string::npos);
+  Tensor bad = Tensor::zeros({5}, DType::i64);
+  bad.data<int64_t>()[3] = 3;
+  EXPECT_NE(error_of([&] {
+              data::TensorDataset(x, bad, 3);
+            }).find("label 3 of example 3 is outside [0, 3)"),
+            std::string::npos);
+}
+
+TEST(ExampleSource, LoaderBatchesExamplesAsTheyAreInTheSeededOrder) {
+  auto src = std::make_shared<data::TensorDataset>(indexed_tensors(50));
+  EXPECT_EQ(src->example_shape(), (Shape{3}));
+  data::LoaderConfig c;
+  c.batch_size = 8;
+  c.seed = 7;
+  data::Loader loader(src, c);
+  EXPECT_EQ(loader.size(), 50);
+  EXPECT_EQ(loader.batches_per_epoch(), 6);
+  // The same shuffle as an image dataset of the same size and seed.
+  data::Loader images(tiny(50), c);
+  EXPECT_EQ(loader.batch_indices(1, 2), images.batch_indices(1, 2));
+  const data::Batch b = loader.make_batch(1, 2);
+  ASSERT_EQ(b.images.shape(), (Shape{8, 3}));
+  const std::vector<int64_t> idx = loader.batch_indices(1, 2);
+  for (int64_t i = 0; i < 8; ++i) {
+    const int64_t k = idx[static_cast<size_t>(i)];
+    EXPECT_EQ(b.labels.data<int64_t>()[i], k % 4);
+    for (int64_t j = 0; j < 3; ++j)
+      EXPECT_EQ(b.images.data<float>()[i * 3 + j], static_cast<float>(10 * k + j));
+  }
+  EXPECT_EQ(loader.batch_bytes(), 8 * 3 * 4 + 8 * 8);
+  // In a 16-bit input type, rounded once; and the same batches from background workers.
+  c.dtype = DType::bf16;
+  data::Loader narrow(src, c);
+  c.workers = 2;
+  data::Loader async(src, c);
+  async.start(1);
+  for (int64_t k = 0; k < 6; ++k) {
+    auto got = async.next();
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->images.dtype(), DType::bf16);
+    EXPECT_EQ(got->images.to_float_vector(), narrow.make_batch(1, k).images.to_float_vector());
+  }
+  EXPECT_FALSE(async.next().has_value());
+}
+
+// A source written by hand, as a user would, that breaks its contract on one example.
+class BrokenLabels : public data::ExampleSource {
+ public:
+  int64_t size() const override { return 16; }
+  Shape example_shape() const override { return {2, 2}; }
+  int64_t num_classes() const override { return 2; }
+  int64_t get(int64_t index, float* input) const override {
+    for (int i = 0; i < 4; ++i) input[i] = static_cast<float>(index);
+    return index == 5 ? 2 : index % 2;
+  }
+  std::string name() const override { return "broken"; }
+};
+
+TEST(ExampleSource, ContractViolationsAndImageSettingsAreRefused) {
+  auto src = std::make_shared<BrokenLabels>();
+  data::LoaderConfig c;
+  c.batch_size = 4;
+  c.shuffle = false;
+  data::Loader loader(src, c);
+  EXPECT_EQ(loader.make_batch(0, 0).images.shape(), (Shape{4, 2, 2}));
+  EXPECT_NE(error_of([&] {
+              loader.make_batch(0, 1);
+            }).find("broken: example 5 has label 2, outside [0, 2)"),
+            std::string::npos);
+  data::LoaderConfig resize = c;
+  resize.transform.image_size = 8;
+  EXPECT_NE(error_of([&] { data::Loader l(src, resize); }).find("are for image datasets"),
+            std::string::npos);
+  data::LoaderConfig bytes = c;
+  bytes.dtype = DType::u8;
+  EXPECT_NE(error_of([&] { data::Loader l(src, bytes); }).find("8-bit input"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace mantissa

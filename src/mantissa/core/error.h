@@ -55,7 +55,7 @@ namespace detail {
 // Checks an internal invariant (always on: these are cheap and guard against silent garbage);
 // throws mantissa::InternalError naming the file, line, condition and `msg`. For conditions that
 // depend on what a user passed, use MANTISSA_CHECK.
-#define MANTISSA_ASSERT(cond, msg)                                                    \
-  do {                                                                                \
+#define MANTISSA_ASSERT(cond, msg)                                                     \
+  do {                                                                                 \
     if (!(cond)) ::mantissa::detail::internal_error(__FILE__, __LINE__, #cond, (msg)); \
   } while (0)

@@ -138,15 +138,50 @@ Loader::Loader(const Dataset& data, const LoaderConfig& config) : data_(data), c
                  "dataset images are not square", "set an image size");
 }
 
+Loader::Loader(std::shared_ptr<const ExampleSource> source, const LoaderConfig& config)
+    : source_(std::move(source)), config_(config) {
+  MANTISSA_CHECK(source_ != nullptr, "the loader got no dataset", "pass an ExampleSource");
+  const std::string name = source_->name();
+  MANTISSA_CHECK(config.batch_size > 0,
+                 "batch size " + std::to_string(config.batch_size) + " is not positive",
+                 "use --batch-size 1 or more");
+  MANTISSA_CHECK(source_->size() > 0, "dataset " + name + " is empty", "");
+  MANTISSA_CHECK(!config.drop_last || source_->size() >= config.batch_size,
+                 "dataset " + name + " has " + std::to_string(source_->size()) +
+                     " examples, fewer than one batch of " + std::to_string(config.batch_size),
+                 "lower the batch size, or use more examples");
+  MANTISSA_CHECK(config.transform.image_size == 0 && config.transform.crop_padding == 0 &&
+                     !config.transform.random_flip,
+                 "dataset " + name + ": resizing, cropping and flipping are for image datasets",
+                 "transform the examples in your ExampleSource::get instead");
+  MANTISSA_CHECK(is_compute_float(config.dtype),
+                 "dataset " + name +
+                     ": the loader delivers user examples in f32, f16 or bf16, not " +
+                     std::string(dtype_name(config.dtype)),
+                 "8-bit input is for the built-in image datasets");
+  const Shape shape = source_->example_shape();
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    MANTISSA_CHECK(d > 0,
+                   "dataset " + name + ": example shape " + shape_str(shape) +
+                       " has a dimension that is not positive",
+                   "");
+    numel *= d;
+  }
+  MANTISSA_CHECK(!shape.empty(), "dataset " + name + ": example shape is empty",
+                 "give each example at least one dimension, e.g. (1)");
+  out_size_ = numel;
+}
+
 Loader::~Loader() { stop(); }
 
 int64_t Loader::batches_per_epoch() const {
-  const int64_t n = data_.size(), b = config_.batch_size;
+  const int64_t n = size(), b = config_.batch_size;
   return config_.drop_last ? n / b : (n + b - 1) / b;
 }
 
 std::vector<int64_t> Loader::batch_indices(int64_t epoch, int64_t b) const {
-  const int64_t n = data_.size();
+  const int64_t n = size();
   const int64_t begin = b * config_.batch_size, end = std::min(n, begin + config_.batch_size);
   std::vector<int64_t> idx;
   if (!config_.shuffle) {
@@ -177,6 +212,7 @@ Batch Loader::make_batch(int64_t epoch, int64_t b) const {
   MANTISSA_CHECK(b >= 0 && b < batches_per_epoch(),
                  "batch " + std::to_string(b) + " is out of range", "");
   const std::vector<int64_t> idx = batch_indices(epoch, b);
+  if (source_) return make_source_batch(epoch, b, idx);
   const int64_t B = static_cast<int64_t>(idx.size()), C = data_.channels(), H = data_.height(),
                 W = data_.width();
   const int64_t S = out_size_;
@@ -215,7 +251,36 @@ Batch Loader::make_batch(int64_t epoch, int64_t b) const {
   return out;
 }
 
+Batch Loader::make_source_batch(int64_t epoch, int64_t b, const std::vector<int64_t>& idx) const {
+  const int64_t B = static_cast<int64_t>(idx.size()), E = out_size_;  // E: values per example
+  const int64_t classes = source_->num_classes();
+  Shape shape = source_->example_shape();
+  shape.insert(shape.begin(), B);
+  Batch out;
+  out.epoch = epoch;
+  out.index = b;
+  out.labels = Tensor::empty({B}, DType::i64, charged_to(MemoryCategory::input_data));
+  out.images = Tensor::empty(shape, config_.dtype, charged_to(MemoryCategory::input_data));
+  std::vector<float> buf(static_cast<size_t>(E));
+  const size_t elem = dtype_size(config_.dtype);
+  char* dst = static_cast<char*>(out.images.data_ptr());
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t k = idx[static_cast<size_t>(i)];
+    const int64_t label = source_->get(k, buf.data());
+    MANTISSA_CHECK(label >= 0 && label < classes,
+                   source_->name() + ": example " + std::to_string(k) + " has label " +
+                       std::to_string(label) + ", outside [0, " + std::to_string(classes) + ")",
+                   "ExampleSource::get must return a class index below num_classes()");
+    out.labels.data<int64_t>()[i] = label;
+    kernels::store_f32(buf.data(), E, dst + static_cast<size_t>(i * E) * elem, config_.dtype, 1);
+  }
+  return out;
+}
+
 int64_t Loader::batch_bytes() const {
+  if (source_)
+    return config_.batch_size * out_size_ * static_cast<int64_t>(dtype_size(config_.dtype)) +
+           config_.batch_size * static_cast<int64_t>(sizeof(int64_t));
   return config_.batch_size * data_.channels() * out_size_ * out_size_ *
              static_cast<int64_t>(dtype_size(config_.dtype)) +
          config_.batch_size * static_cast<int64_t>(sizeof(int64_t));

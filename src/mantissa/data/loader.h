@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "mantissa/data/datasets.h"
+#include "mantissa/data/source.h"
 
 namespace mantissa::data {
 
@@ -47,7 +48,7 @@ struct LoaderConfig {
 };
 
 struct Batch {
-  Tensor images;  // (B, C, S, S) in LoaderConfig::dtype
+  Tensor images;  // (B, C, S, S) in LoaderConfig::dtype; from an ExampleSource (B, example_shape)
   Tensor labels;  // i64 (B)
   int64_t epoch = 0, index = 0;
 };
@@ -55,12 +56,18 @@ struct Batch {
 class Loader {
  public:
   Loader(const Dataset& data, const LoaderConfig& config);
+  // A user's dataset: its examples batched as they are (the transform must be the default: no
+  // resize, crop or flip; no 8-bit output), shuffled and delivered like a built-in dataset's.
+  Loader(std::shared_ptr<const ExampleSource> source, const LoaderConfig& config);
   ~Loader();
   Loader(const Loader&) = delete;
   Loader& operator=(const Loader&) = delete;
 
   int64_t batches_per_epoch() const;
+  // The built-in image dataset (empty for an ExampleSource).
   const Dataset& dataset() const { return data_; }
+  // Examples in the dataset or source.
+  int64_t size() const { return source_ ? source_->size() : data_.size(); }
   // The dataset positions of the examples of batch b of `epoch` (shuffled when configured).
   std::vector<int64_t> batch_indices(int64_t epoch, int64_t b) const;
   // Makes batch b of `epoch` on the calling thread.
@@ -79,10 +86,12 @@ class Loader {
 
  private:
   void worker();
+  Batch make_source_batch(int64_t epoch, int64_t b, const std::vector<int64_t>& idx) const;
 
   Dataset data_;
+  std::shared_ptr<const ExampleSource> source_;  // or a user's dataset
   LoaderConfig config_;
-  int64_t out_size_;
+  int64_t out_size_;  // image datasets: the output side S; a source: values per example
   // Iteration state.
   int64_t epoch_ = 0, next_batch_ = 0, end_batch_ = 0;
   double wait_seconds_ = 0;
