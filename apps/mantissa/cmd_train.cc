@@ -399,8 +399,8 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   if (precisions.empty()) precisions.push_back(c.precision);
   c.threads = static_cast<int>(std::min<int64_t>(threads, 1024));
   train::validate(c);
-  train::check_output_path(json_path, "--json");
-  train::check_output_path(html_path, "--html");
+  io::check_output_path(json_path, "--json");
+  io::check_output_path(html_path, "--html");
   std::vector<train::StepMemory> runs;
   for (const std::string& p : precisions) {
     train::TrainConfig rc = c;
@@ -414,8 +414,8 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
               : std::string())
       << (c.recompute ? ", recomputation" : "") << "\n"
       << train::memory_text(runs);
-  if (!json_path.empty()) train::write_file_atomic(json_path, train::memory_json(c, runs));
-  if (!html_path.empty()) train::write_file_atomic(html_path, train::memory_html(c, runs));
+  if (!json_path.empty()) io::write_file_atomic(json_path, train::memory_json(c, runs));
+  if (!html_path.empty()) io::write_file_atomic(html_path, train::memory_html(c, runs));
   for (const train::StepMemory& r : runs)
     if (!r.fits) return kExitOutOfMemory;
   return kExitOk;

@@ -16,6 +16,7 @@
 #include "mantissa/data/datasets.h"
 #include "mantissa/data/loader.h"
 #include "mantissa/data/source.h"
+#include "mantissa/io/output_file.h"
 #include "mantissa/io/safetensors.h"
 #include "mantissa/nn/init.h"
 #include "mantissa/nn/layers.h"

@@ -2,14 +2,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include <unistd.h>
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 
 #include "mantissa/core/error.h"
+#include "mantissa/io/output_file.h"
 
 namespace mantissa::io {
 
@@ -145,33 +144,16 @@ void save_safetensors(const std::string& path,
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // align the data to 8 bytes, as the reference writer does
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out)
-      throw Error("cannot write '" + tmp + "'", "check that the directory exists and is writable");
+  write_file_atomic(path, [&](std::ostream& out) {
     unsigned char len_bytes[8];
-    uint64_t len = h.size();
+    const uint64_t len = h.size();
     for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
     out.write(reinterpret_cast<const char*>(len_bytes), 8);
     out.write(h.data(), static_cast<std::streamsize>(h.size()));
     for (const Tensor& t : contiguous)
       if (t.nbytes())
         out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      throw Error("failed while writing '" + tmp + "' (disk full?)",
-                  "free disk space and try again");
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::remove(tmp.c_str());
-    throw Error("cannot rename '" + tmp + "' to '" + path + "': " + ec.message(),
-                "check the destination's permissions");
-  }
+  });
 }
 
 }  // namespace mantissa::io

@@ -6,8 +6,6 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <sstream>
@@ -15,6 +13,7 @@
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
 #include "mantissa/core/parallel.h"
+#include "mantissa/io/output_file.h"
 #include "mantissa/io/safetensors.h"
 
 namespace mantissa::train {
@@ -222,23 +221,6 @@ class ProgressBar {
 
 }  // namespace
 
-void check_output_path(const std::string& path, const char* flag) {
-  if (path.empty()) return;
-  namespace fs = std::filesystem;
-  const fs::path p(path);
-  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  std::error_code ec;
-  MANTISSA_CHECK(fs::is_directory(dir, ec),
-                 std::string(flag) + " " + path + ": directory " + dir.string() + " does not exist",
-                 "create the directory first, or choose another path");
-  MANTISSA_CHECK(
-      ::access(dir.c_str(), W_OK) == 0,
-      std::string(flag) + " " + path + ": directory " + dir.string() + " is not writable",
-      "choose a directory you can write to");
-  MANTISSA_CHECK(!fs::is_directory(p, ec), std::string(flag) + " " + path + " is a directory",
-                 "give a file name");
-}
-
 namespace {
 
 volatile std::sig_atomic_t g_stop = 0;
@@ -297,9 +279,9 @@ void validate(const TrainConfig& c) {
       "e.g. --device-iterations 4 --output-mode every --output-return-period 2");
   MANTISSA_CHECK(c.workers >= 1 && c.workers <= 64, "--workers must lie in [1, 64]", "");
   MANTISSA_CHECK(c.prefetch >= 0 && c.prefetch <= 64, "--prefetch must lie in [0, 64]", "");
-  check_output_path(c.save, "--save");
-  check_output_path(c.metrics_json, "--metrics-json");
-  check_output_path(c.numerics_report, "--numerics-report");
+  io::check_output_path(c.save, "--save");
+  io::check_output_path(c.metrics_json, "--metrics-json");
+  io::check_output_path(c.numerics_report, "--numerics-report");
   MANTISSA_CHECK(c.numerics_every >= 1, "--numerics-every must be at least 1", "");
   MANTISSA_CHECK(c.init_from.empty() || c.resume.empty(),
                  "--init-from and --resume cannot be used together",
@@ -821,15 +803,15 @@ TrainResult Trainer::run() {
                   << std::endl;
   if (streams_.out && config_.profile) *streams_.out << profile_table(r);
   if (!config_.metrics_json.empty())
-    write_file_atomic(config_.metrics_json, metrics_json(config_, r));
+    io::write_file_atomic(config_.metrics_json, metrics_json(config_, r));
   if (numerics_) {
     const std::string& path = config_.numerics_report;
     const std::string html = (path.size() > 5 && path.compare(path.size() - 5, 5, ".json") == 0
                                   ? path.substr(0, path.size() - 5)
                                   : path) +
                              ".html";
-    write_file_atomic(path, numerics_->json());
-    write_file_atomic(html, numerics_->html(config_.model + ", " + mode_.name + ", batch " +
+    io::write_file_atomic(path, numerics_->json());
+    io::write_file_atomic(html, numerics_->html(config_.model + ", " + mode_.name + ", batch " +
                                             std::to_string(config_.batch_size)));
     if (streams_.out)
       *streams_.out << "numerics report: " << path << " and " << html << " (" << numerics_->steps()
@@ -1001,33 +983,6 @@ std::string metrics_json(const TrainConfig& c, const TrainResult& r) {
     j["loss_scale"] = nullptr;
   }
   return j.dump(2) + "\n";
-}
-
-void write_file_atomic(const std::string& path, const std::string& text) {
-  namespace fs = std::filesystem;
-  const fs::path target(path);
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::error_code ec;
-  MANTISSA_CHECK(fs::is_directory(dir, ec),
-                 "cannot write " + path + ": directory " + dir.string() + " does not exist",
-                 "create the directory first, or choose another path");
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    MANTISSA_CHECK(f.good(), "cannot write " + tmp, "check that the directory is writable");
-    f << text;
-    f.flush();
-    if (!f.good()) {
-      f.close();
-      fs::remove(tmp, ec);
-      throw Error("writing " + tmp + " failed (disk full?)", "free some space and run again");
-    }
-  }
-  fs::rename(tmp, target, ec);
-  if (ec) {
-    fs::remove(tmp, ec);
-    throw Error("cannot rename " + tmp + " to " + path, "check that the directory is writable");
-  }
 }
 
 EvalResult evaluate_checkpoint(const std::string& path, const std::string& dataset_in,

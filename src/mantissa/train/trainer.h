@@ -284,13 +284,6 @@ class Trainer {
 
 // The metrics file's JSON text.
 std::string metrics_json(const TrainConfig& c, const TrainResult& r);
-// Checks that `path` can be written (its directory exists and is writable, it is not a
-// directory), naming `flag` in the error: output files are checked before any work starts, so a
-// run does not end in a write error. An empty path passes.
-void check_output_path(const std::string& path, const char* flag);
-// Writes a file atomically: a temporary file in the same directory, then a rename.
-void write_file_atomic(const std::string& path, const std::string& text);
-
 // Evaluates a checkpoint (the model is rebuilt from its metadata) on a dataset's test split.
 struct EvalResult {
   double accuracy = 0;
