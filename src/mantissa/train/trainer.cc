@@ -812,7 +812,7 @@ TrainResult Trainer::run() {
                              ".html";
     io::write_file_atomic(path, numerics_->json());
     io::write_file_atomic(html, numerics_->html(config_.model + ", " + mode_.name + ", batch " +
-                                            std::to_string(config_.batch_size)));
+                                                std::to_string(config_.batch_size)));
     if (streams_.out)
       *streams_.out << "numerics report: " << path << " and " << html << " (" << numerics_->steps()
                     << " steps); suggested loss scale "
