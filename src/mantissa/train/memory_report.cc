@@ -278,12 +278,13 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
   size_t top = 1;
   for (const StepMemory& r : runs) top = std::max(top, r.peak_total);
   if (runs[0].budget) top = std::max(top, *runs[0].budget);
-  const double W = 640, bar_x = 110;
+  // Room right of the bars for "2.65 MiB (does not fit)", above them for the budget's label.
+  const double W = 640, bar_x = 110, top_y = 20;
   h << "<h2>At the peak, by category</h2>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
-    << bar_x + W + 120 << "\" height=\"" << 40 * runs.size() + 20 << "\">\n";
+    << bar_x + W + 200 << "\" height=\"" << 40 * runs.size() + top_y + 10 << "\">\n";
   for (size_t i = 0; i < runs.size(); ++i) {
     const StepMemory& r = runs[i];
-    const double y = 10 + 40.0 * static_cast<double>(i);
+    const double y = top_y + 40.0 * static_cast<double>(i);
     h << "<text x=\"0\" y=\"" << y + 18 << "\">" << html_escape(r.precision) << "</text>\n";
     double x = bar_x;
     for (MemoryCategory cat : kAllMemoryCategories) {
@@ -300,9 +301,10 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
   }
   if (runs[0].budget) {
     const double bx = bar_x + W * static_cast<double>(*runs[0].budget) / static_cast<double>(top);
-    h << "<line x1=\"" << bx << "\" x2=\"" << bx << "\" y1=\"0\" y2=\"" << 40 * runs.size() + 10
+    h << "<line x1=\"" << bx << "\" x2=\"" << bx << "\" y1=\"4\" y2=\"" << 40 * runs.size() + top_y
       << "\" stroke=\"#c00\" stroke-dasharray=\"4 3\"/><text x=\"" << bx + 3
-      << "\" y=\"10\" fill=\"#c00\">budget " << format_bytes(*runs[0].budget) << "</text>\n";
+      << "\" y=\"15\" font-size=\"12\" fill=\"#c00\">budget " << format_bytes(*runs[0].budget)
+      << "</text>\n";
   }
   h << "</svg>\n";
 
@@ -319,15 +321,24 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
     h << "<h3>" << html_escape(r.precision) << " (" << r.events
       << " allocations and frees)</h3>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
       << L + CW + 20 << "\" height=\"" << T + CH + 40 << "\">\n";
-    // Phase bands.
+    // Phase bands, each named on hover; a label that would overlap the previous one or run past
+    // the chart (a short phase) is left out; 7 px a character is more than the 11 px font needs.
     size_t start = 0;
+    double free_from = 0;
     for (size_t i = 1; i <= r.timeline.size(); ++i) {
       if (i < r.timeline.size() && r.timeline[i].phase == r.timeline[start].phase) continue;
       const double x0 = X(r.timeline[start].event), x1 = X(r.timeline[i - 1].event);
+      const std::string phase = html_escape(r.timeline[start].phase);
       h << "<rect x=\"" << x0 << "\" y=\"" << T << "\" width=\"" << std::max(0.5, x1 - x0)
         << "\" height=\"" << CH << "\" fill=\"" << ((start / 1) % 2 ? "#f4f4f4" : "#fafafa")
-        << "\"/><text x=\"" << x0 + 2 << "\" y=\"" << T + CH + 30 << "\" font-size=\"11\">"
-        << html_escape(r.timeline[start].phase) << "</text>\n";
+        << "\"><title>" << phase << "</title></rect>";
+      const double label_end = x0 + 2 + 7.0 * static_cast<double>(r.timeline[start].phase.size());
+      if (x0 + 2 >= free_from && label_end <= L + CW + 20) {
+        h << "<text x=\"" << x0 + 2 << "\" y=\"" << T + CH + 30 << "\" font-size=\"11\">" << phase
+          << "</text>";
+        free_from = label_end + 4;
+      }
+      h << "\n";
       start = i;
     }
     // Areas, bottom category first.
