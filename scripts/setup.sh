@@ -6,13 +6,16 @@
 #   bash scripts/setup.sh            # build + test dependencies
 #   bash scripts/setup.sh --bench    # also the libraries benchmarks compare with (OpenBLAS, BLIS)
 #                                    # and Debian's PyTorch (regenerates tests/golden)
+#   bash scripts/setup.sh --browser  # also Chromium, which the tests render the HTML reports in
+#                                    # (with DejaVu fonts, whose metrics the label checks assume)
 set -euo pipefail
 
 packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist)
 for arg in "$@"; do
   case "$arg" in
     --bench) packages+=(libopenblas0-pthread libblis4-pthread python3-torch) ;;
-    *) echo "setup: unknown option '$arg' (use --bench or nothing)" >&2; exit 2 ;;
+    --browser) packages+=(chromium fonts-dejavu-core) ;;
+    *) echo "setup: unknown option '$arg' (use --bench, --browser or nothing)" >&2; exit 2 ;;
   esac
 done
 
