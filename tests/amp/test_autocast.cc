@@ -1,6 +1,6 @@
-// Automatic casting: the policy and its lists, the dtype each category gives, the cast cache, the
-// scope that disables casting, the decision log, gradients reaching FP32 weights, per-module
-// precision, stochastic op outputs and the default partials.
+// Automatic casting: the policy and its lists, the dtype each category gives, op-list files
+// reaching every op, the cast cache, the scope that disables casting, the decision log, gradients
+// reaching FP32 weights, per-module precision, stochastic op outputs and the default partials.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -104,6 +104,55 @@ TEST(Autocast, EachCategoryGivesItsType) {
   AutocastScope bf(DType::bf16, policy);
   EXPECT_EQ(linear(x, w).dtype(), DType::bf16);
   EXPECT_NE(error_of([&] { AutocastScope s(DType::f32, policy); }), "");
+}
+
+// The op lists reach every op, through files as the command line reads them: cat on the FP32
+// list writes FP32; reshape, flatten and transpose follow their input as views by default and copy
+// into FP32 on the FP32 list; the losses run in FP32 by default, write the 16-bit type on the
+// lower-precision list and follow their input when a replaced FP32 list leaves them out.
+TEST(Autocast, OpListFilesReachEveryOp) {
+  const Tensor h = Tensor::from_floats({1, 2, 3, 4, 5, 6}, {2, 3}, DType::f16);
+  const Tensor labels = Tensor::from_floats({0, 2}, {2}).to(DType::i64);
+  auto layout = [&] {
+    return std::vector<Tensor>{reshape(h, {3, 2}), flatten(h, 0), transpose(h, 0, 1)};
+  };
+  {
+    AutocastPolicy defaults;
+    AutocastScope scope(DType::bf16, defaults);
+    EXPECT_EQ(cat({h, h}, 0).dtype(), DType::f16);
+    for (const Tensor& y : layout()) {
+      EXPECT_EQ(y.dtype(), DType::f16);
+      EXPECT_EQ(y.data_ptr(), h.data_ptr());  // a view
+    }
+    EXPECT_EQ(nll_loss(h, labels).dtype(), DType::f32);
+    EXPECT_EQ(cross_entropy(h, labels).dtype(), DType::f32);
+  }
+  testing::TempDir dir;
+  const std::string fp32 = dir.file("fp32.txt"), lower = dir.file("lower.txt");
+  std::ofstream(fp32) << "cat\nreshape\nflatten\ntranspose\nnll_loss\n";
+  std::ofstream(lower) << "linear\ncross_entropy\n";
+  AutocastPolicy policy;
+  policy.replace_lists(read_op_list(lower), read_op_list(fp32));
+  const float ce_bf16 = static_cast<float>(cast(cross_entropy(h, labels), DType::bf16).item());
+  {
+    AutocastScope scope(DType::bf16, policy);
+    const Tensor c = cat({h, h}, 0);
+    EXPECT_EQ(c.dtype(), DType::f32);
+    EXPECT_EQ(c.to_float_vector(), cat({h, h}, 0, {DType::f32}).to_float_vector());
+    for (const Tensor& y : layout()) {
+      EXPECT_EQ(y.dtype(), DType::f32);
+      EXPECT_NE(y.data_ptr(), h.data_ptr());  // a copy
+    }
+    EXPECT_EQ(nll_loss(h, labels).dtype(), DType::f32);
+    const Tensor ce = cross_entropy(h, labels);  // h is exact in bf16
+    EXPECT_EQ(ce.dtype(), DType::bf16);
+    EXPECT_EQ(static_cast<float>(ce.item()), ce_bf16);
+  }
+  AutocastPolicy softmax_only;
+  softmax_only.replace_lists(std::nullopt, std::vector<std::string>{"softmax"});
+  AutocastScope scope(DType::bf16, softmax_only);
+  EXPECT_EQ(nll_loss(h, labels).dtype(), DType::f16);
+  EXPECT_EQ(cross_entropy(h, labels).dtype(), DType::f16);
 }
 
 TEST(Autocast, LowerPrecisionOpsRoundTheirInputsLikeACast) {

@@ -24,7 +24,7 @@ namespace {
 
 using reference::Array;
 
-enum class Values { kNormal, kPositive, kAwayFromZero, kDistinct, kTarget };
+enum class Values { kNormal, kPositive, kAwayFromZero, kDistinct, kTarget, kBytes };
 
 struct Input {
   Shape shape;
@@ -69,6 +69,11 @@ std::vector<float> make_values(const Input& in, uint32_t seed) {
       std::shuffle(v.begin(), v.end(), gen);
       break;
     }
+    case Values::kBytes: {  // u8 images
+      std::uniform_int_distribution<int> byte(0, 255);
+      for (float& x : v) x = static_cast<float>(byte(gen));
+      break;
+    }
     case Values::kTarget: {
       std::uniform_int_distribution<int64_t> cls(0, in.classes - 1);
       for (float& x : v) x = static_cast<float>(cls(gen));
@@ -96,14 +101,16 @@ void run_case(const OpCase& c) {
     for (DType out_t : types) {
       if (!c.choose_output && out_t != DType::f32) continue;
       SCOPED_TRACE(c.name + " in " + dname(in_t) + " out " + dname(out_t));
-      // Inputs stored in in_t (labels in i64); the reference sees exactly the stored values.
+      // Inputs stored in in_t (labels in i64, images in u8); the reference sees exactly the
+      // stored values.
       std::vector<Tensor> xs;
       std::vector<Array> rx;
       for (size_t i = 0; i < c.inputs.size(); ++i) {
         const Input& in = c.inputs[i];
         const std::vector<float> v = make_values(in, static_cast<uint32_t>(17 + 31 * i));
-        Tensor t = in.values == Values::kTarget ? Tensor::from_floats(v, in.shape).to(DType::i64)
-                                                : Tensor::from_floats(v, in.shape, in_t);
+        Tensor t = in.values == Values::kTarget  ? Tensor::from_floats(v, in.shape).to(DType::i64)
+                   : in.values == Values::kBytes ? Tensor::from_floats(v, in.shape).to(DType::u8)
+                                                 : Tensor::from_floats(v, in.shape, in_t);
         if (in.differentiable) t.set_requires_grad(true);
         rx.push_back(reference::from_tensor(t));
         xs.push_back(t);
@@ -120,6 +127,9 @@ void run_case(const OpCase& c) {
                    values_of(y), yr.v, fwd_rtol, 1e-6 * std::sqrt(c.reduce_len));
       // Gradients: of L = sum(y * R), once per input dtype (output in the same dtype).
       if (out_t != (c.choose_output ? in_t : DType::f32)) continue;
+      bool differentiable = false;
+      for (const Input& in : c.inputs) differentiable = differentiable || in.differentiable;
+      if (!differentiable) continue;
       std::vector<float> r(static_cast<size_t>(y.numel()));
       std::mt19937 gen(99);
       std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -354,27 +364,24 @@ std::vector<OpCase> all_cases() {
   cs.push_back({"reshape",
                 {{{2, 3, 4}}},
                 [](auto& x, auto& o) {
-                  return ops::cast(ops::reshape(x[0], {4, 6}), o.out.value_or(x[0].dtype()));
+                  return ops::reshape(x[0], {4, 6}, o);
                 },
                 [](auto& r) {
                   Array a = r[0];
                   a.shape = {4, 6};
                   return a;
                 }});
-  cs.push_back(
-      {"flatten",
-       {{{2, 3, 4, 5}}},
-       [](auto& x, auto& o) { return ops::cast(ops::flatten(x[0]), o.out.value_or(x[0].dtype())); },
-       [](auto& r) {
-         Array a = r[0];
-         a.shape = {2, 60};
-         return a;
-       }});
+  cs.push_back({"flatten",
+                {{{2, 3, 4, 5}}},
+                [](auto& x, auto& o) { return ops::flatten(x[0], 1, -1, o); },
+                [](auto& r) {
+                  Array a = r[0];
+                  a.shape = {2, 60};
+                  return a;
+                }});
   cs.push_back({"transpose",
                 {{{2, 3, 4}}},
-                [](auto& x, auto& o) {
-                  return ops::cast(ops::transpose(x[0], 0, 2), o.out.value_or(x[0].dtype()));
-                },
+                [](auto& x, auto& o) { return ops::transpose(x[0], 0, 2, o); },
                 [](auto& r) { return reference::transpose(r[0], 0, 2); }});
   cs.push_back({"cat",
                 {{{2, 3}}, {{2, 4}}, {{2, 1}}},
@@ -445,6 +452,23 @@ std::vector<OpCase> all_cases() {
                 {{{4, 5}}},
                 [](auto& x, auto& o) { return ops::cast(x[0], o.out.value_or(DType::f32)); },
                 [](auto& r) { return r[0]; }});
+
+  // ---- input ----
+  cs.push_back({"normalize_input",
+                {{{2, 3, 2, 3}, Values::kBytes, false}},
+                [](auto& x, auto& o) {
+                  return ops::normalize_input(x[0], {0.5f, 0.25f, 0.75f}, {0.5f, 2.0f, 0.25f},
+                                              o.out.value_or(DType::f32));
+                },
+                [](auto& r) {
+                  const double mean[] = {0.5, 0.25, 0.75}, std[] = {0.5, 2.0, 0.25};
+                  Array a = r[0];
+                  for (size_t i = 0; i < a.v.size(); ++i) {
+                    const size_t c = i / 6 % 3;  // 6 pixels a plane
+                    a.v[i] = (a.v[i] / 255 - mean[c]) / std[c];
+                  }
+                  return a;
+                }});
   return cs;
 }
 

@@ -73,7 +73,7 @@ class ProfileTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
-// Multiply-adds of the matrix ops (conv2d, linear, matmul forwards), counted for the calling
+// Multiply-adds of the matrix ops' forwards (kMatrix in ops/op_table.h), counted for the calling
 // thread while a MacCounter is active: the model cost that training speed is compared with (a
 // trained image costs about 3x its forward's multiply-adds, 2 FLOPs each). Counters nest; each op
 // adds to the innermost one only. Costs one thread-local read when none is active.

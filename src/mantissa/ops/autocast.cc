@@ -266,10 +266,11 @@ Tensor cached_cast(const Tensor& t, DType to) {
 
 }  // namespace
 
-OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor*> inputs) {
+OpCall::OpCall(OpId op, const OpOptions& opt, std::span<const Tensor* const> inputs) {
   const bool anomaly = autograd::detect_anomaly();
   if (ctx.in_op || !(ctx.autocast || ctx.stochastic || anomaly)) return;
-  const AutocastCategory cat = ctx.autocast ? ctx.policy->category(op) : op_info(op).category;
+  const OpInfo& info = op_info(op);
+  const AutocastCategory cat = ctx.autocast ? ctx.policy->category(op) : info.category;
   if (cat == AutocastCategory::kNever && !anomaly) return;
   active_ = true;
   ctx.in_op = true;
@@ -287,7 +288,7 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor
     widest = widest ? promote_types(*widest, t->dtype()) : t->dtype();
   }
   if (!first || cat == AutocastCategory::kNever) return;  // nothing to decide
-  // The type the op runs in under autocast (what it does without: follow or promote).
+  // The type the op runs in under autocast (without: default_output_type).
   std::optional<DType> target;
   if (ctx.autocast && !opt.out) {
     switch (cat) {
@@ -306,6 +307,8 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor
         target = widest;
         break;
       case AutocastCategory::kFollowInput:
+        target = first;
+        break;
       case AutocastCategory::kNever:
         break;
     }
@@ -314,21 +317,18 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor
       // Logged when an input changes type: the first that does (inputs_ may already be cast).
       for (const Tensor* t : inputs) {
         if (!t || !t->defined() || !is_compute_float(t->dtype()) || t->dtype() == *target) continue;
-        ctx.log->record(
-            {std::string(op_info(op).name), current_module_path(), t->dtype(), *target, cat});
+        ctx.log->record({std::string(info.name), current_module_path(), t->dtype(), *target, cat});
         break;
       }
     }
   }
-  // Stochastic outputs: compute in FP32, round the result once, stochastically.
-  if (ctx.stochastic) {
-    const DType out =
-        opt_->out.value_or(op == OpId::linear || op == OpId::matmul || op == OpId::conv2d ||
-                                   cat == AutocastCategory::kPromote
-                               ? *widest
-                               : *first);
-    if (is_16bit_float(out)) {
-      round_to_ = out;
+  // Stochastic outputs: compute in FP32, round the result once, stochastically. An op that only
+  // moves values has nothing to round.
+  if (ctx.stochastic && info.kind != OpKind::kMove) {
+    const std::optional<DType> out =
+        opt_->out ? opt_->out : default_output_type(info.kind, *first, *widest);
+    if (out && is_16bit_float(*out)) {
+      round_to_ = *out;
       opt_->out = DType::f32;
     }
   }

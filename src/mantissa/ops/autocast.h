@@ -4,7 +4,8 @@
 //                    cast cache: one 16-bit copy per weight per scope), the output is 16-bit;
 //   FP32:            the output is FP32 (kernels read 16-bit inputs exactly, so no input copy);
 //   promote:         the output has the widest input type;
-//   follow input:    the output has the first input's type (also what an op does without autocast).
+//   follow input:    the output has the first input's type.
+// Without autocast an op writes the type its kind gives (op_table.h's default_output_type).
 // AutocastDisabled turns casting off for a region (the optimizer step, gradient clipping, a module
 // kept in FP32). Every decision that changes a dtype can be logged once per (op, module path,
 // from -> to). The op context also carries the module path of the running op (set by
@@ -19,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -117,7 +119,8 @@ DType autocast_dtype();
 using mantissa::current_module_path;
 using mantissa::ModulePathScope;
 
-// Default accumulation type of linear, matmul and conv2d when OpOptions::partials is not given.
+// Default accumulation type of the matrix ops (OpKind::kMatrix) when OpOptions::partials is not
+// given.
 kernels::Partials default_partials();
 class PartialsScope {
  public:
@@ -179,12 +182,15 @@ namespace detail {
 // op is called from inside another op's call.
 class OpCall {
  public:
-  OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor*> inputs);
+  OpCall(OpId op, const OpOptions& opt, std::initializer_list<const Tensor*> inputs)
+      : OpCall(op, opt, std::span<const Tensor* const>(inputs.begin(), inputs.size())) {}
+  OpCall(OpId op, const OpOptions& opt, std::span<const Tensor* const> inputs);  // cat's list
   ~OpCall();
   OpCall(const OpCall&) = delete;
   OpCall& operator=(const OpCall&) = delete;
   bool active() const { return active_; }
   const Tensor& in(size_t i) const { return inputs_[i]; }
+  const std::vector<Tensor>& inputs() const { return inputs_; }
   const OpOptions& options() const;
   // The op's result: rounded stochastically to the intended 16-bit type when that is on.
   Tensor finish(Tensor y);

@@ -35,31 +35,48 @@ std::string_view autocast_category_name(AutocastCategory c) {
   return "?";
 }
 
+std::string_view op_kind_name(OpKind k) {
+  switch (k) {
+    case OpKind::kMatrix:
+      return "matrix";
+    case OpKind::kBinary:
+      return "binary";
+    case OpKind::kCompute:
+      return "compute";
+    case OpKind::kMove:
+      return "move";
+    case OpKind::kLoss:
+      return "loss";
+    case OpKind::kConvert:
+      return "convert";
+  }
+  return "?";
+}
+
 namespace {
 
 using autograd::Node;
 using kernels::BinaryOp;
 using kernels::UnaryOp;
 
-// A node whose backward is a closure over exactly the tensors it needs.
+// A node whose backward is a closure over exactly the tensors it needs, named after its op.
 class FnNode : public Node {
  public:
   using Fn = std::function<std::vector<Tensor>(const Tensor& grad, const FnNode& self)>;
-  FnNode(const char* name, Fn fn) : name_(name), fn_(std::move(fn)) {}
-  const char* name() const override { return name_; }
+  FnNode(OpId op, Fn fn) : op_(op), fn_(std::move(fn)) {}
+  const char* name() const override { return op_info(op_).name.data(); }
   std::vector<Tensor> backward(const Tensor& grad) override { return fn_(grad, *this); }
   DType input_dtype(size_t i) const { return inputs()[i].dtype; }
 
  private:
-  const char* name_;
+  OpId op_;
   Fn fn_;
 };
 
 // Records `fn` as the backward of `out` when an input needs a gradient.
-Tensor recorded(Tensor out, const char* name, std::initializer_list<const Tensor*> inputs,
-                FnNode::Fn fn) {
+Tensor recorded(Tensor out, OpId op, std::initializer_list<const Tensor*> inputs, FnNode::Fn fn) {
   if (autograd::needs_grad(inputs))
-    autograd::record(out, std::make_shared<FnNode>(name, std::move(fn)), inputs);
+    autograd::record(out, std::make_shared<FnNode>(op, std::move(fn)), inputs);
   return out;
 }
 
@@ -68,12 +85,11 @@ Partials partials_of(const OpOptions& opt) { return opt.partials.value_or(defaul
 
 // ReLU, sigmoid and tanh differentiate from their output, GELU from its input: the node keeps
 // only that one tensor.
-Tensor unary_op(const char* name, UnaryOp op, const Tensor& x, const OpOptions& opt,
-                bool backward_from_y) {
+Tensor unary_op(OpId id, UnaryOp op, const Tensor& x, const OpOptions& opt, bool backward_from_y) {
   Tensor y = kernels::unary(op, x.detach(), out_or(opt, x.dtype()));
   const Tensor saved = backward_from_y ? y.detach() : x.detach();
   return recorded(
-      y, name, {&x},
+      y, id, {&x},
       [op, saved, backward_from_y](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         return {backward_from_y
                     ? kernels::unary_backward(op, g, Tensor(), saved, n.input_dtype(0))
@@ -86,8 +102,7 @@ Tensor reduce_grad(const Tensor& g, const Shape& shape, DType dtype) {
   return kernels::sum_to_shape(g, shape, dtype, MemoryCategory::gradients);
 }
 
-Tensor binary_op(const char* name, BinaryOp op, const Tensor& a, const Tensor& b,
-                 const OpOptions& opt) {
+Tensor binary_op(OpId id, BinaryOp op, const Tensor& a, const Tensor& b, const OpOptions& opt) {
   const Tensor ad = a.detach(), bd = b.detach();
   Tensor y = kernels::binary(op, ad, bd, out_or(opt, promote_types(a.dtype(), b.dtype())));
   // add/sub need no saved tensors; mul and div keep their operands.
@@ -95,7 +110,7 @@ Tensor binary_op(const char* name, BinaryOp op, const Tensor& a, const Tensor& b
   const Tensor sa = keep ? ad : Tensor(), sb = keep ? bd : Tensor();
   const Shape as = a.shape(), bs = b.shape();
   return recorded(
-      y, name, {&a, &b},
+      y, id, {&a, &b},
       [op, sa, sb, as, bs](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(2);
         const DType ta = n.input_dtype(0), tb = n.input_dtype(1);
@@ -151,6 +166,26 @@ Tensor expand_grad(const Tensor& g, const Shape& in_shape, const std::vector<int
                                 MemoryCategory::gradients);
 }
 
+// A view of x (no copy), or a copy when another output type is asked for; the gradient goes back
+// reshaped by `undo` and cast to the input's type.
+Tensor layout_op(OpId op, const Tensor& x, Tensor view, const OpOptions& opt,
+                 std::function<Tensor(const Tensor&)> undo) {
+  Tensor y = opt.out && *opt.out != view.dtype() ? kernels::cast(view, *opt.out) : view;
+  return recorded(
+      y, op, {&x},
+      [undo = std::move(undo)](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        const Tensor gx = undo(g);
+        return {gx.dtype() == n.input_dtype(0)
+                    ? gx
+                    : kernels::cast(gx, n.input_dtype(0), {}, MemoryCategory::gradients)};
+      });
+}
+
+// The kernels compute the loss in FP32; another output type (automatic casting) rounds it once.
+Tensor loss_output(Tensor y, const OpOptions& opt) {
+  return opt.out && *opt.out != y.dtype() ? kernels::cast(y, *opt.out) : y;
+}
+
 }  // namespace
 
 // ---- Matrix ops ----
@@ -164,7 +199,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
   count_macs(y.numel() * wd.size(1));
   const Partials p = partials_of(opt);
   return recorded(
-      y, "linear", {&x, &w, &b},
+      y, OpId::linear, {&x, &w, &b},
       [xd, wd, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(3);
         const int64_t in = wd.size(1), outf = wd.size(0),
@@ -201,7 +236,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, const OpOptions& opt) {
   count_macs(y.numel() * ad.size(-1));
   const Partials p = partials_of(opt);
   return recorded(
-      y, "matmul", {&a, &b}, [ad, bd, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+      y, OpId::matmul, {&a, &b},
+      [ad, bd, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(2);
         if (n.needs_input_grad(0))  // da = g b^T
           out[0] = kernels::matmul(g, bd.transpose(-1, -2), n.input_dtype(0), p,
@@ -231,7 +267,7 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dPar
   count_macs(y.numel() * wd.size(1) * wd.size(2) * wd.size(3));  // per output: C/groups x KH x KW
   const Partials p = partials_of(opt);
   return recorded(
-      y, "conv2d", {&x, &w, &b},
+      y, OpId::conv2d, {&x, &w, &b},
       [xd, wd, prm, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(3);
         if (n.needs_input_grad(0))
@@ -251,7 +287,7 @@ Tensor max_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt) 
   if (call.active()) return call.finish(max_pool2d(call.in(0), p, call.options()));
   auto [y, idx] = kernels::max_pool2d(x.detach(), p, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
-  return recorded(y, "max_pool2d", {&x},
+  return recorded(y, OpId::max_pool2d, {&x},
                   [idx, xs](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
                     return {kernels::max_pool2d_backward(g, idx, xs, n.input_dtype(0))};
                   });
@@ -262,7 +298,7 @@ Tensor avg_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt) 
   if (call.active()) return call.finish(avg_pool2d(call.in(0), p, call.options()));
   Tensor y = kernels::avg_pool2d(x.detach(), p, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
-  return recorded(y, "avg_pool2d", {&x},
+  return recorded(y, OpId::avg_pool2d, {&x},
                   [xs, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
                     return {kernels::avg_pool2d_backward(g, xs, p, n.input_dtype(0))};
                   });
@@ -274,7 +310,7 @@ Tensor adaptive_avg_pool2d(const Tensor& x, int64_t out_h, int64_t out_w, const 
     return call.finish(adaptive_avg_pool2d(call.in(0), out_h, out_w, call.options()));
   Tensor y = kernels::adaptive_avg_pool2d(x.detach(), out_h, out_w, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
-  return recorded(y, "adaptive_avg_pool2d", {&x},
+  return recorded(y, OpId::adaptive_avg_pool2d, {&x},
                   [xs](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
                     return {kernels::adaptive_avg_pool2d_backward(g, xs, n.input_dtype(0))};
                   });
@@ -285,42 +321,42 @@ Tensor adaptive_avg_pool2d(const Tensor& x, int64_t out_h, int64_t out_w, const 
 Tensor relu(const Tensor& x, const OpOptions& opt) {
   detail::OpCall call(OpId::relu, opt, {&x});
   if (call.active()) return call.finish(relu(call.in(0), call.options()));
-  return unary_op("relu", UnaryOp::kRelu, x, opt, true);
+  return unary_op(OpId::relu, UnaryOp::kRelu, x, opt, true);
 }
 Tensor gelu(const Tensor& x, const OpOptions& opt) {
   detail::OpCall call(OpId::gelu, opt, {&x});
   if (call.active()) return call.finish(gelu(call.in(0), call.options()));
-  return unary_op("gelu", UnaryOp::kGelu, x, opt, false);
+  return unary_op(OpId::gelu, UnaryOp::kGelu, x, opt, false);
 }
 Tensor sigmoid(const Tensor& x, const OpOptions& opt) {
   detail::OpCall call(OpId::sigmoid, opt, {&x});
   if (call.active()) return call.finish(sigmoid(call.in(0), call.options()));
-  return unary_op("sigmoid", UnaryOp::kSigmoid, x, opt, true);
+  return unary_op(OpId::sigmoid, UnaryOp::kSigmoid, x, opt, true);
 }
 Tensor tanh(const Tensor& x, const OpOptions& opt) {
   detail::OpCall call(OpId::tanh, opt, {&x});
   if (call.active()) return call.finish(tanh(call.in(0), call.options()));
-  return unary_op("tanh", UnaryOp::kTanh, x, opt, true);
+  return unary_op(OpId::tanh, UnaryOp::kTanh, x, opt, true);
 }
 Tensor add(const Tensor& a, const Tensor& b, const OpOptions& opt) {
   detail::OpCall call(OpId::add, opt, {&a, &b});
   if (call.active()) return call.finish(add(call.in(0), call.in(1), call.options()));
-  return binary_op("add", BinaryOp::kAdd, a, b, opt);
+  return binary_op(OpId::add, BinaryOp::kAdd, a, b, opt);
 }
 Tensor sub(const Tensor& a, const Tensor& b, const OpOptions& opt) {
   detail::OpCall call(OpId::sub, opt, {&a, &b});
   if (call.active()) return call.finish(sub(call.in(0), call.in(1), call.options()));
-  return binary_op("sub", BinaryOp::kSub, a, b, opt);
+  return binary_op(OpId::sub, BinaryOp::kSub, a, b, opt);
 }
 Tensor mul(const Tensor& a, const Tensor& b, const OpOptions& opt) {
   detail::OpCall call(OpId::mul, opt, {&a, &b});
   if (call.active()) return call.finish(mul(call.in(0), call.in(1), call.options()));
-  return binary_op("mul", BinaryOp::kMul, a, b, opt);
+  return binary_op(OpId::mul, BinaryOp::kMul, a, b, opt);
 }
 Tensor div(const Tensor& a, const Tensor& b, const OpOptions& opt) {
   detail::OpCall call(OpId::div, opt, {&a, &b});
   if (call.active()) return call.finish(div(call.in(0), call.in(1), call.options()));
-  return binary_op("div", BinaryOp::kDiv, a, b, opt);
+  return binary_op(OpId::div, BinaryOp::kDiv, a, b, opt);
 }
 
 Tensor add_scalar(const Tensor& a, double s, const OpOptions& opt) {
@@ -328,7 +364,7 @@ Tensor add_scalar(const Tensor& a, double s, const OpOptions& opt) {
   if (call.active()) return call.finish(add_scalar(call.in(0), s, call.options()));
   Tensor y = kernels::binary_scalar(BinaryOp::kAdd, a.detach(), s, false, out_or(opt, a.dtype()));
   return recorded(
-      y, "add_scalar", {&a}, [](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+      y, OpId::add_scalar, {&a}, [](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         return {g.dtype() == n.input_dtype(0)
                     ? g
                     : kernels::cast(g, n.input_dtype(0), {}, MemoryCategory::gradients)};
@@ -339,7 +375,7 @@ Tensor mul_scalar(const Tensor& a, double s, const OpOptions& opt) {
   detail::OpCall call(OpId::mul_scalar, opt, {&a});
   if (call.active()) return call.finish(mul_scalar(call.in(0), s, call.options()));
   Tensor y = kernels::binary_scalar(BinaryOp::kMul, a.detach(), s, false, out_or(opt, a.dtype()));
-  return recorded(y, "mul_scalar", {&a},
+  return recorded(y, OpId::mul_scalar, {&a},
                   [s](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
                     return {kernels::binary_scalar(BinaryOp::kMul, g, s, false, n.input_dtype(0),
                                                    MemoryCategory::gradients)};
@@ -362,7 +398,7 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
                           running_var.defined() ? running_var.detach() : Tensor(), training,
                           momentum, eps, out_or(opt, x.dtype()));
   return recorded(
-      y, "batch_norm", {&x, &weight, &bias},
+      y, OpId::batch_norm, {&x, &weight, &bias},
       [xd, wd, mean = mean, rstd = rstd, training](const Tensor& g,
                                                    const FnNode& n) -> std::vector<Tensor> {
         auto [dx, dw, db] =
@@ -381,7 +417,7 @@ Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight, const T
   auto [y, mean, rstd] = kernels::group_norm(
       xd, groups, wd, bias.defined() ? bias.detach() : Tensor(), eps, out_or(opt, x.dtype()));
   return recorded(
-      y, "group_norm", {&x, &weight, &bias},
+      y, OpId::group_norm, {&x, &weight, &bias},
       [xd, wd, mean = mean, rstd = rstd, groups](const Tensor& g,
                                                  const FnNode& n) -> std::vector<Tensor> {
         auto [dx, dw, db] =
@@ -402,7 +438,7 @@ Tensor layer_norm(const Tensor& x, int64_t normalized_dims, const Tensor& weight
       kernels::layer_norm(xd, normalized_dims, wd, bias.defined() ? bias.detach() : Tensor(), eps,
                           out_or(opt, x.dtype()));
   return recorded(
-      y, "layer_norm", {&x, &weight, &bias},
+      y, OpId::layer_norm, {&x, &weight, &bias},
       [xd, wd, mean = mean, rstd = rstd, normalized_dims](const Tensor& g,
                                                           const FnNode& n) -> std::vector<Tensor> {
         auto [dx, dw, db] =
@@ -421,7 +457,7 @@ Tensor dropout(const Tensor& x, double p, bool training, uint64_t seed, uint64_t
   Tensor y = kernels::dropout(x.detach(), p, seed, stream, out_or(opt, x.dtype()));
   // The mask is recomputed from (seed, stream): nothing saved.
   return recorded(
-      y, "dropout", {&x},
+      y, OpId::dropout, {&x},
       [p, seed, stream](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         return {kernels::dropout(g, p, seed, stream, n.input_dtype(0), MemoryCategory::gradients)};
       });
@@ -429,32 +465,35 @@ Tensor dropout(const Tensor& x, double p, bool training, uint64_t seed, uint64_t
 
 // ---- Layout ----
 
-Tensor reshape(const Tensor& x, const Shape& shape) {
-  Tensor y = x.detach().reshape(shape);
+Tensor reshape(const Tensor& x, const Shape& shape, const OpOptions& opt) {
+  detail::OpCall call(OpId::reshape, opt, {&x});
+  if (call.active()) return call.finish(reshape(call.in(0), shape, call.options()));
   const Shape xs = x.shape();
-  return recorded(y, "reshape", {&x}, [xs](const Tensor& g, const FnNode&) -> std::vector<Tensor> {
-    return {g.reshape(xs)};
-  });
+  return layout_op(OpId::reshape, x, x.detach().reshape(shape), opt,
+                   [xs](const Tensor& g) { return g.reshape(xs); });
 }
 
-Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
-  Tensor y = x.detach().flatten(start_dim, end_dim);
+Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim, const OpOptions& opt) {
+  detail::OpCall call(OpId::flatten, opt, {&x});
+  if (call.active()) return call.finish(flatten(call.in(0), start_dim, end_dim, call.options()));
   const Shape xs = x.shape();
-  return recorded(y, "flatten", {&x}, [xs](const Tensor& g, const FnNode&) -> std::vector<Tensor> {
-    return {g.reshape(xs)};
-  });
+  return layout_op(OpId::flatten, x, x.detach().flatten(start_dim, end_dim), opt,
+                   [xs](const Tensor& g) { return g.reshape(xs); });
 }
 
-Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
-  Tensor y = x.detach().transpose(d0, d1);
-  return recorded(y, "transpose", {&x},
-                  [d0, d1](const Tensor& g, const FnNode&) -> std::vector<Tensor> {
-                    return {g.transpose(d0, d1)};
-                  });
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1, const OpOptions& opt) {
+  detail::OpCall call(OpId::transpose, opt, {&x});
+  if (call.active()) return call.finish(transpose(call.in(0), d0, d1, call.options()));
+  return layout_op(OpId::transpose, x, x.detach().transpose(d0, d1), opt,
+                   [d0, d1](const Tensor& g) { return g.transpose(d0, d1); });
 }
 
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim, const OpOptions& opt) {
   MANTISSA_CHECK(!xs.empty(), "cat: no tensors given", "pass at least one tensor");
+  std::vector<const Tensor*> ptrs;
+  for (const Tensor& x : xs) ptrs.push_back(&x);
+  detail::OpCall call(OpId::cat, opt, ptrs);
+  if (call.active()) return call.finish(cat(call.inputs(), dim, call.options()));
   DType t = xs[0].dtype();
   std::vector<Tensor> raw;
   for (const Tensor& x : xs) {
@@ -469,7 +508,7 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim, const OpOptions& opt) {
   std::vector<int64_t> sizes;
   for (const Tensor& x : xs) sizes.push_back(x.size(dim));
   auto node = std::make_shared<FnNode>(
-      "cat", [sizes, dim](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+      OpId::cat, [sizes, dim](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(sizes.size());
         int64_t at = 0;
         for (size_t i = 0; i < sizes.size(); ++i) {
@@ -480,8 +519,6 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim, const OpOptions& opt) {
         }
         return out;
       });
-  std::vector<const Tensor*> ptrs;
-  for (const Tensor& x : xs) ptrs.push_back(&x);
   autograd::record_many(y, node, ptrs);
   return y;
 }
@@ -493,7 +530,7 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, cons
   if (call.active()) return call.finish(sum(call.in(0), dims, keepdim, call.options()));
   Tensor y = kernels::sum(x.detach(), dims, keepdim, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
-  return recorded(y, "sum", {&x},
+  return recorded(y, OpId::sum, {&x},
                   [xs, dims, keepdim](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
                     return {expand_grad(g, xs, dims, keepdim, 1.0, n.input_dtype(0))};
                   });
@@ -513,7 +550,7 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, con
   Tensor y = kernels::binary_scalar(BinaryOp::kMul, s, scale, false, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
   return recorded(
-      y, "mean", {&x},
+      y, OpId::mean, {&x},
       [xs, dims, keepdim, scale](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         return {expand_grad(g, xs, dims, keepdim, scale, n.input_dtype(0))};
       });
@@ -524,7 +561,7 @@ Tensor softmax(const Tensor& x, int64_t dim, const OpOptions& opt) {
   if (call.active()) return call.finish(softmax(call.in(0), dim, call.options()));
   Tensor y = kernels::softmax(x.detach(), dim, false, out_or(opt, x.dtype()));
   const Tensor yd = y.detach();
-  return recorded(y, "softmax", {&x},
+  return recorded(y, OpId::softmax, {&x},
                   [yd, dim](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
                     return {kernels::softmax_backward(g, yd, dim, false, n.input_dtype(0))};
                   });
@@ -535,7 +572,7 @@ Tensor log_softmax(const Tensor& x, int64_t dim, const OpOptions& opt) {
   if (call.active()) return call.finish(log_softmax(call.in(0), dim, call.options()));
   Tensor y = kernels::softmax(x.detach(), dim, true, out_or(opt, x.dtype()));
   const Tensor yd = y.detach();
-  return recorded(y, "log_softmax", {&x},
+  return recorded(y, OpId::log_softmax, {&x},
                   [yd, dim](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
                     return {kernels::softmax_backward(g, yd, dim, true, n.input_dtype(0))};
                   });
@@ -543,20 +580,28 @@ Tensor log_softmax(const Tensor& x, int64_t dim, const OpOptions& opt) {
 
 // ---- Losses ----
 
-Tensor nll_loss(const Tensor& log_probs, const Tensor& target, int64_t ignore_index) {
+Tensor nll_loss(const Tensor& log_probs, const Tensor& target, int64_t ignore_index,
+                const OpOptions& opt) {
+  detail::OpCall call(OpId::nll_loss, opt, {&log_probs, &target});
+  if (call.active())
+    return call.finish(nll_loss(call.in(0), call.in(1), ignore_index, call.options()));
   const Tensor lp = log_probs.detach(), t = target.detach();
-  Tensor y = kernels::nll_loss(lp, t, ignore_index);
-  return recorded(y, "nll_loss", {&log_probs},
+  Tensor y = loss_output(kernels::nll_loss(lp, t, ignore_index), opt);
+  return recorded(y, OpId::nll_loss, {&log_probs},
                   [lp, t, ignore_index](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
                     return {kernels::nll_loss_backward(g, lp, t, ignore_index, n.input_dtype(0))};
                   });
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
-                     int64_t ignore_index) {
+                     int64_t ignore_index, const OpOptions& opt) {
+  detail::OpCall call(OpId::cross_entropy, opt, {&logits, &target});
+  if (call.active())
+    return call.finish(
+        cross_entropy(call.in(0), call.in(1), label_smoothing, ignore_index, call.options()));
   const Tensor x = logits.detach(), t = target.detach();
-  Tensor y = kernels::cross_entropy(x, t, label_smoothing, ignore_index);
-  return recorded(y, "cross_entropy", {&logits},
+  Tensor y = loss_output(kernels::cross_entropy(x, t, label_smoothing, ignore_index), opt);
+  return recorded(y, OpId::cross_entropy, {&logits},
                   [x, t, label_smoothing, ignore_index](const Tensor& g,
                                                         const FnNode& n) -> std::vector<Tensor> {
                     return {kernels::cross_entropy_backward(g, x, t, label_smoothing, ignore_index,
@@ -570,13 +615,15 @@ Tensor cast(const Tensor& x, DType dtype, const CastOptions& rounding) {
   detail::OpCall call(OpId::cast, {}, {&x});  // active only to check the output for anomalies
   if (call.active()) return call.finish(cast(call.in(0), dtype, rounding));
   Tensor y = kernels::cast(x.detach(), dtype, rounding);
-  return recorded(y, "cast", {&x}, [](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+  return recorded(y, OpId::cast, {&x}, [](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
     return {kernels::cast(g, n.input_dtype(0), {}, MemoryCategory::gradients)};
   });
 }
 
 Tensor normalize_input(const Tensor& x, const std::vector<float>& mean,
                        const std::vector<float>& std, DType out) {
+  detail::OpCall call(OpId::normalize_input, {}, {&x});  // as cast's
+  if (call.active()) return call.finish(normalize_input(call.in(0), mean, std, out));
   MANTISSA_CHECK(x.dtype() == DType::u8 && x.dim() == 4,
                  "normalize_input takes u8 images (N, C, H, W), not " +
                      std::string(dtype_name(x.dtype())) + " " + shape_str(x.shape()),

@@ -1,7 +1,9 @@
 // The differentiable ops: functions on tensors that record what backward needs when an input
-// requires grad (see autograd/autograd.h). Each accepts inputs stored in f32, f16 or bf16,
-// computes in FP32, and writes its output in OpOptions::out (default: the input's dtype, or the
-// promoted dtype of several inputs; losses: f32). Gradients come back in each input's dtype.
+// requires grad (see autograd/autograd.h). Each is declared in op_table.h (its name, autocast
+// category and kind) and consults that entry when called (detail::OpCall). Each accepts inputs
+// stored in f32, f16 or bf16, computes in FP32, and writes its output in OpOptions::out (default:
+// the type its kind gives, op_table.h's default_output_type: the input's dtype, or the promoted
+// dtype of several inputs; losses: f32). Gradients come back in each input's dtype.
 #pragma once
 
 #include <optional>
@@ -20,8 +22,8 @@ using kernels::Pool2dParams;
 
 struct OpOptions {
   std::optional<DType> out;  // output dtype
-  // Accumulation type of linear, matmul, conv2d; default: the op context's (FP32 unless a
-  // PartialsScope says otherwise, see autocast.h).
+  // Accumulation type of the matrix ops (linear, matmul, conv2d: OpKind::kMatrix); default: the
+  // op context's (FP32 unless a PartialsScope says otherwise, see autocast.h).
   std::optional<Partials> partials = std::nullopt;
 };
 
@@ -65,9 +67,11 @@ Tensor dropout(const Tensor& x, double p, bool training, uint64_t seed, uint64_t
                const OpOptions& opt = {});
 
 // ---- Layout ----
-Tensor reshape(const Tensor& x, const Shape& shape);
-Tensor flatten(const Tensor& x, int64_t start_dim = 1, int64_t end_dim = -1);
-Tensor transpose(const Tensor& x, int64_t d0, int64_t d1);
+// Views of x (no copy) unless OpOptions::out names another type, then a copy in it.
+Tensor reshape(const Tensor& x, const Shape& shape, const OpOptions& opt = {});
+Tensor flatten(const Tensor& x, int64_t start_dim = 1, int64_t end_dim = -1,
+               const OpOptions& opt = {});
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1, const OpOptions& opt = {});
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim, const OpOptions& opt = {});
 
 // ---- Reductions and probabilities ----
@@ -78,10 +82,12 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim
 Tensor softmax(const Tensor& x, int64_t dim, const OpOptions& opt = {});
 Tensor log_softmax(const Tensor& x, int64_t dim, const OpOptions& opt = {});
 
-// ---- Losses (one-element f32 results, mean over the batch) ----
-Tensor nll_loss(const Tensor& log_probs, const Tensor& target, int64_t ignore_index = -100);
+// ---- Losses (one-element results, mean over the batch; computed in FP32 and written in f32
+// unless OpOptions::out names another type) ----
+Tensor nll_loss(const Tensor& log_probs, const Tensor& target, int64_t ignore_index = -100,
+                const OpOptions& opt = {});
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing = 0.0,
-                     int64_t ignore_index = -100);
+                     int64_t ignore_index = -100, const OpOptions& opt = {});
 
 // ---- Cast ----
 // A copy in another dtype (stochastic rounding through `cast`); the gradient flows back cast to
@@ -91,7 +97,8 @@ Tensor cast(const Tensor& x, DType dtype, const CastOptions& rounding = {});
 // ---- Input ----
 // 8-bit I/O (the IPU guide's ModelWithNormalization): u8 images (N, C, H, W) -> (x / 255 -
 // mean[c]) / std[c] in `out` (f32, f16 or bf16), the loader's arithmetic (float, then one
-// rounding). One mean/std for all channels, or one per channel. Data, not differentiable.
+// rounding). One mean/std for all channels, or one per channel. Data, not differentiable; never
+// cast (the output type is its argument), but checked by anomaly detection.
 Tensor normalize_input(const Tensor& x, const std::vector<float>& mean,
                        const std::vector<float>& std, DType out);
 
