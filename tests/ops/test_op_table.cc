@@ -1,9 +1,11 @@
 // The op table (op_table.h) is the source of truth: every op goes through its entry, so its name,
 // its automatic-casting category (default or set by a policy), its kind (the type it writes by
-// default, partials, multiply-adds, stochastic outputs) and anomaly detection all reach it.
+// default, partials, multiply-adds, stochastic outputs) and anomaly detection all reach it; and
+// docs/mixed_precision.md's op tables say what the table says.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -326,6 +328,41 @@ TEST(OpTable, StochasticOutputsRoundWhatOpsCompute) {
     const std::vector<float> after = mul_scalar(p, 1.3).to_float_vector();
     const bool rounds = kind != OpKind::kMove && kind != OpKind::kLoss && kind != OpKind::kConvert;
     EXPECT_EQ(after, rounds ? stream1 : stream0) << name_of(id);
+  }
+}
+
+// docs/mixed_precision.md lists the ops of each category and of each kind in table order, in rows
+// "| <label> | op, op, ... |".
+TEST(OpTable, TheDocsListEachCategoryAndKind) {
+  std::ifstream f(MANTISSA_SOURCE_DIR "/docs/mixed_precision.md");
+  ASSERT_TRUE(f.good());
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(f, l);) lines.push_back(l);
+  auto row = [&](const std::string& label) -> std::string {
+    const std::string head = "| " + label + " | ";
+    for (const std::string& l : lines)
+      if (l.rfind(head, 0) == 0)
+        return l.substr(head.size(), l.find(" |", head.size()) - head.size());
+    return "(no row '" + label + "')";
+  };
+  auto names = [](auto keep) {
+    std::string out;
+    for (const OpInfo& info : kOpInfo)
+      if (keep(info)) out += (out.empty() ? "" : ", ") + std::string(info.name);
+    return out;
+  };
+  const std::pair<AutocastCategory, const char*> categories[] = {
+      {AutocastCategory::kLowerPrecision, "lower precision"},
+      {AutocastCategory::kFp32, "FP32"},
+      {AutocastCategory::kPromote, "promote"},
+      {AutocastCategory::kFollowInput, "follow input"},
+      {AutocastCategory::kNever, "never cast"}};
+  for (auto [c, label] : categories)
+    EXPECT_EQ(row(label), names([c](const OpInfo& i) { return i.category == c; })) << label;
+  for (int k = 0; k <= static_cast<int>(OpKind::kConvert); ++k) {
+    const OpKind kind = static_cast<OpKind>(k);
+    const std::string label(op_kind_name(kind));
+    EXPECT_EQ(row(label), names([kind](const OpInfo& i) { return i.kind == kind; })) << label;
   }
 }
 
