@@ -118,7 +118,7 @@ void for_each_row(const Shape& shape, std::array<Shape, N> strides,
   for (int64_t d = 0; d < outer_dims; ++d) rows *= dims[d];
   // Work items are segments of rows: a long row (a whole contiguous tensor coalesces into one) is
   // cut into segments so that every thread gets a share.
-  const int64_t threads = rows * row >= kParallelElements ? default_num_threads() : 1;
+  const int64_t threads = threads_for(rows * row);
   const int64_t seg = threads > 1 && rows < 4 * threads
                           ? std::max<int64_t>(4096, (row + 4 * threads - 1) / (4 * threads))
                           : row;
@@ -500,7 +500,7 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim, D
     // Each row reduces to one value: the rows' sums in parallel (eight lanes a chunk, chunks in
     // order), then added to their outputs in row order, so any thread count gives the same bits.
     std::vector<float> row_sum(static_cast<size_t>(rows));
-    const int64_t threads = rows * last >= kParallelElements ? default_num_threads() : 1;
+    const int64_t threads = threads_for(rows * last);
     parallel_for(static_cast<size_t>(rows),
                  static_cast<size_t>(std::max<int64_t>(1, kParallelElements / last)),
                  static_cast<int>(threads), [&](size_t r0, size_t r1) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "mantissa/core/parallel.h"
 #include "mantissa/core/tensor.h"
 
 namespace mantissa::kernels {
@@ -67,5 +68,10 @@ const float* row_f32(const char* src, DType t, int64_t stride, int64_t n, float*
 void store_f32(const float* src, int64_t n, void* dst, DType t, int64_t stride);
 // Threshold (elements) above which kernels split work across threads.
 inline constexpr int64_t kParallelElements = 1 << 15;
+// The threads for a kernel over `work` elements (or multiply-adds): default_num_threads() from
+// kParallelElements on, one below (splitting small work costs more than it saves).
+inline int threads_for(int64_t work) {
+  return work >= kParallelElements ? default_num_threads() : 1;
+}
 
 }  // namespace mantissa::kernels

@@ -65,7 +65,7 @@ void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64
 void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                                     const float* b, const int64_t* b_row, float* P);
 
-// ---- Winograd F(2x2, 3x3) transforms (nn.cc's winograd_conv), up to kWinoTiles tiles at a time.
+// ---- Winograd F(2x2, 3x3) transforms (conv_winograd.cc), up to kWinoTiles tiles at a time.
 // Input: tile l's 4x4 input d starts at in[l], rows ld apart; v[xi * vs + l] = (B^T d B)[xi],
 // xi = 4 * row + column, computed as
 //   e[0][b] = d[0][b] - d[2][b], e[1][b] = d[1][b] + d[2][b], e[2][b] = d[2][b] - d[1][b],

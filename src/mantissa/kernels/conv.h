@@ -1,0 +1,34 @@
+// 2-D convolution over NCHW tensors of any float storage dtype, computing in FP32 (or the FP16
+// partials asked for): activations (N, C, H, W), weights (O, C/groups, KH, KW), as in PyTorch.
+// Each direction runs one of several paths chosen by geometry, dtype and partials; every path
+// accumulates in FP32 (or the FP16 partials), adds the bias in FP32 and rounds the output once.
+// conv_paths.h holds the table of which path runs when. Raw kernels: they record nothing
+// (src/mantissa/ops adds autograd).
+#pragma once
+
+#include <cstdint>
+
+#include "mantissa/core/tensor.h"
+#include "mantissa/kernels/gemm.h"
+
+namespace mantissa::kernels {
+
+struct Conv2dParams {
+  int64_t stride_h = 1, stride_w = 1;
+  int64_t pad_h = 0, pad_w = 0;
+  int64_t dilation_h = 1, dilation_w = 1;
+  int64_t groups = 1;
+};
+// Checks the shapes (throws mantissa::Error naming the mismatch) and returns the output's.
+Shape conv2d_output_shape(const Shape& x, const Shape& w, const Conv2dParams& p);
+// y (N, O, Ho, Wo) = x * w + b (b: (O) or undefined), in dtype `out`.
+Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dParams& p, DType out,
+              Partials partials = Partials::kF32);
+// dx (x_shape) from dy (N, O, Ho, Wo).
+Tensor conv2d_backward_input(const Tensor& dy, const Tensor& w, const Shape& x_shape,
+                             const Conv2dParams& p, DType out, Partials partials = Partials::kF32);
+// dw (w_shape) from dy (N, O, Ho, Wo) and x, summed over the batch.
+Tensor conv2d_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
+                              const Conv2dParams& p, DType out, Partials partials = Partials::kF32);
+
+}  // namespace mantissa::kernels

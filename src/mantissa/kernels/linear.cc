@@ -1,0 +1,178 @@
+// Linear layers and matmul (linear.h): lane-split dot products for a small batch through a deep
+// layer, the GEMM otherwise, and the linear weight gradient in cache-sized parts.
+#include "mantissa/kernels/linear.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "mantissa/core/parallel.h"
+#include "mantissa/kernels/nn_internal.h"
+#include "mantissa/kernels/vector_kernels.h"
+
+namespace mantissa::kernels {
+namespace {
+
+// Lane-split dot products for linear's forward from this depth on (with at most kDotMaxRows rows).
+constexpr int64_t kDotMinDepth = 1024;
+// linear_weight_grad_parts: batches of up to kPartsMaxRows rows (at 64 the row kernel, reading
+// 64 input rows per part from L3, is slower than the GEMM and a separate update: docs/numerics.md);
+// parts of kPartRows outputs (the row kernel's block) by kPartColumns inputs (48 KiB, in L2 with
+// the inputs' columns).
+constexpr int64_t kPartsMaxRows = 16, kPartRows = 6, kPartColumns = 2048;
+
+}  // namespace
+
+Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out, Partials p) {
+  require_float(x_in, "linear", "input");
+  require_float(w_in, "linear", "weight");
+  MANTISSA_CHECK(w_in.dim() == 2,
+                 "linear: weight must be (out, in), got " + shape_str(w_in.shape()),
+                 "pass a 2-D weight");
+  MANTISSA_CHECK(x_in.dim() >= 1 && x_in.size(-1) == w_in.size(1),
+                 "linear: input " + shape_str(x_in.shape()) + " does not match weight " +
+                     shape_str(w_in.shape()) + " (last dimension " +
+                     str(x_in.dim() ? x_in.size(-1) : 0) + " vs " + str(w_in.size(1)) + ")",
+                 "the input's last dimension must equal the weight's in_features");
+  const int64_t in = w_in.size(1), outf = w_in.size(0);
+  if (b.defined())
+    MANTISSA_CHECK(b.dim() == 1 && b.size(0) == outf,
+                   "linear: bias " + shape_str(b.shape()) + " for " + str(outf) + " outputs",
+                   "the bias has one value per output");
+  const Tensor x = x_in.contiguous();
+  const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
+  Shape yshape = x.shape();
+  yshape.back() = outf;
+  Tensor y = Tensor::empty(yshape, out, charged_to(MemoryCategory::activations));
+  // A small batch through a long layer (the tutorial CNN's fc1: 12 x 41772 by 100 x 41772):
+  // lane-split dot products read the weight rows in place, once (16-bit weights converted a
+  // depth pass at a time; a 16-bit input staged in FP32, a few rows); the GEMM would pack
+  // (transpose) the whole weight for a dozen uses of each value.
+  if (rows <= kDotMaxRows && in >= kDotMinDepth && p == Partials::kF32 && w_in.stride(1) == 1 &&
+      (w_in.dtype() == DType::f32 || w_in.dtype() == DType::f16 || w_in.dtype() == DType::bf16)) {
+    Tensor x32 = x.dtype() == DType::f32 ? x : f32_workspace({rows, in});
+    if (x.dtype() != DType::f32)
+      convert(x.data_ptr(), x.dtype(), x32.data_ptr(), DType::f32, static_cast<size_t>(rows * in));
+    Tensor lanes = f32_workspace({rows, outf, detail::kDotLanes});
+    std::fill(lanes.data<float>(), lanes.data<float>() + lanes.numel(), 0.0f);
+    std::vector<int64_t> w_rows(static_cast<size_t>(outf));
+    for (int64_t j = 0; j < outf; ++j) w_rows[static_cast<size_t>(j)] = j * w_in.stride(0);
+    detail::dot_lanes_accumulate(rows, outf, in, x32.data<float>(), in, w_in.data_ptr(),
+                                 w_in.dtype(), w_rows.data(), lanes.data<float>(),
+                                 default_num_threads());
+    const std::vector<float> bias = bias_f32(b, outf);
+    std::vector<float> row(static_cast<size_t>(outf));
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < outf; ++j)
+        row[static_cast<size_t>(j)] =
+            detail::dot_lanes_finish(lanes.data<float>() + (i * outf + j) * detail::kDotLanes) +
+            bias[static_cast<size_t>(j)];
+      store_f32(row.data(), outf, bytes(y) + i * outf * esize(out), out, 1);
+    }
+    return y;
+  }
+  GemmOptions go;
+  go.partials = p;
+  const ConstMatrix A{x.data_ptr(), x.dtype(), in, 1};
+  const ConstMatrix B{w_in.data_ptr(), w_in.dtype(), w_in.stride(1), w_in.stride(0)};
+  // With a bias, C starts from it and beta = 1, so the sum is rounded once, in FP32.
+  Tensor acc = (b.defined() && out != DType::f32) ? f32_workspace({rows, outf}) : y;
+  if (b.defined()) {
+    Tensor bias_rows = b.unsqueeze(0).expand({rows, outf});
+    acc.view({rows, outf}).copy_from(bias_rows);
+  }
+  gemm(rows, outf, in, 1.0f, A, B, b.defined() ? 1.0f : 0.0f,
+       {acc.data_ptr(), acc.dtype(), outf, 1}, go);
+  if (acc.storage() != y.storage()) y.view({rows, outf}).copy_from(acc);
+  return y;
+}
+
+bool linear_weight_grad_parts_fit(int64_t rows) { return rows >= 1 && rows <= kPartsMaxRows; }
+
+void linear_weight_grad_parts(const Tensor& g_in, const Tensor& x_in, DType out,
+                              const GradPartConsumer& consume) {
+  MANTISSA_CHECK(g_in.dim() == 2 && x_in.dim() == 2 && g_in.size(0) == x_in.size(0) &&
+                     linear_weight_grad_parts_fit(g_in.size(0)),
+                 "internal: linear_weight_grad_parts takes (rows, out) and (rows, in) matrices of "
+                 "at most " +
+                     str(kPartsMaxRows) + " rows",
+                 "report this as a bug");
+  require_float(g_in, "linear backward", "gradient");
+  require_float(x_in, "linear backward", "input");
+  const int64_t rows = g_in.size(0), outf = g_in.size(1), in = x_in.size(1);
+  // FP32 operands (16-bit values convert exactly, as the GEMM's packing converts them):
+  // g^T (out, rows), row o holding the factors of output o in row order, and x (rows, in).
+  const Tensor g = g_in.to(DType::f32).contiguous(), x = x_in.to(DType::f32).contiguous();
+  std::vector<float> gt(static_cast<size_t>(outf * rows));
+  const float* gd = g.data<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < outf; ++o) gt[static_cast<size_t>(o * rows + r)] = gd[r * outf + o];
+  const float* xd = x.data<float>();
+  const int64_t groups = (outf + kPartRows - 1) / kPartRows;
+  const size_t out_size = esize(out);
+  // Each thread takes whole groups of outputs and walks their rows from the first input to the
+  // last: the consumer streams through a few rows of the parameter and its state at a time.
+  parallel_for(static_cast<size_t>(groups), 1, default_num_threads(), [&](size_t g0, size_t g1) {
+    std::vector<float> part(static_cast<size_t>(kPartRows * kPartColumns));  // (kPartRows, cols)
+    std::vector<char> rounded(out == DType::f32 ? 0 : kPartColumns * out_size);
+    std::vector<const float*> xr(static_cast<size_t>(rows));
+    for (size_t grp = g0; grp < g1; ++grp) {
+      const int64_t o0 = static_cast<int64_t>(grp) * kPartRows, no = std::min(kPartRows, outf - o0);
+      for (int64_t j0 = 0; j0 < in; j0 += kPartColumns) {
+        const int64_t n = std::min(kPartColumns, in - j0);
+        for (int64_t r = 0; r < rows; ++r) xr[static_cast<size_t>(r)] = xd + r * in + j0;
+        detail::fma_rows_f32(part.data(), kPartColumns, no, nullptr, gt.data() + o0 * rows, rows,
+                             xr.data(), rows, n);
+        for (int64_t o = 0; o < no; ++o) {
+          const float* values = part.data() + o * kPartColumns;
+          if (out == DType::f32) {
+            consume((o0 + o) * in + j0, n, values, out);
+          } else {  // rounded once, to nearest even, as the GEMM stores a 16-bit result
+            store_f32(values, n, rounded.data(), out, 1);
+            consume((o0 + o) * in + j0, n, rounded.data(), out);
+          }
+        }
+      }
+    }
+  });
+}
+
+Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, MemoryCategory cat) {
+  require_float(a_in, "matmul", "left operand");
+  require_float(b_in, "matmul", "right operand");
+  MANTISSA_CHECK(a_in.dim() >= 2 && b_in.dim() >= 2,
+                 "matmul: operands must have at least 2 dimensions, got " +
+                     shape_str(a_in.shape()) + " and " + shape_str(b_in.shape()),
+                 "unsqueeze vectors to matrices");
+  const int64_t M = a_in.size(-2), K = a_in.size(-1), N = b_in.size(-1);
+  MANTISSA_CHECK(b_in.size(-2) == K,
+                 "matmul: " + shape_str(a_in.shape()) + " @ " + shape_str(b_in.shape()) +
+                     ": inner dimensions " + str(K) + " and " + str(b_in.size(-2)) + " differ",
+                 "the left operand's last dimension must equal the right's second-to-last");
+  Shape batch(a_in.shape().begin(), a_in.shape().end() - 2);
+  const bool b_batched = b_in.dim() > 2;
+  if (b_batched)
+    MANTISSA_CHECK(Shape(b_in.shape().begin(), b_in.shape().end() - 2) == batch,
+                   "matmul: batch dimensions of " + shape_str(a_in.shape()) + " and " +
+                       shape_str(b_in.shape()) + " differ",
+                   "use equal batch dimensions, or a 2-D right operand");
+  int64_t batches = 1;
+  for (int64_t d : batch) batches *= d;
+  Shape yshape = batch;
+  yshape.push_back(M);
+  yshape.push_back(N);
+  Tensor y = Tensor::empty(yshape, out, charged_to(cat));
+  const Tensor a = a_in.reshape({batches, M, K});
+  const Tensor b = b_batched ? b_in.reshape({batches, K, N}) : b_in;
+  GemmOptions go;
+  go.partials = p;
+  for (int64_t i = 0; i < batches; ++i) {
+    const Tensor ai = a.select(0, i);
+    const Tensor bi = b_batched ? b.select(0, i) : b;
+    gemm(M, N, K, 1.0f, {ai.data_ptr(), ai.dtype(), ai.stride(0), ai.stride(1)},
+         {bi.data_ptr(), bi.dtype(), bi.stride(0), bi.stride(1)}, 0.0f,
+         {bytes(y) + i * M * N * esize(out), out, N, 1}, go);
+  }
+  return y;
+}
+
+}  // namespace mantissa::kernels

@@ -1,0 +1,36 @@
+// Linear layers and batched matrix products over tensors of any float storage dtype, computing in
+// FP32 (or the FP16 partials asked for). Weights are (out, in), as in PyTorch. Raw kernels: they
+// record nothing (src/mantissa/ops adds autograd).
+#pragma once
+
+#include <cstdint>
+
+#include "mantissa/core/tensor.h"
+#include "mantissa/kernels/gemm.h"
+
+namespace mantissa::kernels {
+
+// y = x w^T + b, x (*, in), w (out, in), b (out) or undefined. A batch of at most 16 rows through
+// a layer at least 1024 deep (FP32 partials) takes lane-split dot products that read w in place
+// (vector_kernels.h); everything else takes the GEMM, starting from the bias so that the sum is
+// rounded once.
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, DType out,
+              Partials p = Partials::kF32);
+// The weight gradient of linear, dw = g^T x (g: (rows, out), x: (rows, in), float dtypes), given
+// to `consume` in parts instead of stored (AutogradMeta::consume_grad_parts): blocks of a few
+// outputs by a few thousand inputs, each computed into a buffer that stays in cache and handed
+// over row by row (flat offsets o * in + j) in dtype `out`. Every element is matmul's with FP32
+// partials and output `out`, bit for bit (an FMA chain over the rows in order, rounded once). For
+// a small batch through a wide layer, where the update's pass over the parameter and its state
+// costs more than the products.
+void linear_weight_grad_parts(const Tensor& g, const Tensor& x, DType out,
+                              const GradPartConsumer& consume);
+// Whether linear's backward gives its weight gradient in parts at this many rows (a batch small
+// enough that computing dw costs less than storing and re-reading it).
+bool linear_weight_grad_parts_fit(int64_t rows);
+
+// a (..., M, K) @ b (..., K, N) with equal batch dimensions, or b 2-D.
+Tensor matmul(const Tensor& a, const Tensor& b, DType out, Partials p = Partials::kF32,
+              MemoryCategory cat = MemoryCategory::activations);
+
+}  // namespace mantissa::kernels

@@ -1,0 +1,406 @@
+// Batch, group and layer normalization (norm.h): one engine over x viewed as (outer, groups,
+// inner), statistics in FP64 across chunks, rows of 16-bit tensors converted one at a time.
+#include "mantissa/kernels/norm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <vector>
+
+#include "mantissa/core/parallel.h"
+#include "mantissa/kernels/nn_internal.h"
+
+namespace mantissa::kernels {
+
+namespace {
+
+// The shared engine of the three norms. x is viewed as (outer, groups, inner): statistics are taken
+// per (outer, group) pair for group/layer norm, or per group across outer for batch norm. The
+// affine parameters are per "channel" c = element index / channel_inner % channels.
+struct NormLayout {
+  int64_t outer, groups, inner;     // x = (outer, groups, inner) elements
+  int64_t channels, channel_inner;  // affine index of element e: (e / channel_inner) % channels
+  bool across_outer;                // batch norm: statistics of group g pool all outer
+};
+
+// A contiguous float tensor's values in FP32 a row at a time: the row itself when the tensor is
+// FP32, else converted into the caller's buffer (no whole-tensor FP32 copy of a 16-bit tensor).
+struct FloatRows {
+  const char* base;
+  DType dtype;
+  const float* row(int64_t offset, int64_t n, float* buf) const {
+    if (dtype == DType::f32) return reinterpret_cast<const float*>(base) + offset;
+    load_f32(base + offset * esize(dtype), dtype, 1, n, buf);
+    return buf;
+  }
+};
+
+// Sum of n floats, 8 lanes at a time (vectorizable), in FP64 across chunks of 4096.
+double sum_f(const float* p, int64_t n) {
+  double total = 0;
+  for (int64_t c = 0; c < n; c += 4096) {
+    const int64_t m = std::min<int64_t>(4096, n - c);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8)
+      for (int j = 0; j < 8; ++j) acc[j] += p[c + i + j];
+    for (; i < m; ++i) acc[0] += p[c + i];
+    total += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  }
+  return total;
+}
+// Sum of (p[i] - mu)^2, the same way.
+double sum_sq_f(const float* p, int64_t n, float mu) {
+  double total = 0;
+  for (int64_t c = 0; c < n; c += 4096) {
+    const int64_t m = std::min<int64_t>(4096, n - c);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8)
+      for (int j = 0; j < 8; ++j) {
+        const float d = p[c + i + j] - mu;
+        acc[j] += d * d;
+      }
+    for (; i < m; ++i) acc[0] += (p[c + i] - mu) * (p[c + i] - mu);
+    total += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  }
+  return total;
+}
+
+// FP64 (sums over whole batches lose too much in FP32).
+void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>& mean,
+                std::vector<float>& rstd, std::vector<double>* var_out) {
+  const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
+  mean.assign(static_cast<size_t>(stats), 0.0f);
+  rstd.assign(static_cast<size_t>(stats), 0.0f);
+  if (var_out) var_out->assign(static_cast<size_t>(stats), 0.0);
+  parallel_for(static_cast<size_t>(stats), 1, threads_for(L.outer * L.groups * L.inner),
+               [&](size_t s0, size_t s1) {
+                 std::vector<float> buf(x.dtype == DType::f32 ? 0 : static_cast<size_t>(L.inner));
+                 auto row = [&](int64_t o, int64_t grp) {
+                   return x.row((o * L.groups + grp) * L.inner, L.inner, buf.data());
+                 };
+                 for (size_t s = s0; s < s1; ++s) {
+                   const int64_t o_begin = L.across_outer ? 0 : static_cast<int64_t>(s) / L.groups;
+                   const int64_t o_end = L.across_outer ? L.outer : o_begin + 1;
+                   const int64_t grp = L.across_outer ? static_cast<int64_t>(s)
+                                                      : static_cast<int64_t>(s) % L.groups;
+                   double sum = 0;
+                   for (int64_t o = o_begin; o < o_end; ++o) sum += sum_f(row(o, grp), L.inner);
+                   const double count = static_cast<double>((o_end - o_begin) * L.inner);
+                   const double mu = sum / count;
+                   double sq = 0;  // two passes: the variance of values around their mean
+                   for (int64_t o = o_begin; o < o_end; ++o)
+                     sq += sum_sq_f(row(o, grp), L.inner, static_cast<float>(mu));
+                   const double var = sq / count;
+                   mean[s] = static_cast<float>(mu);
+                   rstd[s] = static_cast<float>(1.0 / std::sqrt(var + eps));
+                   if (var_out) (*var_out)[s] = var;
+                 }
+               });
+}
+
+// Calls fn(row, stat index, [begin, end) within the row, channel) for each run of a row's elements
+// that share an affine channel (an element e's channel is (e / channel_inner) % channels).
+template <typename Fn>
+void for_each_channel_run(const NormLayout& L, int64_t r, Fn&& fn) {
+  const int64_t o = r / L.groups, grp = r % L.groups;
+  const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
+  const int64_t base = r * L.inner;
+  for (int64_t i = 0; i < L.inner;) {
+    const int64_t e = base + i;
+    const int64_t end = std::min(L.inner, i + (L.channel_inner - e % L.channel_inner));
+    fn(s, i, end, static_cast<size_t>((e / L.channel_inner) % L.channels));
+    i = end;
+  }
+}
+
+// y = (x - mean) * rstd * w[c] + b[c], computed in FP32 and stored in yt (a row at a time).
+void norm_apply(FloatRows x, const NormLayout& L, const std::vector<float>& mean,
+                const std::vector<float>& rstd, const std::vector<float>* w,
+                const std::vector<float>* b, void* y, DType yt) {
+  const int64_t rows = L.outer * L.groups;
+  const int64_t ys = static_cast<int64_t>(esize(yt));
+  parallel_for(static_cast<size_t>(rows), 1, threads_for(rows * L.inner),
+               [&](size_t r0, size_t r1) {
+                 std::vector<float> xbuf(x.dtype == DType::f32 ? 0 : static_cast<size_t>(L.inner)),
+                     ybuf(yt == DType::f32 ? 0 : static_cast<size_t>(L.inner));
+                 for (size_t rr = r0; rr < r1; ++rr) {
+                   const int64_t r = static_cast<int64_t>(rr);
+                   const float* xs = x.row(r * L.inner, L.inner, xbuf.data());
+                   char* dst = static_cast<char*>(y) + r * L.inner * ys;
+                   float* row = yt == DType::f32 ? reinterpret_cast<float*>(dst) : ybuf.data();
+                   for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
+                     const float scale = w ? rstd[s] * (*w)[c] : rstd[s];
+                     const float shift = w ? (*b)[c] - mean[s] * scale : -mean[s] * scale;
+                     for (int64_t i = i0; i < i1; ++i) row[i] = xs[i] * scale + shift;
+                   });
+                   if (yt != DType::f32) store_f32(row, L.inner, dst, yt, 1);
+                 }
+               });
+}
+
+// y = norm_apply(...) as a tensor of `out` dtype: written in place when FP32.
+Tensor normalized(FloatRows x, const Shape& shape, const NormLayout& L,
+                  const std::vector<float>& mean, const std::vector<float>& rstd,
+                  const Tensor& weight, const Tensor& bias, DType out) {
+  std::vector<float> wv, bv;
+  if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
+  Tensor y = Tensor::empty(shape, out, charged_to(MemoryCategory::activations));
+  norm_apply(x, L, mean, rstd, weight.defined() ? &wv : nullptr, weight.defined() ? &bv : nullptr,
+             y.data_ptr(), out);
+  return y;
+}
+
+// Sums of d[i] and d[i] * xhat[i], xhat = (x[i] - mu) * rs, over n values: 8 float lanes
+// (vectorizable) within chunks of 4096, the chunks added in FP64, as sum_f does.
+void sums_d_dxhat(const float* d, const float* x, int64_t n, float mu, float rs, double& sd,
+                  double& sdx) {
+  for (int64_t c = 0; c < n; c += 4096) {
+    const int64_t m = std::min<int64_t>(4096, n - c);
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8)
+      for (int j = 0; j < 8; ++j) {
+        const float xhat = (x[c + i + j] - mu) * rs;
+        a[j] += d[c + i + j];
+        b[j] += d[c + i + j] * xhat;
+      }
+    for (; i < m; ++i) {
+      a[0] += d[c + i];
+      b[0] += d[c + i] * ((x[c + i] - mu) * rs);
+    }
+    sd += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    sdx += ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
+  }
+}
+
+// dx (dtype dx_type, x's element count), dw, db of y = xhat * w + b with xhat normalized by
+// statistics over each stat group (those statistics depend on x when `through_stats`; batch norm
+// in eval mode uses fixed ones). Sums in float lanes and FP64 across chunks; dx elementwise in
+// FP32, rounded once into dx_type. 16-bit rows are converted one at a time.
+void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::vector<float>& mean,
+                   const std::vector<float>& rstd, const std::vector<float>* w, bool through_stats,
+                   void* dx, DType dx_type, std::vector<double>& dw, std::vector<double>& db) {
+  const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
+  const int64_t rows = L.outer * L.groups;
+  const int64_t elements = rows * L.inner;
+  dw.assign(static_cast<size_t>(L.channels), 0.0);
+  db.assign(static_cast<size_t>(L.channels), 0.0);
+  // Row buffers for 16-bit tensors (empty for FP32, which is read and written in place).
+  auto buffer = [&](DType t) {
+    return std::vector<float>(t == DType::f32 ? 0 : static_cast<size_t>(L.inner));
+  };
+  // Pass 1, per stat group: sums of g = dy*w and g*xhat; per channel: sums of dy and dy*xhat.
+  // Tasks own whole stat groups; channel sums are per task, added at the end.
+  std::vector<double> sum_g(static_cast<size_t>(stats), 0.0),
+      sum_gx(static_cast<size_t>(stats), 0.0);
+  std::mutex merge;
+  parallel_for(static_cast<size_t>(stats), 1, threads_for(elements), [&](size_t s0, size_t s1) {
+    std::vector<double> tdw(static_cast<size_t>(L.channels), 0.0),
+        tdb(static_cast<size_t>(L.channels), 0.0);
+    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype);
+    for (size_t st = s0; st < s1; ++st) {
+      // The rows of stat group st: one row, or (batch norm) row o * groups + st for every o.
+      const int64_t n_rows = L.across_outer ? L.outer : 1;
+      for (int64_t k = 0; k < n_rows; ++k) {
+        const int64_t r =
+            L.across_outer ? k * L.groups + static_cast<int64_t>(st) : static_cast<int64_t>(st);
+        const float* dr = dy.row(r * L.inner, L.inner, dybuf.data());
+        const float* xr = x.row(r * L.inner, L.inner, xbuf.data());
+        for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
+          const double wc = w ? (*w)[c] : 1.0;
+          double sd = 0, sdx = 0;
+          sums_d_dxhat(dr + i0, xr + i0, i1 - i0, mean[s], rstd[s], sd, sdx);
+          sum_g[s] += wc * sd;
+          sum_gx[s] += wc * sdx;
+          tdw[c] += sdx;
+          tdb[c] += sd;
+        });
+      }
+    }
+    std::lock_guard<std::mutex> lock(merge);
+    for (size_t c = 0; c < tdw.size(); ++c) dw[c] += tdw[c], db[c] += tdb[c];
+  });
+  // Pass 2: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per stat group, as
+  // dx = dy * (rstd * w) - (rstd * mean(g)) - xhat * (rstd * mean(g * xhat)).
+  const double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
+  const size_t dx_size = esize(dx_type);
+  parallel_for(static_cast<size_t>(rows), 1, threads_for(elements), [&](size_t r0, size_t r1) {
+    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype), outbuf = buffer(dx_type);
+    for (size_t rr = r0; rr < r1; ++rr) {
+      const int64_t r = static_cast<int64_t>(rr);
+      const float* dr = dy.row(r * L.inner, L.inner, dybuf.data());
+      const float* xr = x.row(r * L.inner, L.inner, xbuf.data());
+      char* dst = static_cast<char*>(dx) + r * L.inner * static_cast<int64_t>(dx_size);
+      float* out = dx_type == DType::f32 ? reinterpret_cast<float*>(dst) : outbuf.data();
+      for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
+        const double wc = w ? (*w)[c] : 1.0;
+        const float mu = mean[s], rs = rstd[s];
+        const float scale = static_cast<float>(rs * wc);
+        const float shift = through_stats ? static_cast<float>(rs * (sum_g[s] / count)) : 0.0f;
+        const float slope = through_stats ? static_cast<float>(rs * (sum_gx[s] / count)) : 0.0f;
+        for (int64_t i = i0; i < i1; ++i)
+          out[i] = dr[i] * scale - shift - ((xr[i] - mu) * rs) * slope;
+      });
+      if (dx_type != DType::f32) store_f32(out, L.inner, dst, dx_type, 1);
+    }
+  });
+}
+
+// The backward of a norm on tensors: differentiate (dx written in its own dtype, rows of 16-bit
+// tensors converted one at a time), package dx, dw, db.
+std::tuple<Tensor, Tensor, Tensor> norm_backward_tensors(const Tensor& dy_in, const Tensor& x_in,
+                                                         const NormLayout& L, const Tensor& weight,
+                                                         const Tensor& mean, const Tensor& rstd,
+                                                         bool through_stats, DType dx_type) {
+  std::vector<float> wv;
+  if (weight.defined()) wv = load_all(weight);
+  std::vector<double> dw, db;
+  const Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
+  Tensor tdx = Tensor::empty(x.shape(), dx_type, charged_to(MemoryCategory::gradients));
+  norm_backward({static_cast<const char*>(dy.data_ptr()), dy.dtype()},
+                {static_cast<const char*>(x.data_ptr()), x.dtype()}, L, load_all(mean),
+                load_all(rstd), weight.defined() ? &wv : nullptr, through_stats, tdx.data_ptr(),
+                dx_type, dw, db);
+  if (!weight.defined()) return {tdx, Tensor(), Tensor()};
+  std::vector<float> fw(dw.begin(), dw.end()), fb(db.begin(), db.end());
+  return {tdx, from_vector(fw, weight.shape(), weight.dtype(), MemoryCategory::gradients),
+          from_vector(fb, weight.shape(), weight.dtype(), MemoryCategory::gradients)};
+}
+
+void check_affine(const Tensor& w, const Tensor& b, int64_t channels, const char* op) {
+  MANTISSA_CHECK(w.defined() == b.defined(),
+                 std::string(op) + ": give both weight and bias, or neither",
+                 "pass both affine parameters");
+  if (w.defined())
+    MANTISSA_CHECK(w.numel() == channels && b.numel() == channels,
+                   std::string(op) + ": weight " + shape_str(w.shape()) + " and bias " +
+                       shape_str(b.shape()) + " for " + str(channels) + " channels",
+                   "the affine parameters have one value per normalized channel");
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& weight,
+                                              const Tensor& bias, Tensor running_mean,
+                                              Tensor running_var, bool training, double momentum,
+                                              double eps, DType out) {
+  require_float(x, "batch_norm", "input");
+  MANTISSA_CHECK(x.dim() >= 2, "batch_norm: input must be (N, C, ...), got " + shape_str(x.shape()),
+                 "add a batch dimension");
+  const int64_t C = x.size(1);
+  check_affine(weight, bias, C, "batch_norm");
+  const int64_t inner = x.numel() / std::max<int64_t>(x.size(0) * C, 1);
+  const NormLayout L{x.size(0), C, inner, C, inner, true};
+  const Tensor xc = x.contiguous();  // read a row at a time, converted when 16-bit
+  const FloatRows xv{static_cast<const char*>(xc.data_ptr()), xc.dtype()};
+  std::vector<float> mean, rstd;
+  if (training) {
+    MANTISSA_CHECK(x.size(0) * inner > 1,
+                   "batch_norm: training needs more than one value per channel, got input " +
+                       shape_str(x.shape()),
+                   "use a batch larger than 1, or evaluation mode");
+    std::vector<double> var;
+    norm_stats(xv, L, eps, mean, rstd, &var);
+    if (running_mean.defined()) {
+      MANTISSA_CHECK(running_mean.dtype() == DType::f32 && running_var.dtype() == DType::f32 &&
+                         running_mean.numel() == C && running_var.numel() == C,
+                     "batch_norm: running statistics must be f32 with one value per channel",
+                     "keep running statistics in f32");
+      float* rm = running_mean.data<float>();
+      float* rv = running_var.data<float>();
+      const double n = static_cast<double>(x.size(0) * inner);
+      for (int64_t c = 0; c < C; ++c) {
+        rm[c] = static_cast<float>((1.0 - momentum) * rm[c] + momentum * mean[c]);
+        rv[c] = static_cast<float>((1.0 - momentum) * rv[c] + momentum * var[c] * n / (n - 1.0));
+      }
+    }
+  } else {
+    MANTISSA_CHECK(running_mean.defined() && running_var.defined(),
+                   "batch_norm: evaluation mode needs running statistics",
+                   "pass running_mean and running_var");
+    mean = load_all(running_mean);
+    const std::vector<float> rv = load_all(running_var);
+    rstd.resize(rv.size());
+    for (size_t c = 0; c < rv.size(); ++c)
+      rstd[c] = static_cast<float>(1.0 / std::sqrt(static_cast<double>(rv[c]) + eps));
+  }
+  return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
+          from_vector(mean, {C}, DType::f32, MemoryCategory::activations),
+          from_vector(rstd, {C}, DType::f32, MemoryCategory::activations)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> batch_norm_backward(const Tensor& dy, const Tensor& x,
+                                                       const Tensor& weight, const Tensor& mean,
+                                                       const Tensor& rstd, bool training,
+                                                       DType dx_type) {
+  const int64_t C = x.size(1), inner = x.numel() / std::max<int64_t>(x.size(0) * C, 1);
+  const NormLayout L{x.size(0), C, inner, C, inner, true};
+  return norm_backward_tensors(dy, x, L, weight, mean, rstd, training, dx_type);
+}
+
+std::tuple<Tensor, Tensor, Tensor> group_norm(const Tensor& x, int64_t groups, const Tensor& weight,
+                                              const Tensor& bias, double eps, DType out) {
+  require_float(x, "group_norm", "input");
+  MANTISSA_CHECK(x.dim() >= 2, "group_norm: input must be (N, C, ...), got " + shape_str(x.shape()),
+                 "add a batch dimension");
+  const int64_t N = x.size(0), C = x.size(1);
+  MANTISSA_CHECK(
+      groups >= 1 && C % groups == 0,
+      "group_norm: " + str(C) + " channels do not divide into " + str(groups) + " groups",
+      "choose a number of groups that divides the channels");
+  check_affine(weight, bias, C, "group_norm");
+  const int64_t spatial = x.numel() / std::max<int64_t>(N * C, 1);
+  const NormLayout L{N, groups, (C / groups) * spatial, C, spatial, false};
+  const Tensor xc = x.contiguous();  // read a row at a time, converted when 16-bit
+  const FloatRows xv{static_cast<const char*>(xc.data_ptr()), xc.dtype()};
+  std::vector<float> mean, rstd;
+  norm_stats(xv, L, eps, mean, rstd, nullptr);
+  return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
+          from_vector(mean, {N, groups}, DType::f32, MemoryCategory::activations),
+          from_vector(rstd, {N, groups}, DType::f32, MemoryCategory::activations)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> group_norm_backward(const Tensor& dy, const Tensor& x,
+                                                       int64_t groups, const Tensor& weight,
+                                                       const Tensor& mean, const Tensor& rstd,
+                                                       DType dx_type) {
+  const int64_t N = x.size(0), C = x.size(1), spatial = x.numel() / std::max<int64_t>(N * C, 1);
+  const NormLayout L{N, groups, (C / groups) * spatial, C, spatial, false};
+  return norm_backward_tensors(dy, x, L, weight, mean, rstd, true, dx_type);
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, int64_t normalized_dims,
+                                              const Tensor& weight, const Tensor& bias, double eps,
+                                              DType out) {
+  require_float(x, "layer_norm", "input");
+  MANTISSA_CHECK(normalized_dims >= 1 && normalized_dims <= x.dim(),
+                 "layer_norm: cannot normalize the last " + str(normalized_dims) +
+                     " dimensions of " + shape_str(x.shape()),
+                 "normalize between 1 and rank dimensions");
+  int64_t D = 1;
+  for (int64_t d = x.dim() - normalized_dims; d < x.dim(); ++d) D *= x.size(d);
+  check_affine(weight, bias, D, "layer_norm");
+  const int64_t rows = x.numel() / std::max<int64_t>(D, 1);
+  const NormLayout L{rows, 1, D, D, 1, false};
+  const Tensor xc = x.contiguous();  // read a row at a time, converted when 16-bit
+  const FloatRows xv{static_cast<const char*>(xc.data_ptr()), xc.dtype()};
+  std::vector<float> mean, rstd;
+  norm_stats(xv, L, eps, mean, rstd, nullptr);
+  return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
+          from_vector(mean, {rows}, DType::f32, MemoryCategory::activations),
+          from_vector(rstd, {rows}, DType::f32, MemoryCategory::activations)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x,
+                                                       int64_t normalized_dims,
+                                                       const Tensor& weight, const Tensor& mean,
+                                                       const Tensor& rstd, DType dx_type) {
+  int64_t D = 1;
+  for (int64_t d = x.dim() - normalized_dims; d < x.dim(); ++d) D *= x.size(d);
+  const NormLayout L{x.numel() / std::max<int64_t>(D, 1), 1, D, D, 1, false};
+  return norm_backward_tensors(dy, x, L, weight, mean, rstd, true, dx_type);
+}
+
+}  // namespace mantissa::kernels
