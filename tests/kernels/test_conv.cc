@@ -1,10 +1,11 @@
 // Convolution kernels at the sizes the models use, against plain FP64 loops: forward, gradient of
-// the input and of the weights. Each geometry is picked to take one path: direct (tiny filter
-// banks), Winograd F(2x2, 3x3) (FP32, 3x3 pad 1 stride 1, 16 or more channels each way: forward
-// and backward-input), implicit GEMM (stride 1, one group, large planes; backward-input
-// as a forward convolution with flipped weights) or im2col + GEMM (everything else). CTest also
-// runs this program with MANTISSA_CONV_COLUMNS=4096, where every path works on one image at a
-// time, and with MANTISSA_CONV_WINOGRAD=0, where the Winograd geometries take the implicit GEMM.
+// the input and of the weights. Together the geometries, over the dtypes and partials of the
+// tests below, take every row of the path table (kernels/conv_paths.h): direct, Winograd, implicit
+// rows, implicit GEMM, implicit dot products and im2col (SuiteTakesEveryPath checks it). CTest
+// also runs this program with MANTISSA_CONV_COLUMNS=4096, where every path works on one image at
+// a time, with MANTISSA_CONV_WINOGRAD=0, where the Winograd geometries take the implicit GEMM,
+// with MANTISSA_CONV_IMPLICIT=0 (im2col for all but direct and the forward Winograd), and with
+// MANTISSA_SIMD=scalar.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,9 +13,11 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "mantissa/kernels/conv_paths.h"
 #include "mantissa/kernels/nn.h"
 #include "mantissa/kernels/vector_kernels.h"
 #include "mantissa/mantissa.h"
@@ -127,7 +130,8 @@ Conv2dParams params(int64_t stride, int64_t pad, int64_t dilation = 1, int64_t g
 
 const std::vector<Geometry>& geometries() {
   static const std::vector<Geometry> g = {
-      // the tutorial CNN, batch 3: conv1 (direct), conv2 (implicit)
+      // the tutorial CNN, batch 3: conv1 (direct), conv2 (implicit rows; weight gradient by
+      // lane-split dot products)
       {"tutorial_conv1", {3, 1, 128, 128}, {5, 1, 3, 3}, params(1, 0)},
       {"tutorial_conv2", {3, 5, 63, 63}, {12, 5, 5, 5}, params(1, 0)},
       // more direct geometries: padding (edge columns by tap, top and bottom rows not tiled),
@@ -137,10 +141,11 @@ const std::vector<Geometry>& geometries() {
       {"lenet_conv1", {2, 1, 32, 32}, {6, 1, 5, 5}, params(1, 0)},
       {"direct_stride2", {2, 1, 20, 20}, {4, 1, 3, 3}, params(2, 1)},
       // ResNet-18 (CIFAR stem) shapes at reduced width: 3x3 pad 1 at 32x32, 16x16, 8x8 and 4x4
-      // (implicit with dense columns: slivers of 16 read in place, rows of 8 and 4 packed in
-      // runs; weight gradient through the GEMM above 16 channels, lane-split dot products at 16
-      // or fewer), a stride-2 3x3 (implicit, strided dense columns packed one by one;
-      // backward-input through im2col) and 1x1 (im2col: the window skips pixels)
+      // (Winograd in FP32; 16-bit operands take the implicit GEMM with dense columns: slivers of
+      // 16 read in place, rows of 8 and 4 packed in runs; weight gradient through the GEMM above
+      // 16 channels, lane-split dot products at 16 or fewer), a stride-2 3x3 (implicit, strided
+      // dense columns packed one by one; backward-input through im2col) and 1x1 stride 2 (direct:
+      // 16 taps; im2col with FP16 partials, the window skipping pixels)
       {"resnet_3x3_32", {2, 16, 32, 32}, {16, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_32_wide", {2, 16, 32, 32}, {24, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_16", {2, 16, 16, 16}, {24, 16, 3, 3}, params(1, 1)},
@@ -154,8 +159,8 @@ const std::vector<Geometry>& geometries() {
       {"dense_rows_of_8_across_images", {3, 8, 3, 8}, {12, 8, 3, 3}, params(1, 1)},
       {"resnet_3x3_stride2", {2, 16, 16, 16}, {32, 16, 3, 3}, params(2, 1)},
       {"resnet_1x1_stride2", {2, 16, 16, 16}, {32, 16, 1, 1}, params(2, 0)},
-      // strided with few outputs (weight gradient through im2col), ImageNet's 7x7 stem, and a
-      // stride of 3 that leaves input columns unread
+      // strided with few outputs, ImageNet's 7x7 stem, and a stride of 3 with odd sizes (all
+      // implicit GEMM forward and weight gradient, im2col backward-input)
       {"stride2_few_outputs", {2, 8, 16, 16}, {12, 8, 3, 3}, params(2, 1)},
       {"imagenet_stem_7x7_stride2", {2, 3, 32, 32}, {16, 3, 7, 7}, params(2, 3)},
       {"stride3_odd", {2, 4, 17, 15}, {20, 4, 3, 3}, params(3, 0)},
@@ -166,6 +171,33 @@ const std::vector<Geometry>& geometries() {
       {"groups2", {2, 8, 20, 20}, {8, 4, 3, 3}, params(1, 1, 1, 2)},
   };
   return g;
+}
+
+// The geometries above, over the dtypes and partials of the tests below, take every path of
+// every direction (with the switches on; CTest's runs with them off move the same geometries to
+// other paths).
+TEST(Conv2d, SuiteTakesEveryPath) {
+  using detail::ConvPath;
+  std::set<ConvPath> forward, input, weight;
+  const std::pair<DType, Partials> runs[] = {{DType::f32, Partials::kF32},
+                                             {DType::bf16, Partials::kF32},
+                                             {DType::f16, Partials::kF32},
+                                             {DType::f16, Partials::kF16}};
+  for (const Geometry& g : geometries())
+    for (const auto& [t, partials] : runs) {
+      const detail::ConvGeometry cg(g.x, g.w, g.p);
+      const detail::ConvSettings on;
+      forward.insert(detail::conv_forward_path(cg, t, t, partials, on));
+      input.insert(detail::conv_backward_input_path(cg, t, t, partials, on));
+      weight.insert(detail::conv_weight_grad_path(cg, partials, on));
+    }
+  EXPECT_EQ(forward,
+            (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kWinograd, ConvPath::kImplicitRows,
+                                ConvPath::kImplicitGemm, ConvPath::kIm2col}));
+  EXPECT_EQ(input, (std::set<ConvPath>{ConvPath::kWinograd, ConvPath::kImplicitRows,
+                                       ConvPath::kImplicitGemm, ConvPath::kIm2col}));
+  EXPECT_EQ(weight, (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kImplicitDots,
+                                        ConvPath::kImplicitGemm, ConvPath::kIm2col}));
 }
 
 TEST(Conv2d, Fp32MatchesFp64Loops) {
