@@ -41,8 +41,9 @@ int run_peak(const std::vector<std::string>& args, std::ostream& out) {
   const double one = fma_peak_gflops(1, seconds);
   const int n = static_cast<int>(threads);
   const double all = n == 1 ? one : fma_peak_gflops(n, seconds);
-  const char* how =
-      cpu_features().avx2 && cpu_features().fma ? "avx2+fma, 12 chains x 8 lanes" : "portable loop";
+  const char* how = simd_path(SimdFamily::kFmaProbe) == SimdPath::kAvx2
+                        ? "avx2+fma, 12 chains x 8 lanes"
+                        : "portable loop";
   char line[160];
   if (n == 1)
     std::snprintf(line, sizeof line, "fp32 fma peak: %.1f GFLOP/s on 1 thread (%s)\n", one, how);

@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <string>
 
 #include "mantissa/core/convert_kernels.h"
 #include "mantissa/core/cpu_features.h"
@@ -29,43 +27,6 @@ int narrow_index(DType t) {
   }
 }
 }  // namespace detail
-
-std::string_view simd_path_name(SimdPath p) {
-  switch (p) {
-    case SimdPath::kScalar:
-      return "scalar";
-    case SimdPath::kAvx2:
-      return "avx2+f16c";
-  }
-  return "?";
-}
-
-bool simd_path_supported(SimdPath p) {
-  switch (p) {
-    case SimdPath::kScalar:
-      return true;
-    case SimdPath::kAvx2:
-#if defined(MANTISSA_HAVE_X86_SIMD)
-      return cpu_features().avx2 && cpu_features().f16c && cpu_features().fma;
-#else
-      return false;
-#endif
-  }
-  return false;
-}
-
-SimdPath active_simd_path() {
-  static const SimdPath path = [] {
-    if (const char* env = std::getenv("MANTISSA_SIMD")) {
-      const std::string want(env);
-      if (want == "scalar") return SimdPath::kScalar;
-      if (want == "avx2" && simd_path_supported(SimdPath::kAvx2)) return SimdPath::kAvx2;
-      if (want == "avx2") return SimdPath::kScalar;
-    }
-    return simd_path_supported(SimdPath::kAvx2) ? SimdPath::kAvx2 : SimdPath::kScalar;
-  }();
-  return path;
-}
 
 float f64_to_f32_round_to_odd(double x) {
   const float f = static_cast<float>(x);
@@ -198,13 +159,14 @@ void convert(const void* src, DType from, void* dst, DType to, size_t n, const C
 }
 
 void convert(const void* src, DType from, void* dst, DType to, size_t n, const CastOptions& opt) {
+  static const SimdPath path = simd_path(SimdFamily::kConvert);
   // The kernels' many short calls (rows, runs) go straight to the chosen table.
-  static const ConvertKernels& k = kernels_for(active_simd_path());
+  static const ConvertKernels& k = kernels_for(path);
   if (n != 0 && from == DType::f32 && detail::narrow_index(to) >= 0)
     return k.from_f32[detail::narrow_index(to)](static_cast<const float*>(src), dst, n, opt);
   if (n != 0 && to == DType::f32 && detail::narrow_index(from) >= 0)
     return k.to_f32[detail::narrow_index(from)](src, static_cast<float*>(dst), n);
-  convert(src, from, dst, to, n, opt, active_simd_path());
+  convert(src, from, dst, to, n, opt, path);
 }
 
 void convert_parallel(const void* src, DType from, void* dst, DType to, size_t n,

@@ -1,12 +1,13 @@
 // Bulk conversion of arrays between dtypes, in both rounding modes, with a SIMD path chosen at run
-// time (AVX2 + F16C on x86-64) and a portable scalar path that is always built. Both paths give
-// bit-identical results; tests check them exhaustively against independent references.
+// time (AVX2 + F16C on x86-64; simd_path(SimdFamily::kConvert), cpu_features.h) and a portable
+// scalar path that is always built. Both paths give bit-identical results; tests check them
+// exhaustively against independent references.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <string_view>
 
+#include "mantissa/core/cpu_features.h"
 #include "mantissa/core/dtype.h"
 
 namespace mantissa {
@@ -27,20 +28,11 @@ struct CastOptions {
   uint64_t index = 0;
 };
 
-enum class SimdPath : uint8_t { kScalar, kAvx2 };
-
-std::string_view simd_path_name(SimdPath p);
-// Whether this build has the path and this processor can run it.
-bool simd_path_supported(SimdPath p);
-// The path convert() uses: the best supported one, chosen once; MANTISSA_SIMD=scalar|avx2 in the
-// environment overrides it (an unsupported request falls back to scalar).
-SimdPath active_simd_path();
-
-// Converts n elements of src (dtype `from`) into dst (dtype `to`). Narrow floats are rounded as
-// `opt` says; other targets (f32 from f64, integers, bool) round to nearest even, and float to
-// integer truncates toward zero, saturating at the integer's range, with NaN giving 0. Conversions
-// from f64 to narrow floats are correctly rounded (through round-to-odd FP32). src and dst must not
-// overlap unless they are the same pointer with the same dtype.
+// Converts n elements of src (dtype `from`) into dst (dtype `to`), on the convert family's path.
+// Narrow floats are rounded as `opt` says; other targets (f32 from f64, integers, bool) round to
+// nearest even, and float to integer truncates toward zero, saturating at the integer's range, with
+// NaN giving 0. Conversions from f64 to narrow floats are correctly rounded (through round-to-odd
+// FP32). src and dst must not overlap unless they are the same pointer with the same dtype.
 void convert(const void* src, DType from, void* dst, DType to, size_t n,
              const CastOptions& opt = {});
 // The same on an explicit path (tests and benchmarks compare the paths).

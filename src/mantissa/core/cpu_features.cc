@@ -4,6 +4,8 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -41,6 +43,67 @@ std::string cpu_features_string() {
   add(f.f16c, "f16c");
   add(f.avx512f, "avx512f");
   return s.empty() ? "none" : s;
+}
+
+std::string_view simd_path_name(SimdPath p) {
+  switch (p) {
+    case SimdPath::kScalar:
+      return "scalar";
+    case SimdPath::kAvx2:
+      return "avx2+f16c";
+  }
+  return "?";
+}
+
+bool simd_path_supported(SimdPath p) {
+  switch (p) {
+    case SimdPath::kScalar:
+      return true;
+    case SimdPath::kAvx2:
+#if defined(MANTISSA_HAVE_X86_SIMD)
+      return cpu_features().avx2 && cpu_features().f16c && cpu_features().fma;
+#else
+      return false;
+#endif
+  }
+  return false;
+}
+
+SimdPath active_simd_path() {
+  static const SimdPath path = [] {
+    if (const char* env = std::getenv("MANTISSA_SIMD")) {
+      const std::string want(env);
+      if (want == "scalar") return SimdPath::kScalar;
+      if (want == "avx2" && simd_path_supported(SimdPath::kAvx2)) return SimdPath::kAvx2;
+      if (want == "avx2") return SimdPath::kScalar;
+    }
+    return simd_path_supported(SimdPath::kAvx2) ? SimdPath::kAvx2 : SimdPath::kScalar;
+  }();
+  return path;
+}
+
+namespace {
+std::atomic<bool> g_dispatched[kSimdFamilyCount];
+}  // namespace
+
+std::string_view simd_family_name(SimdFamily f) {
+  switch (f) {
+#define MANTISSA_SIMD_FAMILY_NAME(e, name, where) \
+  case SimdFamily::e:                             \
+    return name;
+    MANTISSA_SIMD_FAMILIES(MANTISSA_SIMD_FAMILY_NAME)
+#undef MANTISSA_SIMD_FAMILY_NAME
+  }
+  return "?";
+}
+
+SimdPath simd_path(SimdFamily f) {
+  g_dispatched[static_cast<int>(f)].store(true, std::memory_order_relaxed);
+  return active_simd_path();
+}
+
+bool simd_family_dispatched(SimdFamily f) {
+  return g_dispatched[static_cast<int>(f)].load(std::memory_order_relaxed);
 }
 
 namespace {
@@ -86,7 +149,8 @@ float fma_chains_reference(int64_t rounds, float x0, float dx, float a, float b)
 
 float fma_chains(int64_t rounds, float x0, float dx, float a, float b) {
 #if MANTISSA_HAVE_X86_SIMD
-  if (cpu_features().avx2 && cpu_features().fma) {
+  static const bool avx2 = simd_path(SimdFamily::kFmaProbe) == SimdPath::kAvx2;
+  if (avx2) {
     float start[kFmaProbeLanes];
     fma_probe_start(x0, dx, start);
     return fma_chains_avx2(rounds, start, a, b);

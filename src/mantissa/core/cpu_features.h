@@ -1,8 +1,10 @@
-// What the processor can do, read once (cpuid through the compiler's builtins).
+// What the processor can do, read once (cpuid through the compiler's builtins), and the one
+// decision of which SIMD path each kernel family runs.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace mantissa {
 
@@ -16,6 +18,48 @@ struct CpuFeatures {
 const CpuFeatures& cpu_features();
 // "avx2 fma f16c" style summary for reports.
 std::string cpu_features_string();
+
+// ---- SIMD dispatch ----
+// Every kernel with a SIMD version asks simd_path() once for its family and keeps the answer;
+// none reads cpu_features() itself. The scalar path is always built and gives the same bits (each
+// family's tests compare the two), so MANTISSA_SIMD=scalar runs a whole program on the portable
+// loops.
+
+enum class SimdPath : uint8_t { kScalar, kAvx2 };
+
+std::string_view simd_path_name(SimdPath p);
+// Whether this build has the path and this processor can run it (AVX2: AVX2, FMA and F16C).
+bool simd_path_supported(SimdPath p);
+// The process's path: the best supported one, chosen once; MANTISSA_SIMD=scalar|avx2 in the
+// environment overrides it (an unsupported request falls back to scalar).
+SimdPath active_simd_path();
+
+// The kernel families with a SIMD version: (enumerator, name, where).
+#define MANTISSA_SIMD_FAMILIES(X)                                                            \
+  X(kConvert, "convert", "core/convert.cc: bulk conversion tables")                          \
+  X(kGemm, "gemm", "kernels/gemm.cc: the 6 x 16 micro-kernels and packing transposes")       \
+  X(kVectorRows, "vector rows",                                                              \
+    "kernels/vector_kernels.cc: convolution rows, FMA rows, lane-split dot products, axpy, " \
+    "Winograd transforms")                                                                   \
+  X(kPooling, "pooling", "kernels/vector_kernels.cc: 2x2 stride-2 max pooling rows")         \
+  X(kOptimizer, "optimizer", "optim/optim.cc: the Adam/AdamW update and the sum of squares") \
+  X(kFmaProbe, "fma probe", "core/cpu_features.cc: fma_chains, the FMA ceiling's probe")
+
+enum class SimdFamily : uint8_t {
+#define MANTISSA_SIMD_FAMILY_ENUM(e, name, where) e,
+  MANTISSA_SIMD_FAMILIES(MANTISSA_SIMD_FAMILY_ENUM)
+#undef MANTISSA_SIMD_FAMILY_ENUM
+};
+inline constexpr int kSimdFamilyCount = 6;
+static_assert(static_cast<int>(SimdFamily::kFmaProbe) + 1 == kSimdFamilyCount,
+              "a new SIMD family: update kSimdFamilyCount");
+
+std::string_view simd_family_name(SimdFamily f);
+// The path family f runs: active_simd_path() (every family's AVX2 version needs AVX2, FMA and
+// F16C at most). Records that f asked, so a test can check that every family dispatches here.
+SimdPath simd_path(SimdFamily f);
+// Whether family f has asked simd_path() in this process (it asks on its first call).
+bool simd_family_dispatched(SimdFamily f);
 
 // ---- FP32 multiply-add throughput: the ceiling that training speed is compared with ----
 

@@ -97,7 +97,7 @@ struct Kernels {
 const Kernels& kernels() {
   static const Kernels k = [] {
 #if defined(MANTISSA_HAVE_X86_SIMD)
-    if (cpu_features().avx2 && cpu_features().fma && cpu_features().f16c)
+    if (simd_path(SimdFamily::kGemm) == SimdPath::kAvx2)
       return Kernels{detail::avx2_micro_kernel(), detail::avx2_rows_micro_kernel(),
                      detail::avx2_interleave()};
 #endif

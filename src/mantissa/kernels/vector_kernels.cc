@@ -12,7 +12,12 @@ namespace mantissa::kernels::detail {
 namespace {
 
 [[maybe_unused]] bool avx2_vectors() {
-  static const bool on = cpu_features().avx2 && active_simd_path() == SimdPath::kAvx2;
+  static const bool on = simd_path(SimdFamily::kVectorRows) == SimdPath::kAvx2;
+  return on;
+}
+
+[[maybe_unused]] bool avx2_pooling() {
+  static const bool on = simd_path(SimdFamily::kPooling) == SimdPath::kAvx2;
   return on;
 }
 
@@ -82,7 +87,7 @@ void max_pool_2x2_row_f32(const float* r0, const float* r1, int64_t n, int32_t b
                           float* out, int32_t* idx) {
   int64_t j = 0;
 #if MANTISSA_HAVE_X86_SIMD
-  if (avx2_vectors() && n >= 8) {
+  if (avx2_pooling() && n >= 8) {
     j = n / 8 * 8;
     max_pool_2x2_row_avx2(r0, r1, j, base, ld, out, idx);
   }
@@ -121,8 +126,7 @@ void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const flo
 void fma_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
                   const float* const* x, int64_t taps, int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD
-  if (avx2_vectors() && cpu_features().fma)
-    return fma_rows_f32_avx2(y, ys, O, bias, w, ws, x, taps, n);
+  if (avx2_vectors()) return fma_rows_f32_avx2(y, ys, O, bias, w, ws, x, taps, n);
 #endif
   for (int64_t o = 0; o < O; ++o)
     for (int64_t j = 0; j < n; ++j) {
@@ -186,7 +190,7 @@ void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
   if (M <= 0 || N <= 0 || K <= 0) return;
   auto tile = dot_tile_portable;
 #if MANTISSA_HAVE_X86_SIMD
-  if (avx2_vectors() && cpu_features().fma) tile = dot_lanes_tile_avx2;
+  if (avx2_vectors()) tile = dot_lanes_tile_avx2;
 #endif
   // Threads take groups of B rows (each output is one thread's, so the result does not depend on
   // the thread count); within a group, depth passes over all tiles keep A's rows in cache.

@@ -491,7 +491,7 @@ void Adam::update_chunk(const ChunkArgs& a, float* p, const float* g, float* con
 
 void detail::sum_squares(const float* x, int64_t n, float scale, float* acc) {
 #if MANTISSA_HAVE_X86_SIMD
-  static const bool avx2 = cpu_features().avx2 && active_simd_path() == SimdPath::kAvx2;
+  static const bool avx2 = simd_path(SimdFamily::kOptimizer) == SimdPath::kAvx2;
   if (avx2) return sum_squares_avx2(x, n, scale, acc);
 #endif
   sum_squares8(x, n, scale, acc);
@@ -506,8 +506,7 @@ bool Adam::update_chunk_direct(const ChunkArgs& a, const detail::DirectChunk& c,
 
 bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScalars& s) {
 #if MANTISSA_HAVE_X86_SIMD
-  static const bool avx2 =
-      cpu_features().avx2 && cpu_features().f16c && active_simd_path() == SimdPath::kAvx2;
+  static const bool avx2 = simd_path(SimdFamily::kOptimizer) == SimdPath::kAvx2;
   // All-FP32 tensors gain nothing from it: the staged path reads them in place.
   const bool all_f32 =
       c.pt == DType::f32 && c.gt == DType::f32 && c.mt == DType::f32 && c.vt == DType::f32;
@@ -524,7 +523,7 @@ bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScala
 void detail::adam_update(float* p, const float* g, float* m, float* v, int64_t n,
                          const detail::AdamScalars& s) {
 #if MANTISSA_HAVE_X86_SIMD
-  static const bool avx2 = cpu_features().avx2 && active_simd_path() == SimdPath::kAvx2;
+  static const bool avx2 = simd_path(SimdFamily::kOptimizer) == SimdPath::kAvx2;
   if (avx2) return adam_update_avx2(p, g, m, v, n, s);
 #endif
   for (int64_t j = 0; j < n; ++j) adam_element(p[j], g[j], m[j], v[j], s);
