@@ -43,8 +43,10 @@
 // output positions and its padded plane is at most 1.15x of them (20 Hp Wp <= 23 Ho Wo).
 //
 // MANTISSA_CONV_COLUMNS=n (elements, at least 1024; default 2^20) is the chunk budget: how many
-// images a path takes at a time. It changes no path; the weight gradients of the GEMM paths,
-// summed chunk by chunk, then round differently.
+// images a path takes at a time. It changes no path and no forward or input gradient. Weight
+// gradients carry their sums from chunk to chunk: with FP32 partials the GEMM paths continue one
+// FMA chain (the same bits for any budget), but kImplicitDots restarts its lane assignment and
+// FP16 partials restart their 16-product groups at each chunk, so those round differently.
 #pragma once
 
 #include <algorithm>

@@ -350,8 +350,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
     // data + in_place[s] (no packing), when the rows of A fit one block; the others are packed,
     // sliver s into slot[s] of bp. (A sliver read in place spans two cache lines a row, more than
     // L1 holds at kc = 384; when many A slivers reuse it, an aligned packed copy that stays in L1
-    // is faster: ResNet-18's 128-channel 16x16 forward, 10 passes, 1.09-1.16 -> 1.00-1.02 s of
-    // CPU time; the same at 64 channels.)
+    // is faster: docs/numerics.md.)
     const OffsetMatrix& Bo = B.offsets;
     const bool rows_listed = Bo.row_offset != nullptr;
     std::array<int64_t, kNC / kNR> in_place, slot;
