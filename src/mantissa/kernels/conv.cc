@@ -44,18 +44,11 @@ namespace detail {
 
 std::string_view conv_path_name(ConvPath p) {
   switch (p) {
-    case ConvPath::kDirect:
-      return "direct";
-    case ConvPath::kWinograd:
-      return "winograd";
-    case ConvPath::kImplicitRows:
-      return "implicit rows";
-    case ConvPath::kImplicitGemm:
-      return "implicit gemm";
-    case ConvPath::kImplicitDots:
-      return "implicit dots";
-    case ConvPath::kIm2col:
-      return "im2col";
+#define MANTISSA_CONV_PATH_NAME(e, name, what) \
+  case ConvPath::e:                            \
+    return name;
+    MANTISSA_CONV_PATHS(MANTISSA_CONV_PATH_NAME)
+#undef MANTISSA_CONV_PATH_NAME
   }
   return "?";
 }

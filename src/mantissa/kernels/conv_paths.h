@@ -63,14 +63,23 @@ namespace mantissa::kernels::detail {
 
 // ---- Choosing a path ----
 
+// The paths: (enumerator, name, what it is).
+#define MANTISSA_CONV_PATHS(X)                                                          \
+  X(kDirect, "direct", "register-tiled rows over the input in place (conv_direct.cc)")  \
+  X(kWinograd, "winograd", "F(2x2, 3x3) (conv_winograd.cc)")                            \
+  X(kImplicitRows, "implicit rows",                                                     \
+    "a padded FP32 copy read by register-tiled FMA rows (conv_implicit.cc)")            \
+  X(kImplicitGemm, "implicit gemm",                                                     \
+    "a padded FP32 copy read in place by the GEMM "                                     \
+    "(conv_implicit.cc)")                                                               \
+  X(kImplicitDots, "implicit dots",                                                     \
+    "weight gradient: lane-split dot products over the padded copy (conv_implicit.cc)") \
+  X(kIm2col, "im2col", "columns in the storage dtype, the GEMM, col2im (conv_im2col.cc)")
+
 enum class ConvPath : uint8_t {
-  kDirect,        // register-tiled rows over the input in place (conv_direct.cc)
-  kWinograd,      // F(2x2, 3x3) (conv_winograd.cc)
-  kImplicitRows,  // a padded FP32 copy read by register-tiled FMA rows (conv_implicit.cc)
-  kImplicitGemm,  // a padded FP32 copy read in place by the GEMM (conv_implicit.cc)
-  kImplicitDots,  // weight gradient: lane-split dot products over the padded copy
-                  // (conv_implicit.cc)
-  kIm2col,        // columns in the storage dtype, the GEMM, col2im (conv_im2col.cc)
+#define MANTISSA_CONV_PATH_ENUM(e, name, what) e,
+  MANTISSA_CONV_PATHS(MANTISSA_CONV_PATH_ENUM)
+#undef MANTISSA_CONV_PATH_ENUM
 };
 std::string_view conv_path_name(ConvPath p);
 

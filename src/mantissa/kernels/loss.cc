@@ -40,6 +40,13 @@ void check_logits(const Tensor& t, const char* op) {
                  std::string(op) + ": input must be (N, C), got " + shape_str(t.shape()),
                  "flatten the input to (batch, classes)");
 }
+// The loss's gradient per counted row: grad_loss over the rows whose target is not ignored.
+float row_gradient(const Tensor& grad_loss, const std::vector<int64_t>& t, int64_t ignore_index) {
+  int64_t count = 0;
+  for (int64_t v : t) count += v != ignore_index;
+  return static_cast<float>(grad_loss.item()) / static_cast<float>(std::max<int64_t>(count, 1));
+}
+
 Tensor scalar_f32(float v, MemoryCategory cat) {
   Tensor t = Tensor::empty({}, DType::f32, charged_to(cat));
   *t.data<float>() = v;
@@ -66,10 +73,7 @@ Tensor nll_loss_backward(const Tensor& grad_loss, const Tensor& log_probs, const
                          int64_t ignore_index, DType out) {
   const int64_t N = log_probs.size(0), C = log_probs.size(1);
   const std::vector<int64_t> t = read_targets(target, N, C, ignore_index, "nll_loss");
-  int64_t count = 0;
-  for (int64_t v : t) count += v != ignore_index;
-  const float g =
-      static_cast<float>(grad_loss.item()) / static_cast<float>(std::max<int64_t>(count, 1));
+  const float g = row_gradient(grad_loss, t, ignore_index);
   std::vector<float> d(static_cast<size_t>(N * C), 0.0f);
   for (int64_t i = 0; i < N; ++i)
     if (t[i] != ignore_index) d[static_cast<size_t>(i * C + t[i])] = -g;
@@ -104,10 +108,7 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
                               double label_smoothing, int64_t ignore_index, DType out) {
   const int64_t N = logits.size(0), C = logits.size(1);
   const std::vector<int64_t> t = read_targets(target, N, C, ignore_index, "cross_entropy");
-  int64_t count = 0;
-  for (int64_t v : t) count += v != ignore_index;
-  const float g =
-      static_cast<float>(grad_loss.item()) / static_cast<float>(std::max<int64_t>(count, 1));
+  const float g = row_gradient(grad_loss, t, ignore_index);
   const Tensor p_t = softmax(logits, 1, false, DType::f32, MemoryCategory::workspace);
   const float* p = p_t.data<float>();
   std::vector<float> d(static_cast<size_t>(N * C), 0.0f);

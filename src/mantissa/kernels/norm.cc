@@ -35,36 +35,31 @@ struct FloatRows {
   }
 };
 
-// Sum of n floats, 8 lanes at a time (vectorizable), in FP64 across chunks of 4096.
-double sum_f(const float* p, int64_t n) {
+// Sum of term(p[i]) over n floats: 8 float lanes (vectorizable) within chunks of 4096, each chunk's
+// lanes added in a fixed tree, the chunks added in FP64.
+template <class Term>
+double lane_sum(const float* p, int64_t n, Term term) {
   double total = 0;
   for (int64_t c = 0; c < n; c += 4096) {
     const int64_t m = std::min<int64_t>(4096, n - c);
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
     for (; i + 8 <= m; i += 8)
-      for (int j = 0; j < 8; ++j) acc[j] += p[c + i + j];
-    for (; i < m; ++i) acc[0] += p[c + i];
+      for (int j = 0; j < 8; ++j) acc[j] += term(p[c + i + j]);
+    for (; i < m; ++i) acc[0] += term(p[c + i]);
     total += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   }
   return total;
 }
-// Sum of (p[i] - mu)^2, the same way.
+double sum_f(const float* p, int64_t n) {
+  return lane_sum(p, n, [](float v) { return v; });
+}
+// Sum of (p[i] - mu)^2.
 double sum_sq_f(const float* p, int64_t n, float mu) {
-  double total = 0;
-  for (int64_t c = 0; c < n; c += 4096) {
-    const int64_t m = std::min<int64_t>(4096, n - c);
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= m; i += 8)
-      for (int j = 0; j < 8; ++j) {
-        const float d = p[c + i + j] - mu;
-        acc[j] += d * d;
-      }
-    for (; i < m; ++i) acc[0] += (p[c + i] - mu) * (p[c + i] - mu);
-    total += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  }
-  return total;
+  return lane_sum(p, n, [mu](float v) {
+    const float d = v - mu;
+    return d * d;
+  });
 }
 
 // FP64 (sums over whole batches lose too much in FP32).
