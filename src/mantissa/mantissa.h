@@ -3,6 +3,8 @@
 
 #include "mantissa/amp/loss_scaler.h"
 #include "mantissa/amp/precision.h"
+#include "mantissa/amp/scaled_step.h"
+#include "mantissa/amp/settings.h"
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/convert.h"
 #include "mantissa/core/cpu_features.h"

@@ -63,6 +63,7 @@ class BatchNorm2d : public Module {
   BatchNorm2d(int64_t channels, double eps = 1e-5, double momentum = 0.1);
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override;
+  bool is_normalization() const override { return true; }
 
  private:
   int64_t channels_;
@@ -74,6 +75,7 @@ class GroupNorm : public Module {
   GroupNorm(int64_t groups, int64_t channels, double eps = 1e-5, bool affine = true);
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override;
+  bool is_normalization() const override { return true; }
 
  private:
   int64_t groups_, channels_;
@@ -86,6 +88,7 @@ class LayerNorm : public Module {
   explicit LayerNorm(Shape normalized_shape, double eps = 1e-5, bool affine = true);
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override;
+  bool is_normalization() const override { return true; }
 
  private:
   Shape shape_;
@@ -171,6 +174,7 @@ class LogSoftmax : public Module {
   explicit LogSoftmax(int64_t dim) : Module("LogSoftmax"), dim_(dim) {}
   Tensor forward(const Tensor& x) override { return ops::log_softmax(x, dim_); }
   std::string extra_repr() const override;
+  bool is_log_softmax() const override { return true; }
 
  private:
   int64_t dim_;

@@ -285,4 +285,8 @@ std::shared_ptr<Classifier> make_model(const std::string& name, const ModelConfi
 
 int64_t default_image_size(const std::string& model) { return model == "tutorial-cnn" ? 128 : 32; }
 
+int64_t default_in_channels(const std::string& model) {
+  return model == "tutorial-cnn" || model == "lenet5" ? 1 : 3;
+}
+
 }  // namespace mantissa::nn

@@ -70,5 +70,8 @@ std::shared_ptr<Classifier> make_model(const std::string& name, const ModelConfi
 std::vector<std::string> model_names();
 // The image size a model is made for when the user gives none (128, 32, 32...).
 int64_t default_image_size(const std::string& model);
+// The channels of the images a model is made for when no dataset fixes them (the synthetic
+// dataset): 1 for the grayscale models (tutorial-cnn, lenet5), 3 for the ResNets.
+int64_t default_in_channels(const std::string& model);
 
 }  // namespace mantissa::nn

@@ -47,6 +47,14 @@ class Module {
   const std::string& type() const { return type_; }
   virtual std::string extra_repr() const { return {}; }
 
+  // What mixed-precision recipes treat apart (amp::apply_precision): a normalization layer
+  // (batch, group, layer norm: O2 keeps its weights in FP32 in a 16-bit model, since its
+  // statistics are FP32 anyway and its few weights cost nothing), and a log-softmax, the first
+  // half of an NLL loss (O2 computes it in FP32). A layer of a user's model with either role
+  // overrides these.
+  virtual bool is_normalization() const { return false; }
+  virtual bool is_log_softmax() const { return false; }
+
   // ---- The tree ----
   // Registration order is the order of named_parameters(), state_dict() and the printout, as in
   // PyTorch. A parameter requires grad and is charged to MemoryCategory::parameters.

@@ -112,18 +112,22 @@ std::pair<double, bool> sum_of_squares(const Tensor& g, float scale) {
 }  // namespace
 
 Optimizer::Optimizer(ParamList params, double lr, StateTypes types)
-    : params_(std::move(params)),
-      lr_(lr),
-      types_(types),
-      state_(params_.size()),
-      masters_(params_.size()) {
+    : params_(std::move(params)), lr_(lr), state_(params_.size()), masters_(params_.size()) {
   MANTISSA_CHECK(std::isfinite(lr) && lr >= 0,
                  "learning rate " + std::to_string(lr) + " is not valid",
                  "use a finite, non-negative --lr");
+  set_state_types(types);
+}
+
+void Optimizer::set_state_types(StateTypes types) {
   for (DType t : {types.first_moment, types.second_moment})
     MANTISSA_CHECK(is_compute_float(t),
                    "optimizer state type " + std::string(dtype_name(t)) + " is not supported",
                    "use f32, f16 or bf16");
+  for (const std::vector<Tensor>& buffers : state_)
+    for (const Tensor& b : buffers)
+      MANTISSA_ASSERT(!b.defined(), "the optimizer state types change after its first step");
+  types_ = types;
 }
 
 void Optimizer::enable_master_weights() {

@@ -55,6 +55,8 @@ class Optimizer {
   int64_t steps() const { return steps_; }
   const ParamList& params() const { return params_; }
   const StateTypes& state_types() const { return types_; }
+  // Sets the state's storage types; before the first step (state buffers are made on first use).
+  void set_state_types(StateTypes types);
 
   // Updates during the backward pass (PyTorch's optimizer-in-backward): begin_backward_step()
   // starts the step (counts it, sets its scalars) and gives each eligible parameter a gradient

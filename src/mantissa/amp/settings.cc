@@ -1,0 +1,125 @@
+#include "mantissa/amp/settings.h"
+
+#include <algorithm>
+
+#include "mantissa/core/error.h"
+#include "mantissa/ops/ops.h"
+
+namespace mantissa::amp {
+namespace {
+
+kernels::Partials parse_partials(const std::string& text) {
+  if (text == "fp32") return kernels::Partials::kF32;
+  if (text == "fp16") return kernels::Partials::kF16;
+  throw Error("--partials '" + text + "' is not valid", "use fp32 or fp16");
+}
+
+const char* partials_name(kernels::Partials p) {
+  return p == kernels::Partials::kF16 ? "fp16" : "fp32";
+}
+
+// The mode's loss scaling, or the one --loss-scaling names, with the --loss-scale-* flags applied.
+std::optional<LossScalerOptions> loss_scaling_of(const PrecisionChoices& c,
+                                                 const PrecisionMode& mode) {
+  std::optional<LossScalerOptions> o =
+      c.loss_scaling.empty() ? mode.loss_scaling : parse_loss_scaling(c.loss_scaling);
+  MANTISSA_CHECK(c.loss_scale_growth_interval > 0, "--loss-scale-growth-interval must be positive",
+                 "e.g. 2000");
+  MANTISSA_CHECK(c.loss_scale_hysteresis >= 1, "--loss-scale-hysteresis must be at least 1",
+                 "1 backs off on every overflow");
+  if (o) {
+    if (c.loss_scale_init) o->init_scale = *c.loss_scale_init;
+    o->min_scale = c.loss_scale_min;
+    o->max_scale = c.loss_scale_max;
+    o->growth_interval = c.loss_scale_growth_interval;
+    o->hysteresis = c.loss_scale_hysteresis;
+  }
+  return o;
+}
+
+// The default op lists, with the lists that --autocast-lower-list / --autocast-fp32-list replace.
+ops::AutocastPolicy policy_of(const PrecisionChoices& c) {
+  std::optional<std::vector<std::string>> lower, fp32;
+  if (!c.autocast_lower_list.empty()) lower = ops::read_op_list(c.autocast_lower_list);
+  if (!c.autocast_fp32_list.empty()) fp32 = ops::read_op_list(c.autocast_fp32_list);
+  ops::AutocastPolicy policy;
+  policy.replace_lists(lower, fp32);
+  return policy;
+}
+
+}  // namespace
+
+PrecisionSettings resolve_precision(const PrecisionChoices& c, uint64_t seed) {
+  PrecisionSettings s;
+  const std::optional<DType> half =
+      c.half_type.empty() ? std::nullopt
+                          : std::optional<DType>(parse_float_type(c.half_type, "--half-type"));
+  s.mode = precision_mode(c.precision, half);
+  s.partials = parse_partials(c.partials);
+  if (!c.accum_type.empty()) s.grad_dtype = parse_float_type(c.accum_type, "--accum-type");
+  s.state_types = {s.mode.first_moment, s.mode.second_moment};
+  if (!c.first_moment_type.empty())
+    s.state_types.first_moment = parse_float_type(c.first_moment_type, "--first-moment-type");
+  if (!c.second_moment_type.empty())
+    s.state_types.second_moment = parse_float_type(c.second_moment_type, "--second-moment-type");
+  s.loss_scaling = loss_scaling_of(c, s.mode);
+  MANTISSA_CHECK(!c.stochastic_outputs || s.mode.param_dtype != DType::f32 || s.mode.autocast,
+                 "--stochastic-outputs needs 16-bit op outputs",
+                 "use it with a 16-bit --precision (16-true, bf16-true, 16-mixed, ...)");
+  // Streams of their own: the seed also keys initialisation, shuffling and dropout.
+  if (c.stochastic_rounding) s.stochastic_rounding_seed = seed ^ 0x5352u;
+  if (c.stochastic_outputs) s.stochastic_outputs_seed = seed ^ 0x4f5554u;
+  s.policy = policy_of(c);  // the op-list files: readable, known ops, no op in both
+  for (const auto& k : c.keep_fp32)
+    MANTISSA_CHECK(
+        std::find(c.half_modules.begin(), c.half_modules.end(), k) == c.half_modules.end(),
+        "module '" + k + "' is in both --keep-fp32 and --half-modules", "name it in one of them");
+  s.keep_fp32 = c.keep_fp32;
+  s.half_modules = c.half_modules;
+  return s;
+}
+
+std::string PrecisionSettings::describe() const {
+  PrecisionMode shown = mode;  // with the settings that override the mode's defaults
+  shown.loss_scaling = loss_scaling;
+  shown.first_moment = state_types.first_moment;
+  shown.second_moment = state_types.second_moment;
+  return shown.describe() + ", partials " + partials_name(partials) +
+         (stochastic_rounding_seed ? ", stochastic rounding" : "") +
+         (stochastic_outputs_seed ? ", stochastic op outputs" : "");
+}
+
+Tensor PrecisionSettings::loss_input(const Tensor& output) const {
+  return mode.fp32_loss && output.dtype() != DType::f32 ? ops::cast(output, DType::f32) : output;
+}
+
+void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optimizer& optimizer) {
+  const PrecisionMode& mode = s.mode;
+  if (mode.param_dtype != DType::f32) {
+    model.to(mode.param_dtype);
+    if (mode.keep_norm_fp32) {
+      // O2: normalization layers keep FP32 weights and statistics and take 16-bit activations
+      // as they come; the log-softmax (the loss's first half) runs in FP32.
+      for (auto& [path, sub] : model.named_modules()) {
+        if (sub->is_normalization()) sub->cast_parameters(DType::f32);
+        if (sub->is_log_softmax()) sub->to(DType::f32);
+      }
+    }
+  }
+  for (const std::string& path : s.half_modules) model.submodule(path).to(mode.half);
+  for (const std::string& path : s.keep_fp32) model.submodule(path).to(DType::f32);
+  if (s.grad_dtype)
+    for (auto& p : model.named_parameters()) p.tensor->autograd_meta()->grad_dtype = *s.grad_dtype;
+  optimizer.set_state_types(s.state_types);
+  if (mode.master_weights) optimizer.enable_master_weights();
+  if (s.stochastic_rounding_seed) optimizer.set_stochastic_rounding(s.stochastic_rounding_seed);
+}
+
+ForwardPrecision::ForwardPrecision(const PrecisionSettings& s, ops::AutocastLog* log,
+                                   uint64_t stochastic_stream)
+    : partials_(s.partials) {
+  if (s.mode.autocast) autocast_.emplace(s.mode.half, s.policy, log);
+  if (s.stochastic_outputs_seed) stochastic_.emplace(*s.stochastic_outputs_seed, stochastic_stream);
+}
+
+}  // namespace mantissa::amp
