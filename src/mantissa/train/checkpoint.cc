@@ -1,0 +1,225 @@
+#include "mantissa/train/checkpoint.h"
+
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "mantissa/core/error.h"
+#include "mantissa/io/safetensors.h"
+#include "mantissa/train/run_data.h"
+
+namespace mantissa::train {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr const char* kFormat = "mantissa-checkpoint-1";
+constexpr const char* kOptimizerPrefix = "optimizer.";
+
+std::map<std::string, Tensor> model_tensors(const io::SafetensorsFile& f) {
+  std::map<std::string, Tensor> out;
+  for (auto& [name, t] : f.tensors)
+    if (name.rfind(kOptimizerPrefix, 0) != 0) out.emplace(name, t);
+  return out;
+}
+
+std::string meta(const io::SafetensorsFile& f, const std::string& key, const std::string& path) {
+  auto it = f.metadata.find(key);
+  MANTISSA_CHECK(
+      it != f.metadata.end(),
+      path + " is not a Mantissa checkpoint (no '" + key + "' in its metadata)",
+      "pass a file written by 'mantissa train --save'; for weights alone use --init-from");
+  return it->second;
+}
+
+int64_t meta_int(const io::SafetensorsFile& f, const std::string& key, const std::string& path) {
+  const std::string v = meta(f, key, path);
+  try {
+    size_t used = 0;
+    const long long x = std::stoll(v, &used);
+    if (used == v.size()) return x;
+  } catch (const std::exception&) {
+  }
+  throw Error(path + ": metadata '" + key + "' is not an integer ('" + v + "')",
+              "the file is damaged");
+}
+
+bool is_user_model(const io::SafetensorsFile& f) {
+  auto it = f.metadata.find("user_model");
+  return it != f.metadata.end() && it->second == "true";
+}
+
+nn::ModelConfig model_config_from(const io::SafetensorsFile& f, const std::string& path) {
+  nn::ModelConfig mc;
+  mc.in_channels = meta_int(f, "in_channels", path);
+  mc.image_size = meta_int(f, "image_size", path);
+  mc.num_classes = meta_int(f, "num_classes", path);
+  mc.imagenet_stem = meta(f, "imagenet_stem", path) == "true";
+  return mc;
+}
+
+// The checkpoint holds `run`'s model: the same built-in model and image geometry, or a
+// user-defined model of the same type (its tensors are compared as they are loaded).
+void check_model(const io::SafetensorsFile& f, const std::string& path, const CheckpointRun& run,
+                 const nn::Classifier& model) {
+  const std::string saved = meta(f, "model", path);
+  if (is_user_model(f) != run.user_model) {
+    throw Error(path + " is a checkpoint of " +
+                    (run.user_model ? "the built-in model " + saved
+                                    : "a user-defined model (" + saved + ")") +
+                    ", not of " + run.model,
+                run.user_model ? "resume it with 'mantissa train --model " + saved + "'"
+                               : "resume it from C++, into the model it was saved from");
+  }
+  if (run.user_model) {
+    MANTISSA_CHECK(saved == run.model,
+                   path + " is a checkpoint of " + saved + ", not of " + run.model,
+                   "resume into the model the checkpoint was saved from");
+    return;
+  }
+  MANTISSA_CHECK(saved == run.model,
+                 path + " is a checkpoint of " + saved + ", not of " + run.model,
+                 "pass --model " + saved + " to resume it");
+  const nn::ModelConfig s = model_config_from(f, path);
+  const nn::ModelConfig& mc = model.config();
+  MANTISSA_CHECK(s.image_size == mc.image_size && s.in_channels == mc.in_channels &&
+                     s.num_classes == mc.num_classes,
+                 path + " was trained on " + std::to_string(s.in_channels) + "x" +
+                     std::to_string(s.image_size) + "x" + std::to_string(s.image_size) +
+                     " images of " + std::to_string(s.num_classes) + " classes, not " +
+                     std::to_string(mc.in_channels) + "x" + std::to_string(mc.image_size) + "x" +
+                     std::to_string(mc.image_size) + " of " + std::to_string(mc.num_classes),
+                 "resume with the --image-size and --dataset of the original run");
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
+                     const optim::Optimizer& optimizer, const amp::LossScaler* scaler, int64_t step,
+                     const std::vector<float>& step_losses) {
+  std::vector<std::pair<std::string, Tensor>> tensors = model.state_dict();
+  for (auto& [name, t] : optimizer.state_tensors())
+    tensors.emplace_back(kOptimizerPrefix + name, t);
+  json losses = json::array();
+  for (float l : step_losses) losses.push_back(l);
+  std::map<std::string, std::string> m = {
+      {"format", kFormat},
+      {"model", run.model},
+      {"dataset", run.dataset},
+      {"optimizer", optimizer.name()},
+      {"step", std::to_string(step)},
+      {"optimizer_steps", std::to_string(optimizer.steps())},
+      {"seed", std::to_string(run.seed)},
+      {"batch_size", std::to_string(run.batch_size)},
+      {"gradient_accumulation", std::to_string(run.gradient_accumulation)},
+      {"step_losses", losses.dump()},
+      {"precision", run.precision},
+  };
+  if (run.user_model) {
+    m["user_model"] = "true";
+  } else {
+    // What `mantissa eval` rebuilds the model and its dataset from.
+    const nn::ModelConfig& mc = model.config();
+    m["in_channels"] = std::to_string(mc.in_channels);
+    m["image_size"] = std::to_string(mc.image_size);
+    m["num_classes"] = std::to_string(mc.num_classes);
+    m["imagenet_stem"] = mc.imagenet_stem ? "true" : "false";
+    m["synthetic_size"] = std::to_string(run.synthetic_size);
+  }
+  if (scaler) m["loss_scaler"] = scaler->to_json();
+  if (optimizer.stochastic_rounding())
+    m["stochastic_rounding_seed"] = std::to_string(*optimizer.stochastic_rounding());
+  io::save_safetensors(path, tensors, m);
+}
+
+Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
+                        optim::Optimizer& optimizer, amp::LossScaler* scaler) {
+  const io::SafetensorsFile f = io::load_safetensors(path);
+  MANTISSA_CHECK(meta(f, "format", path) == kFormat,
+                 path + " has checkpoint format '" + meta(f, "format", path) + "'",
+                 std::string("this Mantissa reads ") + kFormat);
+  check_model(f, path, run, model);
+  const std::string opt = meta(f, "optimizer", path);
+  MANTISSA_CHECK(opt == optimizer.name(),
+                 path + " holds the state of optimizer " + opt + ", not " + optimizer.name(),
+                 "pass --optimizer " + opt + " to resume it");
+  const std::string precision =
+      f.metadata.count("precision") ? f.metadata.at("precision") : std::string("32-true");
+  MANTISSA_CHECK(precision == run.precision,
+                 path + " was trained with --precision " + precision + ", not " + run.precision,
+                 "pass --precision " + precision + " to resume it");
+  const int64_t ga =
+      f.metadata.count("gradient_accumulation") ? meta_int(f, "gradient_accumulation", path) : 1;
+  MANTISSA_CHECK(ga == run.gradient_accumulation,
+                 path + " was trained with --gradient-accumulation " + std::to_string(ga) +
+                     ", not " + std::to_string(run.gradient_accumulation),
+                 "pass --gradient-accumulation " + std::to_string(ga) + " to resume it");
+  MANTISSA_CHECK(f.metadata.count("loss_scaler") == (scaler ? 1u : 0u),
+                 path + (scaler ? " holds no loss-scaler state" : " holds loss-scaler state"),
+                 "resume with the --loss-scaling of the original run");
+  if (scaler) scaler->load_json(f.metadata.at("loss_scaler"), path);
+  try {
+    model.load_state_dict(model_tensors(f), path);
+  } catch (const OutOfMemoryError&) {
+    throw;
+  } catch (const Error& e) {
+    // The built-in models' hint names the flags that choose them; a user's model has none.
+    if (!run.user_model) throw;
+    throw Error(e.message(), "resume into the model the checkpoint was saved from");
+  }
+  std::map<std::string, Tensor> state;
+  for (auto& [name, t] : f.tensors)
+    if (name.rfind(kOptimizerPrefix, 0) == 0)
+      state.emplace(name.substr(std::string(kOptimizerPrefix).size()), t);
+  optimizer.load_state(state, meta_int(f, "optimizer_steps", path), path);
+  Resumed r;
+  r.step = meta_int(f, "step", path);
+  try {
+    for (auto& v : json::parse(meta(f, "step_losses", path)))
+      r.step_losses.push_back(v.get<float>());
+  } catch (const json::exception& e) {
+    throw Error(path + ": metadata 'step_losses' is not a JSON list of numbers",
+                "the file is damaged");
+  }
+  return r;
+}
+
+void load_weights(const std::string& path, nn::Module& model) {
+  const io::SafetensorsFile f = io::load_safetensors(path);
+  model.load_state_dict(model_tensors(f), path);
+}
+
+EvalResult evaluate_checkpoint(const std::string& path, const std::string& dataset,
+                               const std::string& data_dir, int64_t test_limit,
+                               int64_t batch_size) {
+  const io::SafetensorsFile f = io::load_safetensors(path);
+  const std::string model = meta(f, "model", path);
+  MANTISSA_CHECK(
+      !is_user_model(f),
+      path + " holds a user-defined model (" + model + "), which 'mantissa eval' cannot rebuild",
+      "evaluate it from C++: train::load_weights into your model, then "
+      "train::evaluate_model");
+  nn::ModelConfig mc = model_config_from(f, path);
+  auto m = nn::make_model(model, mc);
+  m->load_state_dict(model_tensors(f), path);
+  TrainConfig c;
+  c.model = model;
+  c.dataset = dataset.empty() ? meta(f, "dataset", path) : dataset;
+  c.data_dir = data_dir;
+  c.image_size = mc.image_size;
+  c.test_limit = test_limit;
+  c.eval_batch_size = batch_size;
+  // The synthetic dataset is made from the run's seed and size.
+  if (f.metadata.count("seed")) c.seed = static_cast<uint64_t>(meta_int(f, "seed", path));
+  if (f.metadata.count("synthetic_size")) c.synthetic_size = meta_int(f, "synthetic_size", path);
+  const data::Dataset test = load_split(c, false);
+  MANTISSA_CHECK(test.channels() == mc.in_channels,
+                 "dataset " + test.name + " has " + std::to_string(test.channels()) +
+                     " channels but " + path + " expects " + std::to_string(mc.in_channels),
+                 "evaluate on the dataset the model was trained on");
+  data::Loader loader(test, loader_config(c, DType::f32, false, test.channels()));
+  EvalResult r = evaluate_model(*m, loader);
+  r.model = model;
+  return r;
+}
+
+}  // namespace mantissa::train

@@ -1,0 +1,61 @@
+// Checkpoints: safetensors files holding the model's state dict under PyTorch's names
+// ("conv1.weight", "layer1.0.bn1.running_mean"), the optimizer's state as
+// "optimizer.<parameter>.<buffer>", and in the metadata the run they belong to (model, precision,
+// optimizer, gradient accumulation, seed), its position (step, every step's loss) and the loss
+// scaler's state. Written atomically (io/safetensors.h). A resume checks the metadata against the
+// run first, then restores everything a bit-exact continuation needs: every random choice is a
+// function of the seed and the step, so nothing else is saved.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mantissa/amp/loss_scaler.h"
+#include "mantissa/nn/models.h"
+#include "mantissa/optim/optim.h"
+#include "mantissa/train/config.h"
+#include "mantissa/train/evaluation.h"
+
+namespace mantissa::train {
+
+// The run a checkpoint belongs to: what its metadata records and what a resume must match.
+struct CheckpointRun {
+  // A built-in model's name (its ModelConfig is recorded too, to rebuild it), or the
+  // Module::type() of a user's model (user_model).
+  std::string model;
+  bool user_model = false;
+  std::string dataset;
+  std::string precision;  // the mode's name
+  uint64_t seed = 0;
+  int64_t batch_size = 0;
+  int64_t gradient_accumulation = 1;
+  int64_t synthetic_size = 0;  // the synthetic dataset is made from the seed and its size
+};
+
+// The training state a checkpoint holds. `scaler` is null when the run has no loss scaling.
+void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
+                     const optim::Optimizer& optimizer, const amp::LossScaler* scaler, int64_t step,
+                     const std::vector<float>& step_losses);
+
+// Restores a checkpoint into the run's model, optimizer and scaler after checking that it is one
+// of this run (the same model, image size, optimizer, precision, gradient accumulation and loss
+// scaling), and returns its step count and losses. Throws naming the first thing that differs
+// and the setting that resumes it; for a different model, the first tensor that does not match.
+struct Resumed {
+  int64_t step = 0;
+  std::vector<float> step_losses;
+};
+Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
+                        optim::Optimizer& optimizer, amp::LossScaler* scaler);
+
+// Copies the model's tensors from a safetensors file with PyTorch names (a checkpoint's optimizer
+// entries are ignored); names the file and the first tensor that does not fit.
+void load_weights(const std::string& path, nn::Module& model);
+
+// Evaluates a checkpoint of a built-in model (rebuilt from its metadata, in FP32) on a dataset's
+// test split: `dataset` empty is the one it was trained on.
+EvalResult evaluate_checkpoint(const std::string& path, const std::string& dataset,
+                               const std::string& data_dir, int64_t test_limit, int64_t batch_size);
+
+}  // namespace mantissa::train

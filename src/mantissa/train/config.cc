@@ -1,0 +1,144 @@
+#include "mantissa/train/config.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "mantissa/core/error.h"
+#include "mantissa/core/memory.h"
+#include "mantissa/data/datasets.h"
+#include "mantissa/io/output_file.h"
+
+namespace mantissa::train {
+namespace {
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (auto& n : v) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+OptimizerKind parse_optimizer(const std::string& name) {
+  if (name == "sgd") return OptimizerKind::kSgd;
+  if (name == "adam") return OptimizerKind::kAdam;
+  if (name == "adamw") return OptimizerKind::kAdamW;
+  throw Error("unknown optimizer '" + name + "'", "choose --optimizer sgd, adam or adamw");
+}
+
+Reduction parse_reduction(const std::string& name) {
+  if (name == "mean") return Reduction::kMean;
+  if (name == "running") return Reduction::kRunning;
+  if (name == "sum") return Reduction::kSum;
+  throw Error("--accumulation-reduction '" + name + "' is not valid", "use mean, running or sum");
+}
+
+OutputMode parse_output_mode(const std::string& name) {
+  if (name == "all") return OutputMode::kAll;
+  if (name == "sum") return OutputMode::kSum;
+  if (name == "final") return OutputMode::kFinal;
+  if (name == "every") return OutputMode::kEvery;
+  throw Error("--output-mode '" + name + "' is not valid",
+              "use all, sum, final or every (with --output-return-period N)");
+}
+
+}  // namespace
+
+RunSettings resolve(const TrainConfig& c) {
+  RunSettings r;
+  const auto models = nn::model_names();
+  MANTISSA_CHECK(std::find(models.begin(), models.end(), c.model) != models.end(),
+                 "unknown model '" + c.model + "'", "choose --model from: " + joined(models));
+  const auto sets = data::dataset_names();
+  MANTISSA_CHECK(std::find(sets.begin(), sets.end(), c.dataset) != sets.end(),
+                 "unknown dataset '" + c.dataset + "'", "choose --dataset from: " + joined(sets));
+  r.model = c.model;
+  r.dataset = c.dataset;
+  r.optimizer = parse_optimizer(c.optimizer);
+  MANTISSA_CHECK(c.batch_size > 0, "--batch-size must be positive", "");
+  MANTISSA_CHECK(c.eval_batch_size > 0, "--eval-batch-size must be positive", "");
+  MANTISSA_CHECK(c.epochs > 0, "--epochs must be positive", "");
+  MANTISSA_CHECK(c.max_steps >= 0 && c.train_limit >= 0 && c.test_limit >= 0,
+                 "--max-steps, --train-limit and --test-limit must not be negative", "");
+  MANTISSA_CHECK(c.image_size >= 0, "--image-size must be positive", "");
+  r.image_size = c.effective_image_size();
+  MANTISSA_CHECK(std::isfinite(c.lr) && c.lr > 0, "--lr must be a positive number",
+                 "e.g. --lr 1e-3");
+  r.weight_decay = c.effective_weight_decay();
+  MANTISSA_CHECK(r.weight_decay >= 0, "--weight-decay must not be negative", "");
+  MANTISSA_CHECK(c.momentum >= 0 && c.momentum < 1, "--momentum must lie in [0, 1)", "");
+  MANTISSA_CHECK(c.momentum == 0 || r.optimizer == OptimizerKind::kSgd,
+                 "--momentum applies to SGD only", "Adam and AdamW take --beta1");
+  MANTISSA_CHECK(c.max_grad_norm >= 0, "--max-grad-norm must not be negative", "");
+  MANTISSA_CHECK(c.threads >= 0, "--threads must not be negative", "");
+  MANTISSA_CHECK(c.synthetic_size > 0, "--synthetic-size must be positive", "");
+  MANTISSA_CHECK(c.gradient_accumulation >= 1, "--gradient-accumulation must be at least 1",
+                 "1 updates after every batch");
+  r.reduction = parse_reduction(c.accumulation_reduction);
+  MANTISSA_CHECK(c.device_iterations >= 1, "--device-iterations must be at least 1",
+                 "1 runs one optimizer step per call");
+  r.output_mode = parse_output_mode(c.output_mode);
+  MANTISSA_CHECK(
+      c.output_return_period >= 1 && c.output_return_period <= c.device_iterations,
+      "--output-return-period " + std::to_string(c.output_return_period) +
+          " must lie in [1, --device-iterations = " + std::to_string(c.device_iterations) + "]",
+      "e.g. --device-iterations 4 --output-mode every --output-return-period 2");
+  MANTISSA_CHECK(c.workers >= 1 && c.workers <= 64, "--workers must lie in [1, 64]", "");
+  MANTISSA_CHECK(c.prefetch >= 0 && c.prefetch <= 64, "--prefetch must lie in [0, 64]", "");
+  io::check_output_path(c.save, "--save");
+  io::check_output_path(c.metrics_json, "--metrics-json");
+  io::check_output_path(c.numerics_report, "--numerics-report");
+  MANTISSA_CHECK(c.numerics_every >= 1, "--numerics-every must be at least 1", "");
+  MANTISSA_CHECK(c.init_from.empty() || c.resume.empty(),
+                 "--init-from and --resume cannot be used together",
+                 "--resume restores the weights itself; use one of them");
+  r.schedule.kind = optim::parse_schedule(c.lr_schedule);
+  r.schedule.warmup_steps = c.warmup_steps;
+  r.schedule.step_size = c.lr_step_size;
+  r.schedule.gamma = c.lr_gamma;
+  if (!c.memory_budget.empty()) {
+    r.memory_budget = parse_bytes(c.memory_budget);
+    MANTISSA_CHECK(r.memory_budget.value_or(0) > 0,
+                   "--memory-budget '" + c.memory_budget + "' is not a size",
+                   "give bytes or a size with a unit, e.g. 512MiB or 1.5GiB");
+  }
+  r.precision = amp::resolve_precision(c, c.seed);
+  return r;
+}
+
+void validate(const TrainConfig& c) { resolve(c); }
+
+void check_user_model_config(const TrainConfig& c) {
+  const TrainConfig d;
+  struct Field {
+    const char* name;
+    bool set;
+    const char* what;  // what the field is for
+    const char* fix;
+  };
+  const char* kLeave = "leave it at its default";
+  const Field fields[] = {
+      {"model", c.model != d.model, "names a built-in model", kLeave},
+      {"dataset", c.dataset != d.dataset, "names a built-in dataset", kLeave},
+      {"data_dir", c.data_dir != d.data_dir, "locates a built-in dataset's files", kLeave},
+      {"image_size", c.image_size != d.image_size, "resizes a built-in dataset's images",
+       "transform the examples in your ExampleSource::get"},
+      {"imagenet_stem", c.imagenet_stem != d.imagenet_stem, "chooses a built-in ResNet's stem",
+       kLeave},
+      {"train_limit", c.train_limit != d.train_limit, "shortens a built-in dataset",
+       "pass the examples you want to train on"},
+      {"test_limit", c.test_limit != d.test_limit, "shortens a built-in dataset",
+       "pass the examples you want to test on"},
+      {"augment", c.augment != d.augment, "crops and flips a built-in dataset's images",
+       "transform the examples in your ExampleSource::get"},
+      {"synthetic_size", c.synthetic_size != d.synthetic_size,
+       "sizes the built-in synthetic dataset", kLeave},
+      {"eight_bit_io", c.eight_bit_io != d.eight_bit_io,
+       "hands over a built-in dataset's images in 8 bits", kLeave},
+  };
+  for (const Field& f : fields)
+    MANTISSA_CHECK(!f.set,
+                   std::string("TrainConfig::") + f.name + " " + f.what +
+                       ", but this trainer was given a model and datasets of its own",
+                   f.fix);
+}
+
+}  // namespace mantissa::train

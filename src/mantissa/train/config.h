@@ -1,0 +1,154 @@
+// A training run's configuration: TrainConfig is what the user sets (the `mantissa train` flags,
+// names as strings), resolve() checks it once and turns it into typed values (RunSettings) that
+// the trainer reads; nothing after resolve() parses a string again.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mantissa/amp/settings.h"
+#include "mantissa/nn/models.h"
+#include "mantissa/optim/optim.h"
+
+namespace mantissa::train {
+
+// The precision fields (precision, half_type, keep_fp32, half_modules, the autocast op-list files,
+// loss_scaling and the loss_scale_* options, stochastic_rounding, stochastic_outputs, partials,
+// accum_type, first_moment_type, second_moment_type) come from amp::PrecisionChoices
+// (amp/settings.h; docs/mixed_precision.md).
+struct TrainConfig : amp::PrecisionChoices {
+  // ---- Model and data: the built-in ones by name. A user's own model and dataset are passed
+  // to Trainer's other constructor instead, which refuses these fields when they are set. ----
+  std::string model = "tutorial-cnn";
+  std::string dataset = "fashion-mnist";
+  std::string data_dir;        // empty: the dataset's default
+  int64_t image_size = 0;      // 0: the model's default (tutorial-cnn 128, others 32)
+  bool imagenet_stem = false;  // ResNets
+  int64_t train_limit = 0;     // first N training examples (0: all)
+  int64_t test_limit = 0;
+  bool augment = false;           // random crop (padding 4) and horizontal flip
+  int64_t synthetic_size = 2048;  // training examples of --dataset synthetic (test: a quarter)
+  // 8-bit I/O: the loader hands over u8 images; the model's first op normalizes them and casts
+  // to the mode's input type (4x fewer bytes than FP32 input, 2x fewer than FP16).
+  bool eight_bit_io = false;
+
+  // ---- Training ----
+  int64_t batch_size = 12;
+  int64_t eval_batch_size = 32;
+  int64_t epochs = 1;
+  int64_t max_steps = 0;  // total optimizer steps, counted from the start of the run; 0: none
+  bool shuffle = true;
+  std::string optimizer = "adamw";  // sgd | adam | adamw
+  double lr = 1e-3;
+  std::optional<double> weight_decay;  // default: 0.01 for AdamW, 0 otherwise (PyTorch's)
+  double momentum = 0;
+  bool nesterov = false;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  bool bias_correction = true;           // Adam and AdamW
+  double max_grad_norm = 0;              // 0: no clipping
+  std::string lr_schedule = "constant";  // constant | step | cosine
+  int64_t warmup_steps = 0;
+  int64_t lr_step_size = 1000;
+  double lr_gamma = 0.1;
+  uint64_t seed = 0;
+  int threads = 0;  // 0: all hardware threads
+  std::string init_from, save, resume, metrics_json;
+
+  bool autocast_log = false;  // print each automatic-casting decision once
+
+  // The engine behaves as a device with this much memory ("512MiB", "1.5GiB", bytes): going past
+  // it throws OutOfMemoryError with the report by category and holder. "": no limit.
+  std::string memory_budget;
+
+  // ---- The IPU guide's pipeline levers (docs/ipu_guide.md) ----
+  // Micro-batches of batch_size per optimizer step; their gradients are reduced by
+  // accumulation_reduction: "mean" (summed, divided by N at the step), "running" (the running
+  // mean s = f/(f+1) s + g/(f+1) after each micro-batch: never larger than the largest gradient,
+  // so it cannot overflow a 16-bit accumulator), or "sum".
+  int64_t gradient_accumulation = 1;
+  std::string accumulation_reduction = "mean";
+  // Optimizer steps per call of the training step: the call takes device_iterations *
+  // gradient_accumulation batches at once and returns outputs as output_mode says: "all",
+  // "sum", "final" (PopTorch's default for training), or "every" (every output_return_period-th
+  // step). The progress bar and the epoch figures are computed from what the calls return.
+  int64_t device_iterations = 1;
+  std::string output_mode = "final";
+  int64_t output_return_period = 1;
+  // Activation recomputation at block boundaries (each ResNet block, or the blocks a model's
+  // recompute_blocks() lists): a block keeps only its input in the forward pass and runs again
+  // in the backward.
+  bool recompute = false;
+  bool async_loader = false;  // background workers prepare batches while the step runs
+  int workers = 1;            // with async_loader
+  int prefetch = 2;           // with async_loader: batches made ahead at most
+
+  // Check every op's output (forward) and every gradient (backward) for inf/NaN and stop at the
+  // first, naming the op, module, dtype and input statistics (autograd::AnomalyError). Under loss
+  // scaling, infinite gradients are the scaler's business: only NaN stops the backward pass.
+  bool detect_anomaly = false;
+  // Log2 histograms of every layer's activations and gradients, their FP16/BF16 overflow and
+  // underflow fractions, and a suggested loss scale (nn/numerics.h): JSON to this file, HTML
+  // beside it (.html). Recorded on step 1 and every numerics_every-th step after.
+  std::string numerics_report;
+  int64_t numerics_every = 50;
+
+  // Apply the optimizer's update to each parameter as soon as the backward pass has its gradient
+  // (optim::Optimizer::begin_backward_step), when a step needs nothing global (no clipping, no
+  // loss scaling, no gradient accumulation, no anomaly detection, numerics report or
+  // recomputation): the same arithmetic, bit for bit, and the gradients are not kept (lower peak
+  // memory). false: always the ordinary step after the backward pass.
+  bool update_in_backward = true;
+
+  // Time every layer's forward, every autograd node's backward and every parameter's update, and
+  // print the table (profile_table()) after training; TrainResult::profile keeps the rows.
+  bool profile = false;
+
+  bool progress = true;  // progress bar on the progress stream
+  bool evaluate = true;  // test accuracy after training
+
+  double effective_weight_decay() const {
+    return weight_decay ? *weight_decay : (optimizer == "adamw" ? 0.01 : 0.0);
+  }
+  int64_t effective_image_size() const {
+    return image_size > 0 ? image_size : nn::default_image_size(model);
+  }
+};
+
+enum class OptimizerKind { kSgd, kAdam, kAdamW };
+// How the gradients of a step's micro-batches combine (TrainConfig::accumulation_reduction).
+enum class Reduction { kMean, kRunning, kSum };
+// Which steps of a call return their outputs (TrainConfig::output_mode).
+enum class OutputMode { kAll, kSum, kFinal, kEvery };
+
+// A TrainConfig checked and resolved: what its strings name, as types.
+struct RunSettings {
+  // What the run trains on, for the printout, checkpoints and metrics: a built-in model's name
+  // (or a user model's Module::type()) and the dataset's name.
+  std::string model, dataset;
+  std::optional<int64_t> image_size;  // built-in image datasets: the side images are resized to
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  double weight_decay = 0;
+  // The learning rate over the steps; total_steps (cosine) is set by the trainer once the
+  // loader knows an epoch's length.
+  optim::LrSchedule schedule;
+  Reduction reduction = Reduction::kMean;
+  OutputMode output_mode = OutputMode::kFinal;
+  std::optional<size_t> memory_budget;
+  amp::PrecisionSettings precision;
+};
+
+// Checks every setting and resolves it; throws mantissa::Error naming the first bad setting and
+// how to fix it.
+RunSettings resolve(const TrainConfig& c);
+// The same checks, for a configuration that is not run yet (`mantissa memory`, the CLI).
+void validate(const TrainConfig& c);
+
+// For a user's model and dataset: throws naming the first field that only a built-in model or
+// dataset uses (model, dataset, data_dir, image_size, imagenet_stem, the limits, augment,
+// synthetic_size, eight_bit_io) when it is not at its default, rather than ignore it.
+void check_user_model_config(const TrainConfig& c);
+
+}  // namespace mantissa::train

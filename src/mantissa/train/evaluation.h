@@ -1,0 +1,30 @@
+// Evaluation of a classifier on a test split: accuracy and mean loss, in evaluation mode and
+// without recording. The trainer evaluates after training; `mantissa eval` evaluates a checkpoint.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "mantissa/amp/settings.h"
+#include "mantissa/data/loader.h"
+#include "mantissa/nn/models.h"
+
+namespace mantissa::train {
+
+struct EvalResult {
+  double accuracy = 0;
+  int64_t examples = 0;
+  double loss = 0;
+  std::string model;
+};
+
+// Number of rows of `out` (B, classes) whose largest score is at the label (i64 (B)).
+int64_t count_correct(const Tensor& out, const Tensor& labels);
+
+// Accuracy and mean loss of `m` over one epoch of `loader`; the model's train/eval mode is
+// restored afterwards. With `precision`, the forward runs under its automatic casting and the
+// loss takes the output as the mode says (FP32 for O2); without, as the model's dtypes give.
+EvalResult evaluate_model(nn::Classifier& m, data::Loader& loader,
+                          const amp::PrecisionSettings* precision = nullptr);
+
+}  // namespace mantissa::train
