@@ -271,6 +271,7 @@ UnderflowRun underflow_run(std::optional<amp::LossScalerOptions> scaling) {
   ops::AutocastPolicy policy;
   UnderflowRun r;
   for (int step = 0; step < 60; ++step) {
+    amp::ScaledStep scaled(scaler ? &*scaler : nullptr);
     Tensor loss;
     {
       ops::AutocastScope autocast(DType::f16, policy);
@@ -280,18 +281,14 @@ UnderflowRun underflow_run(std::optional<amp::LossScalerOptions> scaling) {
     }
     if (step == 0) r.first_loss = loss.item() * 1e7;
     r.last_loss = loss.item() * 1e7;
-    autograd::backward(scaler ? ops::mul_scalar(loss, scaler->scale()) : loss);
+    autograd::backward(scaled.scale_loss(loss));
     if (step == 0) {
       const std::vector<float> g = w->grad().to_float_vector();
       int64_t zeros = 0;
       for (float v : g) zeros += v == 0;
       r.zero_fraction_first_step = static_cast<double>(zeros) / static_cast<double>(g.size());
     }
-    optim::StepOptions so;
-    so.grad_scale = scaler ? scaler->inverse_scale() : 1.0f;
-    so.skip_nonfinite = scaler.has_value();
-    const optim::StepReport rep = adam.step(so);
-    if (scaler) scaler->update(!rep.nonfinite.empty(), rep.nonfinite);
+    scaled.step(adam, {});
     adam.zero_grad();
   }
   r.weights_moved = w->to_float_vector() != w0;
