@@ -70,7 +70,7 @@ class ResidualBlock : public nn::Module {
 class ResidualMlp : public nn::Classifier {
  public:
   ResidualMlp(int64_t features, int64_t width, int64_t classes, uint64_t seed)
-      : Classifier("ResidualMlp", model_config(classes, seed)) {
+      : Classifier("ResidualMlp", {.num_classes = classes, .seed = seed}) {
     nn::InitStreams init(seed);
     input = register_module("input", std::make_shared<nn::Linear>(features, width, init));
     block0 = register_module("block0", std::make_shared<ResidualBlock>(width, init));
@@ -89,12 +89,6 @@ class ResidualMlp : public nn::Classifier {
   }
 
  private:
-  static nn::ModelConfig model_config(int64_t classes, uint64_t seed) {
-    nn::ModelConfig c;
-    c.num_classes = classes;
-    c.seed = seed;
-    return c;
-  }
   std::shared_ptr<nn::Module> input, block0, block1, output;
 };
 

@@ -34,7 +34,7 @@ class UserMlp : public nn::Classifier {
  public:
   UserMlp(int64_t features, int64_t width, int64_t classes, uint64_t seed,
           std::string type = "UserMlp")
-      : Classifier(std::move(type), config_of(classes, seed)) {
+      : Classifier(std::move(type), {.num_classes = classes, .seed = seed}) {
     nn::InitStreams init(seed);
     input = register_module("input", std::make_shared<nn::Linear>(features, width, init));
     block = register_module("block", std::make_shared<nn::Sequential>());
@@ -53,12 +53,6 @@ class UserMlp : public nn::Classifier {
   }
 
  private:
-  static nn::ModelConfig config_of(int64_t classes, uint64_t seed) {
-    nn::ModelConfig c;
-    c.num_classes = classes;
-    c.seed = seed;
-    return c;
-  }
   std::shared_ptr<nn::Module> input, output;
   std::shared_ptr<nn::Sequential> block;
 };

@@ -48,6 +48,7 @@ RunData::RunData(const TrainConfig& c, DType input,
 std::string RunData::name() const { return train_source_ ? train_source_->name() : train_.name; }
 
 data::Transform RunData::transform() const {
+  MANTISSA_ASSERT(!train_source_, "a user's examples have no image transform");
   return loader_config(config_, input_, true, channels()).transform;
 }
 

@@ -163,6 +163,7 @@ void Trainer::apply_levers() {
 // micro-batches (train_step), each a forward and backward pass per micro-batch and one update.
 
 TrainResult Trainer::run() {
+  // Train; the memory peaks are the training's.
   TrainResult r;
   default_memory_tracker().reset_peaks();
   train_epochs(r);
@@ -174,6 +175,7 @@ TrainResult Trainer::run() {
     r.loss_scale_history = scaler_->history();
   }
   r.step_losses = step_losses_;
+  // Save, also when stopped on request; evaluate unless stopped.
   if (!config_.save.empty()) save_checkpoint(config_.save);
   if (r.interrupted && streams_.out)
     *streams_.out << interrupted_line(step_, config_.save) << std::endl;
@@ -181,6 +183,7 @@ TrainResult Trainer::run() {
     r.test_accuracy = evaluate(&r.test_examples);
     if (streams_.out) *streams_.out << test_line(*r.test_accuracy, r.test_examples) << std::endl;
   }
+  // Report: the summary line, the profile table, the metrics and numerics files.
   if (streams_.out && r.train_seconds > 0)
     *streams_.out << summary_line(r, loader_->batch_bytes()) << std::endl;
   if (streams_.out && config_.profile) *streams_.out << profile_table(r);
