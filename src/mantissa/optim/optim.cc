@@ -126,7 +126,8 @@ void Optimizer::set_state_types(StateTypes types) {
                    "use f32, f16 or bf16");
   for (const std::vector<Tensor>& buffers : state_)
     for (const Tensor& b : buffers)
-      MANTISSA_ASSERT(!b.defined(), "the optimizer state types change after its first step");
+      MANTISSA_CHECK(!b.defined(), "the optimizer's state types cannot change after its first step",
+                     "set them before training (amp::apply_precision does)");
   types_ = types;
 }
 
