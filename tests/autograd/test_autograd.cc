@@ -319,5 +319,118 @@ TEST(Autograd, LinearWeightGradientInPartsEqualsTheWholeOne) {
   EXPECT_EQ(twice.wholes, 0);
 }
 
+// ---- The leaf-gradient-ready hook (AutogradMeta::on_grad_ready) ----
+
+// An op whose backward gives its input no gradient: the graph reaches the leaves behind it, but no
+// gradient does.
+struct StopGradient : autograd::Node {
+  const char* name() const override { return "stop_gradient"; }
+  std::vector<Tensor> backward(const Tensor&) override { return {Tensor()}; }
+};
+Tensor stop_gradient(const Tensor& x) {
+  Tensor out = x.detach().clone();
+  if (autograd::needs_grad({&x})) autograd::record(out, std::make_shared<StopGradient>(), {&x});
+  return out;
+}
+
+// Records which leaf became ready, in order, with its gradient at that moment ({} if undefined).
+struct ReadyLog {
+  std::vector<std::string> order;
+  std::vector<std::vector<float>> grads;
+  void watch(Tensor& t, const std::string& name) {
+    AutogradMeta* meta = t.autograd_meta().get();
+    meta->on_grad_ready = [this, meta, name] {
+      order.push_back(name);
+      grads.push_back(meta->grad ? meta->grad->to_float_vector() : std::vector<float>{});
+    };
+  }
+};
+
+// A chain y = sum(w3 * (w2 * (w1 * x))): the pass finishes w3 first (nearest the root), then w2,
+// then w1, each hook called once, after its leaf's gradient is in grad().
+TEST(GradReadyHook, LeavesBecomeReadyInTheOrderThePassFinishesThem) {
+  Tensor x = Tensor::from_floats({1, 2}, {2});
+  Tensor w1 = leaf({2, 3}, {2}), w2 = leaf({5, 7}, {2}), w3 = leaf({-1, 0.5}, {2});
+  ReadyLog log;
+  log.watch(w1, "w1");
+  log.watch(w2, "w2");
+  log.watch(w3, "w3");
+  autograd::backward(ops::sum(ops::mul(w3, ops::mul(w2, ops::mul(w1, x)))));
+  EXPECT_EQ(log.order, (std::vector<std::string>{"w3", "w2", "w1"}));
+  ASSERT_EQ(log.grads.size(), 3u);
+  EXPECT_EQ(log.grads[0], (std::vector<float>{10, 42}));  // w2 * w1 * x
+  EXPECT_EQ(log.grads[1], (std::vector<float>{-2, 3}));   // w3 * w1 * x
+  EXPECT_EQ(log.grads[2], (std::vector<float>{-5, 7}));   // w3 * w2 * x
+  // Each pass calls each hook once; the second sees the two passes' sum.
+  autograd::backward(ops::sum(ops::mul(w3, ops::mul(w2, ops::mul(w1, x)))));
+  EXPECT_EQ(log.order, (std::vector<std::string>{"w3", "w2", "w1", "w3", "w2", "w1"}));
+  EXPECT_EQ(log.grads[5], (std::vector<float>{-10, 14}));
+}
+
+// A weight used at both ends of a chain, y = sum(w * (a * (w * x))): one call, after the second
+// contribution (d/dw = 2 w a x), and after a (which the pass finishes between w's two uses).
+TEST(GradReadyHook, ASharedWeightIsReadyOnceAfterItsLastContribution) {
+  Tensor x = Tensor::from_floats({1, 2}, {2});
+  Tensor w = leaf({3, -1}, {2}), a = leaf({2, 5}, {2});
+  ReadyLog log;
+  log.watch(w, "w");
+  log.watch(a, "a");
+  autograd::backward(ops::sum(ops::mul(w, ops::mul(a, ops::mul(w, x)))));
+  EXPECT_EQ(log.order, (std::vector<std::string>{"a", "w"}));
+  ASSERT_EQ(log.grads.size(), 2u);
+  EXPECT_EQ(log.grads[1], (std::vector<float>{12, -20}));  // 2 w a x
+  // The same weight twice in one op: one call too.
+  autograd::backward(ops::sum(ops::mul(w, w)));
+  EXPECT_EQ(log.order, (std::vector<std::string>{"a", "w", "w"}));
+  EXPECT_EQ(log.grads[2], (std::vector<float>{18, -22}));  // 12 + 2 * 3, -20 + 2 * -1
+}
+
+// A leaf outside the graph is not called; a leaf the graph reaches but no gradient does is
+// called once, with no gradient; a root that is itself a leaf is called.
+TEST(GradReadyHook, LeavesTheGraphReachesAreCalledWithOrWithoutAGradient) {
+  Tensor x = Tensor::from_floats({1, 2}, {2});
+  Tensor used = leaf({1, 1}, {2}), blocked = leaf({4, 4}, {2}), unused = leaf({9, 9}, {2});
+  ReadyLog log;
+  log.watch(used, "used");
+  log.watch(blocked, "blocked");
+  log.watch(unused, "unused");
+  autograd::backward(ops::sum(ops::add(ops::mul(used, x), stop_gradient(ops::mul(blocked, x)))));
+  EXPECT_EQ(log.order, (std::vector<std::string>{"blocked", "used"}));
+  ASSERT_EQ(log.grads.size(), 2u);
+  EXPECT_TRUE(log.grads[0].empty()) << "no gradient reached it";
+  EXPECT_FALSE(blocked.grad().defined());
+  EXPECT_EQ(log.grads[1], (std::vector<float>{1, 2}));
+  Tensor root = leaf({3}, {1});
+  log.watch(root, "root");
+  autograd::backward(root);
+  EXPECT_EQ(log.order.back(), "root");
+  EXPECT_EQ(log.grads.back(), (std::vector<float>{1}));
+}
+
+// An update in the backward pass (consume_grad, and a linear layer's parts) is not used for a
+// leaf with a hook: its gradient is stored and the hook sees it. A leaf without a hook in the same
+// pass still has its gradient consumed.
+TEST(GradReadyHook, AHookedLeafKeepsItsGradientFromAnUpdateInTheBackwardPass) {
+  Tensor x = Tensor::from_floats({1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor w = leaf({1, 0, -1, 2, 1, 0}, {2, 3}), b = leaf({0.5, -0.5}, {2});
+  int consumed_w = 0, consumed_b = 0, parts_w = 0;
+  w.autograd_meta()->consume_grad = [&](int64_t, int64_t, const void*, DType) { ++consumed_w; };
+  w.autograd_meta()->consume_grad_parts = [&]() -> GradPartConsumer {
+    ++parts_w;
+    return [](int64_t, int64_t, const void*, DType) {};
+  };
+  b.autograd_meta()->consume_grad = [&](int64_t, int64_t, const void*, DType) { ++consumed_b; };
+  ReadyLog log;
+  log.watch(w, "w");
+  autograd::backward(ops::sum(ops::linear(x, w, b)));
+  EXPECT_EQ(consumed_w + parts_w, 0);
+  EXPECT_EQ(consumed_b, 1);
+  EXPECT_FALSE(b.grad().defined());
+  EXPECT_EQ(log.order, (std::vector<std::string>{"w"}));
+  ASSERT_EQ(log.grads.size(), 1u);
+  EXPECT_EQ(log.grads[0], (std::vector<float>{5, 7, 9, 5, 7, 9}));  // column sums of x
+  EXPECT_FALSE(w.autograd_meta()->consume_grad) << "cleared for the pass, as for a shared weight";
+}
+
 }  // namespace
 }  // namespace mantissa

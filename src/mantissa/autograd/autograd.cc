@@ -194,7 +194,10 @@ void backward(const Tensor& root, const Tensor& grad_root) {
                  "pass a gradient of the root's shape");
   NoGradGuard no_record;
   if (!root.grad_fn()) {  // the root is itself a leaf
-    accumulate_leaf(*root.autograd_meta(), seed, root.dtype());
+    AutogradMeta& meta = *root.autograd_meta();
+    if (meta.on_grad_ready) meta.consume_grad = nullptr, meta.consume_grad_parts = nullptr;
+    accumulate_leaf(meta, seed, root.dtype());
+    if (meta.on_grad_ready) meta.on_grad_ready();
     return;
   }
   // Reverse topological order by depth-first search (iterative: graphs can be deep).
@@ -214,19 +217,39 @@ void backward(const Tensor& root, const Tensor& grad_root) {
   }
   // A gradient consumer (an update during the backward pass) needs the leaf's whole gradient at
   // once: a leaf that will get several (a shared weight) or already has one keeps the ordinary
-  // accumulation.
+  // accumulation, and so does a leaf whose ready hook needs its gradient.
   std::unordered_map<AutogradMeta*, int> uses;
+  // Edges into leaves with a ready hook not yet taken in this pass: at 0 the leaf's gradient is
+  // complete. Every edge of the graph counts, whether or not a gradient flows along it, so the
+  // hook fires once for every hooked leaf the graph reaches.
+  std::unordered_map<AutogradMeta*, int> edges_left;
   for (Node* node : order)
-    for (const Node::Input& in : node->inputs())
+    for (const Node::Input& in : node->inputs()) {
       if (in.leaf && in.leaf->consume_grad) ++uses[in.leaf.get()];
+      if (in.leaf && in.leaf->on_grad_ready) ++edges_left[in.leaf.get()];
+    }
   for (auto& [meta, count] : uses)
-    if (count > 1 || meta->grad) meta->consume_grad = nullptr, meta->consume_grad_parts = nullptr;
+    if (count > 1 || meta->grad || meta->on_grad_ready)
+      meta->consume_grad = nullptr, meta->consume_grad_parts = nullptr;
+  // After a node's gradients have gone out (or it got none): the hooks of leaves it completed.
+  auto edges_done = [&edges_left](const Node& node) {
+    if (edges_left.empty()) return;
+    for (const Node::Input& in : node.inputs()) {
+      if (!in.leaf) continue;
+      const auto left = edges_left.find(in.leaf.get());
+      if (left == edges_left.end() || --left->second > 0) continue;
+      if (in.leaf->on_grad_ready) in.leaf->on_grad_ready();
+    }
+  };
   std::unordered_map<Node*, Tensor> pending;
   pending[root.grad_fn().get()] = seed;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     Node* node = *it;
     auto found = pending.find(node);
-    if (found == pending.end()) continue;  // no gradient flowed here
+    if (found == pending.end()) {  // no gradient flowed here
+      edges_done(*node);
+      continue;
+    }
     const Tensor g = found->second;
     pending.erase(found);
     ModulePathScope module(&node->module_path());
@@ -251,6 +274,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
       else
         accumulate_leaf(*in.leaf, std::move(grads[i]), in.dtype);
     }
+    edges_done(*node);
   }
 }
 

@@ -126,7 +126,10 @@ void record_many(Tensor& out, std::shared_ptr<Node> node, const std::vector<cons
 
 // Computes the gradient of `root` with respect to every leaf that requires grad and accumulates
 // it into the leaf's grad(). `root` must be a one-element tensor unless `grad_root` (its
-// gradient) is given.
+// gradient) is given. A leaf's AutogradMeta::on_grad_ready hook runs as soon as the leaf's
+// gradient of this pass is complete (the contributions are counted when the graph is walked
+// before any node runs), so leaves become ready in the order the pass finishes them: roughly the
+// reverse of the order the forward pass used them.
 void backward(const Tensor& root, const Tensor& grad_root = Tensor());
 
 }  // namespace mantissa::autograd

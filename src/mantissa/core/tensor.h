@@ -110,6 +110,15 @@ struct AutogradMeta {
   // backward thread (see autograd::take_grad_part_consumer), it prepares the update and returns the
   // part consumer.
   std::function<GradPartConsumer()> consume_grad_parts;
+  // Set on a leaf by code that needs the leaf's gradient as soon as a backward pass has finished
+  // computing it (dist::Reducer starts the gradient's all-reduce from here, while the pass goes
+  // on with the layers below). Called once per backward pass whose graph reaches the leaf, on the
+  // thread running the pass, after the last of the pass's contributions has been accumulated into
+  // `grad` (a weight used twice: after the second), and before the pass goes on to the next node.
+  // `grad` may be undefined then: the leaf was in the graph but no op gave it a gradient. A leaf
+  // with this hook keeps its gradient in `grad`: consume_grad and consume_grad_parts are not used
+  // for it (the pass clears them, as for a shared weight), since the hook's owner needs it.
+  std::function<void()> on_grad_ready;
 };
 
 class Tensor {
