@@ -10,7 +10,9 @@
 #                                    # (with DejaVu fonts, whose metrics the label checks assume)
 set -euo pipefail
 
-packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist)
+# Open MPI (libopenmpi-dev, openmpi-bin: mpirun) carries data-parallel training between processes.
+packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev zlib1g-dev
+          libopenmpi-dev openmpi-bin dataset-fashion-mnist)
 for arg in "$@"; do
   case "$arg" in
     --bench) packages+=(libopenblas0-pthread libblis4-pthread python3-torch) ;;
