@@ -27,12 +27,17 @@ int main(int argc, char** argv) {
     if (world.rank() == 1) {
       if (mode == "throw")
         throw Error("cannot read '/no/such/dataset'", "pass --data-dir with the dataset's files");
-      if (mode == "kill") std::raise(SIGKILL);
+      if (mode == "kill") {
+        std::fprintf(stderr, "rank 1: killing itself\n");
+        std::fflush(stderr);
+        std::raise(SIGKILL);
+      }
       if (mode == "abort_in_flight") {
         // A collective the others never start: running on the communication thread when the
         // abort arrives.
         double unmatched = 0;
         comm::Request r = world.broadcast_async(&unmatched, 1, DType::f64, 1);
+        std::fprintf(stderr, "rank 1: aborting with a collective running\n");
         world.abort(4);
       }
     }
