@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/mantissa.h"
@@ -430,6 +431,33 @@ TEST(GradReadyHook, AHookedLeafKeepsItsGradientFromAnUpdateInTheBackwardPass) {
   ASSERT_EQ(log.grads.size(), 1u);
   EXPECT_EQ(log.grads[0], (std::vector<float>{5, 7, 9, 5, 7, 9}));  // column sums of x
   EXPECT_FALSE(w.autograd_meta()->consume_grad) << "cleared for the pass, as for a shared weight";
+}
+
+// A recomputed layer runs a backward pass of its own inside the outer one, accumulating its
+// parameters' gradients there: their hooks are still called once each, by the outer pass, with
+// the whole gradient (the same as without recomputation).
+TEST(GradReadyHook, ARecomputedLayersParametersAreReadyOnce) {
+  auto run = [](bool recompute) {
+    nn::InitStreams init(7);
+    nn::Sequential m;
+    m.add(std::make_shared<nn::Linear>(3, 4, init));
+    m.add(std::make_shared<nn::ReLU>());
+    m.add(std::make_shared<nn::Linear>(4, 2, init));
+    m.submodule("0").set_recompute(recompute);
+    ReadyLog log;
+    for (auto& p : m.named_parameters()) log.watch(*p.tensor, p.name);
+    const Tensor x = Tensor::from_floats({1, -2, 3, 0.5, 0.25, -1}, {2, 3});
+    autograd::backward(ops::sum(m(x)));
+    std::vector<std::vector<float>> final_grads;
+    for (auto& p : m.named_parameters()) final_grads.push_back(p.tensor->grad().to_float_vector());
+    return std::make_tuple(log.order, log.grads, final_grads);
+  };
+  const auto [order, at_ready, final_grads] = run(true);
+  EXPECT_EQ(order, (std::vector<std::string>{"2.weight", "2.bias", "0.weight", "0.bias"}));
+  ASSERT_EQ(at_ready.size(), 4u);
+  EXPECT_EQ(at_ready[2], final_grads[0]);
+  EXPECT_EQ(at_ready[3], final_grads[1]);
+  EXPECT_EQ(std::get<2>(run(false)), final_grads);
 }
 
 }  // namespace

@@ -15,6 +15,9 @@ namespace {
 thread_local bool t_grad_enabled = true;
 // 0: off; 1: inf and NaN; 2: NaN only in backward (forward checks both).
 thread_local int t_anomaly = 0;
+// Backward passes running on this thread: more than one inside a node that runs a pass of its own
+// (a recomputed module's backward).
+thread_local int t_backward_depth = 0;
 }  // namespace
 
 bool grad_enabled() { return t_grad_enabled; }
@@ -193,11 +196,19 @@ void backward(const Tensor& root, const Tensor& grad_root) {
                      " for a root of shape " + shape_str(root.shape()),
                  "pass a gradient of the root's shape");
   NoGradGuard no_record;
+  // Ready hooks belong to the outermost pass: a pass nested in a node (a recomputed module
+  // accumulating its parameters' gradients) contributes to gradients the outer pass has edges
+  // for, and the outer pass calls the hooks once those edges are done.
+  struct Depth {
+    Depth() { ++t_backward_depth; }
+    ~Depth() { --t_backward_depth; }
+  } depth;
+  const bool outermost = t_backward_depth == 1;
   if (!root.grad_fn()) {  // the root is itself a leaf
     AutogradMeta& meta = *root.autograd_meta();
     if (meta.on_grad_ready) meta.consume_grad = nullptr, meta.consume_grad_parts = nullptr;
     accumulate_leaf(meta, seed, root.dtype());
-    if (meta.on_grad_ready) meta.on_grad_ready();
+    if (meta.on_grad_ready && outermost) meta.on_grad_ready();
     return;
   }
   // Reverse topological order by depth-first search (iterative: graphs can be deep).
@@ -226,7 +237,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
   for (Node* node : order)
     for (const Node::Input& in : node->inputs()) {
       if (in.leaf && in.leaf->consume_grad) ++uses[in.leaf.get()];
-      if (in.leaf && in.leaf->on_grad_ready) ++edges_left[in.leaf.get()];
+      if (in.leaf && in.leaf->on_grad_ready && outermost) ++edges_left[in.leaf.get()];
     }
   for (auto& [meta, count] : uses)
     if (count > 1 || meta->grad || meta->on_grad_ready)

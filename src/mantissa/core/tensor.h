@@ -115,6 +115,8 @@ struct AutogradMeta {
   // on with the layers below). Called once per backward pass whose graph reaches the leaf, on the
   // thread running the pass, after the last of the pass's contributions has been accumulated into
   // `grad` (a weight used twice: after the second), and before the pass goes on to the next node.
+  // A pass run inside a node's backward (a recomputed module's) calls no hooks: the outer pass
+  // calls them once the node is done.
   // `grad` may be undefined then: the leaf was in the graph but no op gave it a gradient. A leaf
   // with this hook keeps its gradient in `grad`: consume_grad and consume_grad_parts are not used
   // for it (the pass clears them, as for a shared weight), since the hook's owner needs it.
