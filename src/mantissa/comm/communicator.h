@@ -21,6 +21,7 @@
 
 #include "mantissa/comm/collective.h"
 #include "mantissa/comm/request.h"
+#include "mantissa/core/error.h"
 #include "mantissa/core/tensor.h"
 
 namespace mantissa::comm {
