@@ -37,5 +37,14 @@ TEST(Error, AssertThrowsInternalErrorNamingThePlace) {
   EXPECT_NO_THROW(MANTISSA_ASSERT(rows == 3, "never"));
 }
 
+TEST(Error, ExcerptsCutAndEscapeWhatAMessageQuotes) {
+  EXPECT_EQ(excerpt("conv2d"), "conv2d");
+  EXPECT_EQ(excerpt(""), "");
+  EXPECT_EQ(excerpt(std::string(64, 'a')), std::string(64, 'a'));
+  EXPECT_EQ(excerpt(std::string(65, 'a')), std::string(64, 'a') + "... (65 bytes)");
+  EXPECT_EQ(excerpt(std::string(1000000, 'b'), 8), "bbbbbbbb... (1000000 bytes)");
+  EXPECT_EQ(excerpt(std::string("a\x1b[2J\n\0\xff", 8)), "a\\x1b[2J\\x0a\\x00\\xff");
+}
+
 }  // namespace
 }  // namespace mantissa

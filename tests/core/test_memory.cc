@@ -106,6 +106,24 @@ TEST(Memory, FormatsAndParsesSizes) {
   EXPECT_EQ(parse_bytes("-5"), std::nullopt);
 }
 
+TEST(Memory, ParsesOnlySizesThatFit) {
+  EXPECT_EQ(parse_bytes(" 7 kB "), 7000u);
+  EXPECT_EQ(parse_bytes("0.5"), 1u);  // rounded to a whole byte
+  EXPECT_EQ(parse_bytes("16383.99 PiB"), std::nullopt);
+  EXPECT_EQ(parse_bytes("16777215TiB"), (16777215ull << 40));
+  EXPECT_EQ(parse_bytes("16777216TiB"), std::nullopt);                      // 2^64
+  EXPECT_EQ(parse_bytes("18446744073709549568"), 18446744073709549568ull);  // 2^64 - 2048
+  EXPECT_EQ(parse_bytes("18446744073709551615"), std::nullopt);  // rounds to 2^64 as a double
+  EXPECT_EQ(parse_bytes(std::string(400, '9')), std::nullopt);   // beyond a double's range
+  EXPECT_EQ(parse_bytes(std::string(400, '9') + "." + std::string(400, '9')), std::nullopt);
+  for (const char* bad : {"nan", "inf", "1e9", "0x10", "+5", "5..5", "1.5.5", ".", "5 M iB",
+                          "5MiBs", "5 MiB x", "1,000"})
+    EXPECT_EQ(parse_bytes(bad), std::nullopt) << bad;
+  EXPECT_EQ(parse_bytes(std::string_view("5\0MiB", 5)), std::nullopt);
+  EXPECT_EQ(parse_bytes(".5k"), 512u);
+  EXPECT_EQ(parse_bytes("5."), 5u);
+}
+
 TEST(Memory, OwnersGroupUnderTheirLayer) {
   register_layer_name("blockA.conv");
   register_layer_name("blockA");

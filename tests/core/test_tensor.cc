@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <numeric>
 
 #include "mantissa/mantissa.h"
@@ -42,6 +43,50 @@ TEST(Tensor, ShapesStridesAndContiguity) {
               Tensor::empty({1ll << 40, 1ll << 40}, DType::f32);
             }).find("too many elements"),
             std::string::npos);
+}
+
+TEST(Tensor, ShapeArithmeticCannotWrap) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(shape_numel({2, 3, 4}), 24);
+  EXPECT_EQ(shape_numel({}), 1);
+  EXPECT_EQ(shape_numel({kMax}), kMax);
+  EXPECT_NE(error_of([] {
+              shape_numel({1ll << 32, 1ll << 31});
+            }).find("too many elements"),
+            std::string::npos);
+  // A zero does not make the other sizes' product harmless: strides and flattened sizes use it.
+  EXPECT_NE(error_of([] {
+              shape_numel({0, 1ll << 32, 1ll << 32});
+            }).find("too many elements"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { shape_numel({3, -1}); }).find("negative dimension"), std::string::npos);
+  // Bytes beyond what memory can address, whatever the element count.
+  EXPECT_NE(error_of([] {
+              Tensor::empty({1ll << 61}, DType::f64);
+            }).find("shape (2305843009213693952,) of f64 is too large for memory"),
+            std::string::npos);
+  const Tensor one = iota({1});
+  EXPECT_NE(error_of([&] {
+              one.expand({1ll << 62, 1ll << 62});
+            }).find("too many elements"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { one.expand({1ll << 62}).to(DType::f64); }).find("too large"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { one.expand({-3}); }).find("negative dimension"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              one.view({1ll << 32, 1ll << 32, 0});
+            }).find("too many elements"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              iota({0}).view({0, 1ll << 40, 1ll << 40});
+            }).find("too many"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { iota({4}).narrow(0, kMax, 1); }).find("outside dimension 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { iota({4}).narrow(0, 1, kMax); }).find("outside dimension 0"),
+            std::string::npos);
+  // The allocator refuses sizes no system can provide (its rounding would wrap).
+  EXPECT_THROW(Storage::allocate(~size_t{0} - 8, MemoryCategory::workspace), OutOfMemoryError);
 }
 
 TEST(Tensor, ViewsShareStorage) {

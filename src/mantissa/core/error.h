@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace mantissa {
 
@@ -35,6 +36,26 @@ class InternalError : public std::logic_error {
  public:
   using std::logic_error::logic_error;
 };
+
+// `text` as an error message may quote it: non-printable bytes written as \xHH, and cut after
+// `max_chars` characters with "... (N bytes)" marking the cut, so that a huge or binary token
+// read from a file cannot flood or garble the terminal.
+inline std::string excerpt(std::string_view text, size_t max_chars = 64) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (out.size() >= max_chars) return out + "... (" + std::to_string(text.size()) + " bytes)";
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  return out;
+}
 
 namespace detail {
 [[noreturn]] inline void internal_error(const char* file, int line, const char* cond,

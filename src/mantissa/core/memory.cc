@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <set>
 #include <sstream>
 
+#include "mantissa/core/checked.h"
 #include "mantissa/core/error.h"
 
 namespace mantissa {
@@ -248,7 +250,11 @@ std::optional<size_t> parse_bytes(std::string_view text) {
     }
   }
   if (!seen_digit) return std::nullopt;
-  const double value = std::stod(std::string(text.substr(num_start, i - num_start)));
+  // from_chars: no locale, no exception for a number too large for a double (a long digit run).
+  double value = 0;
+  const char* const first = text.data() + num_start;
+  const auto [end, ec] = std::from_chars(first, text.data() + i, value);
+  if (ec != std::errc() || end != text.data() + i) return std::nullopt;
   while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
   std::string unit(text.substr(i));
   while (!unit.empty() && std::isspace(static_cast<unsigned char>(unit.back()))) unit.pop_back();
@@ -275,9 +281,7 @@ std::optional<size_t> parse_bytes(std::string_view text) {
     mult = 1e12;
   else
     return std::nullopt;
-  const double bytes = std::round(value * mult);
-  if (!(bytes >= 0) || bytes >= 1.8e19) return std::nullopt;
-  return static_cast<size_t>(bytes);
+  return checked_cast_from_double<size_t>(std::round(value * mult));
 }
 
 }  // namespace mantissa

@@ -145,7 +145,9 @@ MemoryTracker& host_memory_tracker();
 // "0 B", "512 B", "1.50 KiB", "12.00 MiB", "1.25 GiB".
 std::string format_bytes(size_t bytes);
 // "1000", "1000B", "512KiB", "512MiB", "1.5GiB", "2GB" (decimal units: kB, MB, GB; binary: KiB,
-// MiB, GiB; case-insensitive, spaces allowed before the unit). std::nullopt if malformed.
+// MiB, GiB; case-insensitive, spaces allowed before the unit), rounded to a whole byte.
+// std::nullopt if malformed (a sign, an exponent, an unknown unit, anything after the unit) or if
+// the size does not fit in size_t.
 std::optional<size_t> parse_bytes(std::string_view text);
 
 }  // namespace mantissa

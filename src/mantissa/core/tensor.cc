@@ -9,6 +9,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "mantissa/core/checked.h"
 #include "mantissa/core/error.h"
 #include "mantissa/core/parallel.h"
 
@@ -26,6 +27,19 @@ std::string shape_str(const Shape& s) {
   }
   if (s.size() == 1) out += ",";
   return out + ")";
+}
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1, extent = 1;  // extent: the product with zeros counted as ones
+  for (int64_t d : shape) {
+    if (d < 0) throw Error("negative dimension in shape " + shape_str(shape), "sizes must be >= 0");
+    const std::optional<int64_t> e = checked_mul(extent, std::max<int64_t>(d, 1));
+    if (!e)
+      throw Error("shape " + shape_str(shape) + " has too many elements", "use a smaller shape");
+    extent = *e;
+    n *= d;  // cannot overflow: |n| <= extent
+  }
+  return n;
 }
 
 Shape contiguous_strides(const Shape& shape) {
@@ -93,6 +107,11 @@ std::shared_ptr<Storage> Storage::allocate(size_t bytes, MemoryCategory category
     throw Error(
         "cannot allocate on " + device.str() + ": this build of Mantissa has no CUDA support",
         "use the CPU device, or rebuild with CUDA on a machine that has it");
+  if (bytes > static_cast<size_t>(std::numeric_limits<std::ptrdiff_t>::max()))
+    throw OutOfMemoryError("cannot allocate " + format_bytes(bytes) + " for " +
+                               std::string(memory_category_name(category)) +
+                               ": more than the address space holds",
+                           "reduce the batch size or the model");
   if (!tracker) tracker = &default_memory_tracker();
   if (owner.empty()) owner = current_module_path();  // the module running, if any
   tracker->on_allocate(bytes, category, owner);      // throws over budget, before anything is held
@@ -140,26 +159,23 @@ void Storage::recharge(MemoryCategory category, std::string owner) {
 // ---- Construction ------------------------------------------------------------------------------
 
 namespace {
-int64_t checked_numel(const Shape& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    if (d < 0) throw Error("negative dimension in shape " + shape_str(shape), "sizes must be >= 0");
-    if (d != 0 && n > std::numeric_limits<int64_t>::max() / d)
-      throw Error("shape " + shape_str(shape) + " has too many elements", "use a smaller shape");
-    n *= d;
-  }
-  return n;
+// The bytes of `shape` in `dtype`; throws if they could not be addressed (more than PTRDIFF_MAX,
+// the largest object C++ can index).
+size_t checked_nbytes(const Shape& shape, DType dtype) {
+  const std::optional<int64_t> bytes =
+      checked_mul(shape_numel(shape), static_cast<int64_t>(dtype_size(dtype)));
+  if (!bytes || static_cast<uint64_t>(*bytes) > std::numeric_limits<std::ptrdiff_t>::max())
+    throw Error("shape " + shape_str(shape) + " of " + std::string(dtype_name(dtype)) +
+                    " is too large for memory",
+                "use a smaller shape");
+  return static_cast<size_t>(*bytes);
 }
 }  // namespace
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, const TensorOptions& opt) {
-  const int64_t n = checked_numel(shape);
-  const size_t esize = dtype_size(dtype);
-  if (static_cast<uint64_t>(n) > std::numeric_limits<size_t>::max() / esize)
-    throw Error("shape " + shape_str(shape) + " is too large for memory", "use a smaller shape");
   Tensor t;
-  t.storage_ = Storage::allocate(static_cast<size_t>(n) * esize, opt.category, opt.owner,
-                                 opt.device, opt.tracker);
+  t.storage_ = Storage::allocate(checked_nbytes(shape, dtype), opt.category, opt.owner, opt.device,
+                                 opt.tracker);
   t.dtype_ = dtype;
   t.shape_ = shape;
   t.strides_ = contiguous_strides(shape);
@@ -181,7 +197,7 @@ Tensor Tensor::full(const Shape& shape, double value, DType dtype, const TensorO
 
 Tensor Tensor::from_floats(const std::vector<float>& values, const Shape& shape, DType dtype,
                            const TensorOptions& opt) {
-  const int64_t n = checked_numel(shape);
+  const int64_t n = shape_numel(shape);
   if (static_cast<size_t>(n) != values.size())
     throw Error("from_floats: " + std::to_string(values.size()) + " values for shape " +
                     shape_str(shape) + " (" + std::to_string(n) + " elements)",
@@ -194,7 +210,7 @@ Tensor Tensor::from_floats(const std::vector<float>& values, const Shape& shape,
 // ---- Properties --------------------------------------------------------------------------------
 
 int64_t Tensor::numel() const {
-  int64_t n = 1;
+  int64_t n = 1;  // cannot overflow: the shape passed shape_numel
   for (int64_t d : shape_) n *= d;
   return n;
 }
@@ -243,7 +259,11 @@ Tensor Tensor::view(Shape shape) const {
     } else {
       if (shape[i] < 0)
         throw Error("view: negative size in " + shape_str(shape), "sizes must be >= 0");
-      known *= shape[i];
+      const std::optional<int64_t> k = checked_mul(known, shape[i]);
+      if (!k)
+        throw Error("view: shape " + shape_str(shape) + " has too many elements",
+                    "keep the number of elements the same");
+      known = *k;
     }
   }
   if (infer >= 0) {
@@ -259,6 +279,7 @@ Tensor Tensor::view(Shape shape) const {
                     " elements but the tensor " + shape_str(shape_) + " has " +
                     std::to_string(numel()),
                 "keep the number of elements the same");
+  shape_numel(shape);  // the same count; also the invariant on dimensions of size 0
   if (!is_contiguous())
     throw Error("view: tensor of shape " + shape_str(shape_) + " is not contiguous",
                 "call .contiguous() first, or use reshape()");
@@ -302,9 +323,9 @@ Tensor Tensor::permute(const std::vector<int64_t>& order) const {
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
   d = normalize_dim(d);
-  if (start < 0 || length < 0 || start + length > shape_[d])
-    throw Error("narrow: [" + std::to_string(start) + ", " + std::to_string(start + length) +
-                    ") is outside dimension " + std::to_string(d) + " of size " +
+  if (start < 0 || length < 0 || start > shape_[d] || length > shape_[d] - start)
+    throw Error("narrow: start " + std::to_string(start) + " and length " + std::to_string(length) +
+                    " are outside dimension " + std::to_string(d) + " of size " +
                     std::to_string(shape_[d]),
                 "keep start >= 0 and start + length <= size");
   Tensor t = detach();
@@ -345,6 +366,7 @@ Tensor Tensor::expand(const Shape& shape) const {
     throw Error(
         "expand: cannot expand " + shape_str(shape_) + " to fewer dimensions " + shape_str(shape),
         "give at least as many dimensions as the tensor has");
+  checked_nbytes(shape, dtype_);  // a view, but its numel() and nbytes() must not overflow
   Tensor t = detach();
   const size_t lead = shape.size() - shape_.size();
   t.shape_ = shape;

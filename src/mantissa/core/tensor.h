@@ -33,6 +33,11 @@ struct Device {
 
 using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& s);  // "(2, 3, 4)"
+// The number of elements of `shape`. Throws mantissa::Error naming the shape if a dimension is
+// negative or if the product of its dimensions (a zero counted as one) does not fit in int64_t:
+// every shape a tensor takes passes this check, so no partial product of its dimensions (a
+// stride, a row count, a flattened size) can overflow either.
+int64_t shape_numel(const Shape& shape);
 
 // A block of device memory, charged to a tracker under a category and owner until freed.
 class Storage {
