@@ -71,8 +71,70 @@ TEST(Idx, BadFilesAreNamedWithTheFault) {
   EXPECT_NE(error_of([&] { data::read_idx(d.file("broken.gz")); }), "");
   EXPECT_NE(error_of([&] {
               data::read_idx(d.file("absent"));
-            }).find("cannot find data file " + d.file("absent")),
+            }).find("cannot find IDX file " + d.file("absent")),
             std::string::npos);
+  std::filesystem::create_directory(d.file("dir"));
+  EXPECT_NE(error_of([&] {
+              data::read_idx(d.file("dir"));
+            }).find("IDX file " + d.file("dir") + " is a directory, not a regular file"),
+            std::string::npos);
+}
+
+TEST(Idx, DeclaredSizesAreCheckedBeforeAllocating) {
+  TempDir d;
+  // Four dimensions whose product overflows 64 bits.
+  const std::string huge = idx_bytes({(1u << 28) - 1, (1u << 28) - 1, (1u << 28) - 1, 3}, {1, 2});
+  write_raw(d.file("huge"), huge);
+  std::string e = error_of([&] { data::read_idx(d.file("huge")); });
+  EXPECT_NE(e.find("holds 2 data bytes but its header declares (268435455, 268435455, 268435455, "
+                   "3) = too many"),
+            std::string::npos)
+      << e;
+  // A gzip file whose header declares far more than its trailer's length: refused before any
+  // data is inflated or allocated.
+  write_gz(d.file("big.gz"), idx_bytes({100000, 1000}, iota_bytes(100)));
+  e = error_of([&] { data::read_idx(d.file("big.gz")); });
+  EXPECT_NE(e.find("holds 100 data bytes (by its gzip trailer) but its header declares (100000, "
+                   "1000) = 100000000"),
+            std::string::npos)
+      << e;
+}
+
+TEST(Idx, AGzipStreamThatExpandsBeyondItsHeaderIsRefused) {
+  TempDir d;
+  // The header declares 10 bytes; the stream holds 2^32 + 10 (its trailer's length, modulo 2^32,
+  // agrees). Reading stops one byte past the declared size.
+  const std::string head = idx_bytes({10}, iota_bytes(10));
+  std::string bytes = head + std::string(1 << 20, 'x');
+  write_gz(d.file("bomb.gz"), bytes);
+  std::string gz;
+  {
+    std::ifstream in(d.file("bomb.gz"), std::ios::binary);
+    gz.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // Make the trailer's length claim the header's size: only the stream itself tells the truth.
+  const uint32_t declared = static_cast<uint32_t>(head.size());
+  for (int i = 0; i < 4; ++i) gz[gz.size() - 4 + i] = static_cast<char>(declared >> (8 * i));
+  write_raw(d.file("bomb.gz"), gz);
+  const std::string e = error_of([&] { data::read_idx(d.file("bomb.gz")); });
+  EXPECT_NE(e.find("IDX file " + d.file("bomb.gz") +
+                   " holds more data than its header declares ((10,) = 10 bytes)"),
+            std::string::npos)
+      << e;
+  // A stream shorter than its header declares, whose trailer lies to agree: zlib's check of the
+  // length at the stream's end catches it.
+  write_gz(d.file("short.gz"), idx_bytes({10}, iota_bytes(4)));
+  {
+    std::ifstream in(d.file("short.gz"), std::ios::binary);
+    gz.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  for (int i = 0; i < 4; ++i) gz[gz.size() - 4 + i] = static_cast<char>(18 >> (8 * i));
+  write_raw(d.file("short.gz"), gz);
+  const std::string e2 = error_of([&] { data::read_idx(d.file("short.gz")); });
+  EXPECT_NE(e2.find("IDX file " + d.file("short.gz") +
+                    " is not valid gzip data (incorrect length check)"),
+            std::string::npos)
+      << e2;
 }
 
 TEST(Idx, ImageAndLabelCountsMustAgree) {
@@ -111,6 +173,25 @@ TEST(Cifar10, ReadsRecordsAndRejectsPartialOnes) {
             }).find("not a whole number of 3073-byte records"),
             std::string::npos);
   EXPECT_NE(error_of([&] { data::load_cifar10(d.file(""), true); }).find("data_batch_1.bin"),
+            std::string::npos);
+  // Gzip-compressed records are read too; their count comes from the trailer, and a stream
+  // longer than the trailer says is refused.
+  ASSERT_TRUE(write_gz(d.file("test_batch.bin"), bytes));
+  EXPECT_EQ(data::load_cifar10(d.file(""), false).labels.data<int64_t>()[1], 4);
+  std::string gz;
+  {
+    std::ifstream in(d.file("test_batch.bin"), std::ios::binary);
+    gz.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  gz[gz.size() - 4] = static_cast<char>(3073 & 0xff);  // one record, by the trailer
+  gz[gz.size() - 3] = static_cast<char>(3073 >> 8);
+  write_raw(d.file("test_batch.bin"), gz);
+  const std::string e = error_of([&] { data::load_cifar10(d.file(""), false); });
+  EXPECT_NE(e.find("holds more than the 3073 bytes its gzip trailer declares"), std::string::npos)
+      << e;
+  std::filesystem::remove(d.file("test_batch.bin"));
+  std::filesystem::create_directory(d.file("test_batch.bin"));
+  EXPECT_NE(error_of([&] { data::load_cifar10(d.file(""), false); }).find("is a directory"),
             std::string::npos);
 }
 

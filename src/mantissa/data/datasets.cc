@@ -1,15 +1,17 @@
 #include "mantissa/data/datasets.h"
 
-#include <zlib.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <numbers>
+#include <optional>
 
+#include "mantissa/core/checked.h"
 #include "mantissa/core/error.h"
 #include "mantissa/core/philox.h"
+#include "mantissa/io/input_file.h"
 
 namespace mantissa::data {
 namespace fs = std::filesystem;
@@ -21,31 +23,6 @@ TensorOptions input_data() {
   TensorOptions o = charged_to(MemoryCategory::input_data);
   o.tracker = &host_memory_tracker();
   return o;
-}
-
-// The whole (decompressed) contents of a file; zlib reads raw files unchanged.
-std::vector<uint8_t> read_file(const std::string& path, const std::string& hint) {
-  std::error_code ec;
-  MANTISSA_CHECK(fs::is_regular_file(path, ec), "cannot find data file " + path, hint);
-  gzFile f = gzopen(path.c_str(), "rb");
-  MANTISSA_CHECK(f != nullptr, "cannot open data file " + path + ": " + std::strerror(errno),
-                 "check the file's permissions");
-  std::vector<uint8_t> out;
-  std::vector<uint8_t> buf(1 << 20);
-  for (;;) {
-    const int n = gzread(f, buf.data(), static_cast<unsigned>(buf.size()));
-    if (n < 0) {
-      int code = 0;
-      const std::string msg = gzerror(f, &code);
-      gzclose(f);
-      throw Error("data file " + path + " is corrupt (" + msg + ")",
-                  "the file is truncated or damaged: download or reinstall it");
-    }
-    if (n == 0) break;
-    out.insert(out.end(), buf.begin(), buf.begin() + n);
-  }
-  gzclose(f);
-  return out;
 }
 
 uint32_t be32(const uint8_t* p) {
@@ -71,41 +48,57 @@ Dataset Dataset::head(int64_t n) const {
 }
 
 Tensor read_idx(const std::string& path) {
-  const std::vector<uint8_t> bytes =
-      read_file(path, "pass --data-dir with the directory that holds the IDX files");
-  MANTISSA_CHECK(bytes.size() >= 4, "IDX file " + path + " is too short for its header",
-                 "the file is truncated: download or reinstall it");
-  MANTISSA_CHECK(bytes[0] == 0 && bytes[1] == 0,
+  const io::InputFile file(path, "IDX file", io::kMaxDatasetFileBytes,
+                           "pass --data-dir with the directory that holds the IDX files");
+  io::ContentReader in(file);
+  uint8_t head[4 + 4 * 4];
+  in.read_exact(head, 4, "an IDX file starts with a 4-byte magic number");
+  MANTISSA_CHECK(head[0] == 0 && head[1] == 0,
                  "IDX file " + path + " has a bad magic number (first bytes must be 0 0)",
                  "this is not an IDX file: point --data-dir at the MNIST-format files");
-  MANTISSA_CHECK(bytes[2] == 0x08,
-                 "IDX file " + path + " holds type code " + std::to_string(bytes[2]) +
+  MANTISSA_CHECK(head[2] == 0x08,
+                 "IDX file " + path + " holds type code " + std::to_string(head[2]) +
                      ", not unsigned bytes (8)",
                  "only 8-bit image and label files are supported");
-  const int dims = bytes[3];
+  const int dims = head[3];
   MANTISSA_CHECK(dims >= 1 && dims <= 4,
                  "IDX file " + path + " declares " + std::to_string(dims) + " dimensions",
                  "expected 1 (labels) or 3 (images)");
-  const size_t header = 4 + 4 * static_cast<size_t>(dims);
-  MANTISSA_CHECK(bytes.size() >= header, "IDX file " + path + " is too short for its header",
-                 "the file is truncated: download or reinstall it");
+  const uint64_t header = 4 + 4 * static_cast<uint64_t>(dims);
+  in.read_exact(head + 4, header - 4,
+                "its header declares " + std::to_string(dims) + " dimensions of 4 bytes each");
   Shape shape;
-  size_t count = 1;
+  std::optional<uint64_t> count = 1;
   for (int d = 0; d < dims; ++d) {
-    const uint32_t s = be32(&bytes[4 + 4 * static_cast<size_t>(d)]);
+    const uint32_t s = be32(&head[4 + 4 * d]);
     MANTISSA_CHECK(s > 0 && s < (1u << 28),
                    "IDX file " + path + " has a dimension of size " + std::to_string(s),
                    "the file is damaged");
     shape.push_back(s);
-    count *= s;
+    if (count) count = checked_mul<uint64_t>(*count, s);
   }
-  MANTISSA_CHECK(bytes.size() - header == count,
-                 "IDX file " + path + " holds " + std::to_string(bytes.size() - header) +
-                     " data bytes but its header declares " + shape_str(shape) + " = " +
-                     std::to_string(count),
+  // The data the header declares must be what the file holds, checked before allocating it: a raw
+  // file's size, a gzip file's trailer (its length modulo 2^32) and deflate's limit on expansion.
+  const std::optional<uint64_t> content = in.declared_size();
+  const uint64_t held = content && *content >= header ? *content - header : 0;
+  const bool fits = count && *count <= io::kMaxDatasetFileBytes && *count <= in.max_size();
+  const bool agrees =
+      content && (in.compressed() ? (header + *count) % (uint64_t{1} << 32) == *content
+                                  : header + *count == *content);
+  MANTISSA_CHECK(fits && agrees,
+                 "IDX file " + path + " holds " + std::to_string(held) + " data bytes" +
+                     (in.compressed() ? " (by its gzip trailer)" : "") +
+                     " but its header declares " + shape_str(shape) + " = " +
+                     (count ? std::to_string(*count) : "too many"),
                  "the file is truncated or damaged: download or reinstall it");
   Tensor t = Tensor::empty(shape, DType::u8, input_data());
-  std::memcpy(t.data_ptr(), bytes.data() + header, count);
+  in.read_exact(
+      t.data_ptr(), static_cast<size_t>(*count),
+      "its header declares " + shape_str(shape) + " = " + std::to_string(*count) + " data bytes");
+  MANTISSA_CHECK(in.at_end(),
+                 "IDX file " + path + " holds more data than its header declares (" +
+                     shape_str(shape) + " = " + std::to_string(*count) + " bytes)",
+                 "the file is damaged: download or reinstall it");
   return t;
 }
 
@@ -158,18 +151,26 @@ Dataset load_cifar10(const std::string& dir_in, bool train) {
       files.push_back((fs::path(dir) / ("data_batch_" + std::to_string(i) + ".bin")).string());
   else
     files.push_back((fs::path(dir) / "test_batch.bin").string());
+  // A file holds whole records: a label byte, then the 3x32x32 image. Every file's record count
+  // is known (its size, or a gzip file's trailer) and checked before the dataset is allocated.
   constexpr size_t kRecord = 1 + 3 * 32 * 32;
-  std::vector<std::vector<uint8_t>> contents;
-  size_t total = 0;
-  for (auto& f : files) {
-    contents.push_back(read_file(f,
-                                 "pass --data-dir with the directory of the CIFAR-10 binary "
-                                 "version (cifar-10-batches-bin)"));
-    MANTISSA_CHECK(!contents.back().empty() && contents.back().size() % kRecord == 0,
-                   "CIFAR-10 file " + f + " has " + std::to_string(contents.back().size()) +
-                       " bytes, not a whole number of 3073-byte records",
+  std::vector<std::unique_ptr<io::InputFile>> inputs;
+  std::vector<uint64_t> records;
+  uint64_t total = 0;
+  for (const std::string& f : files) {
+    inputs.push_back(std::make_unique<io::InputFile>(
+        f, "CIFAR-10 file", io::kMaxDatasetFileBytes,
+        "pass --data-dir with the directory of the CIFAR-10 binary version "
+        "(cifar-10-batches-bin)"));
+    const io::ContentReader in(*inputs.back());
+    const uint64_t bytes = in.declared_size().value_or(0);
+    MANTISSA_CHECK(bytes > 0 && bytes % kRecord == 0 && bytes <= in.max_size(),
+                   "CIFAR-10 file " + f + " has " + std::to_string(bytes) + " bytes" +
+                       (in.compressed() ? " (by its gzip trailer)" : "") +
+                       ", not a whole number of 3073-byte records",
                    "the file is truncated or not the binary version of CIFAR-10");
-    total += contents.back().size() / kRecord;
+    records.push_back(bytes / kRecord);
+    total += records.back();  // at most 16 GiB / 3073 per file
   }
   Dataset d;
   d.name = std::string("cifar10") + (train ? " (train)" : " (test)");
@@ -178,18 +179,29 @@ Dataset load_cifar10(const std::string& dir_in, bool train) {
   d.labels = Tensor::empty({n}, DType::i64, input_data());
   uint8_t* img = static_cast<uint8_t*>(d.images.data_ptr());
   int64_t* lab = d.labels.data<int64_t>();
+  constexpr uint64_t kChunk = 256;  // records per read
+  std::vector<uint8_t> buf(kChunk * kRecord);
   int64_t k = 0;
   for (size_t fi = 0; fi < files.size(); ++fi) {
-    const auto& c = contents[fi];
-    for (size_t r = 0; r < c.size() / kRecord; ++r, ++k) {
-      const uint8_t* rec = &c[r * kRecord];
-      MANTISSA_CHECK(rec[0] < 10,
-                     "CIFAR-10 file " + files[fi] + ": record " + std::to_string(r) +
-                         " has label " + std::to_string(rec[0]),
-                     "the file is damaged or not CIFAR-10 (CIFAR-100 has 2 label bytes)");
-      lab[k] = rec[0];
-      std::memcpy(img + k * 3072, rec + 1, 3072);
+    io::ContentReader in(*inputs[fi]);
+    for (uint64_t r0 = 0; r0 < records[fi]; r0 += kChunk) {
+      const uint64_t m = std::min(kChunk, records[fi] - r0);
+      in.read_exact(buf.data(), static_cast<size_t>(m * kRecord),
+                    "expected " + std::to_string(records[fi] * kRecord));
+      for (uint64_t r = 0; r < m; ++r, ++k) {
+        const uint8_t* rec = &buf[r * kRecord];
+        MANTISSA_CHECK(rec[0] < 10,
+                       "CIFAR-10 file " + files[fi] + ": record " + std::to_string(r0 + r) +
+                           " has label " + std::to_string(rec[0]),
+                       "the file is damaged or not CIFAR-10 (CIFAR-100 has 2 label bytes)");
+        lab[k] = rec[0];
+        std::memcpy(img + k * 3072, rec + 1, 3072);
+      }
     }
+    MANTISSA_CHECK(in.at_end(),
+                   "CIFAR-10 file " + files[fi] + " holds more than the " +
+                       std::to_string(records[fi] * kRecord) + " bytes its gzip trailer declares",
+                   "the file is damaged: download it again");
   }
   return d;
 }

@@ -1,9 +1,11 @@
 #include "mantissa/ops/autocast.h"
 
-#include <fstream>
+#include <algorithm>
 #include <set>
+#include <string_view>
 
 #include "mantissa/core/error.h"
+#include "mantissa/io/input_file.h"
 #include "mantissa/kernels/elementwise.h"
 #include "mantissa/ops/ops.h"
 
@@ -102,23 +104,30 @@ void AutocastPolicy::replace_lists(const std::optional<std::vector<std::string>>
 }
 
 std::vector<std::string> read_op_list(const std::string& path) {
-  std::ifstream f(path);
-  MANTISSA_CHECK(f.good(), "cannot read op list " + path, "check the file name");
+  const io::InputFile file(path, "op list", io::kMaxTextFileBytes, "check the file name");
+  const std::string text = file.read_all();
   std::vector<std::string> out;
-  std::string line;
   int number = 0;
-  while (std::getline(f, line)) {
+  for (size_t start = 0; start < text.size();) {
+    const size_t newline = std::min(text.find('\n', start), text.size());
+    std::string_view line(text.data() + start, newline - start);
+    start = newline + 1;
     ++number;
-    const size_t hash = line.find('#');
-    if (hash != std::string::npos) line.resize(hash);
+    line = line.substr(0, line.find('#'));
     const size_t b = line.find_first_not_of(" \t\r");
-    if (b == std::string::npos) continue;
+    if (b == std::string_view::npos) continue;
     const size_t e = line.find_last_not_of(" \t\r");
-    const std::string name = line.substr(b, e - b + 1);
-    MANTISSA_CHECK(name.find_first_of(" \t,") == std::string::npos,
-                   path + " line " + std::to_string(number) + ": '" + name + "' is not one op name",
-                   "write one op name per line");
-    out.push_back(name);
+    const std::string_view name = line.substr(b, e - b + 1);
+    MANTISSA_CHECK(
+        name.find_first_of(" \t,") == std::string_view::npos,
+        path + " line " + std::to_string(number) + ": '" + excerpt(name) + "' is not one op name",
+        "write one op name per line");
+    // No op's name is this long; refused here so the unknown-op error never echoes a huge token.
+    MANTISSA_CHECK(
+        name.size() <= 64,
+        path + " line " + std::to_string(number) + ": '" + excerpt(name) + "' is not an op name",
+        "write one op name per line");
+    out.emplace_back(name);
   }
   return out;
 }

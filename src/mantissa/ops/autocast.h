@@ -51,8 +51,9 @@ class AutocastPolicy {
   std::array<AutocastCategory, kNumOps> categories_;
 };
 
-// One op name per line; blank lines and text after '#' ignored. Throws naming the file and line
-// for an unreadable file.
+// One op name per line; blank lines and text after '#' ignored. The file must be a regular file of
+// at most 1 MiB (io::InputFile); throws mantissa::Error naming the file, and the line for a line
+// that is not one op name.
 std::vector<std::string> read_op_list(const std::string& path);
 
 // One logged decision.
