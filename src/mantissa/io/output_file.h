@@ -1,6 +1,18 @@
 // Writing output files (checkpoints, metrics, reports) so that a reader never sees a half-written
-// file: everything goes to a temporary file in the target's directory, which is renamed over the
-// target only once complete. Every file Mantissa writes goes through here.
+// file and nothing but a regular file is ever replaced. Every file Mantissa writes goes through
+// here:
+//  - the data goes to a temporary file in the target's directory, `PATH.tmp.PID`, which is flushed
+//    to disk (fsync) and renamed over the target only once complete; the directory is then
+//    synced too, so after a crash the target is the old file or the new one, never a mix;
+//  - a target that exists and is not a regular file (a directory, FIFO, device node, socket; a
+//    symbolic link is followed) is refused, never replaced;
+//  - temporaries of this naming left by a process that no longer runs (killed during a write) are
+//    removed by the next write of the same path;
+//  - a process that writes or checks a path claims it until it exits: an advisory lock (flock) on
+//    `PATH.lock`, a file beside the target holding the process id, removed when the process ends
+//    normally. A path another running process has claimed is refused, naming that process, so two
+//    runs writing one checkpoint fail clearly instead of both reporting success.
+// Threads of one process must not write the same path at the same time.
 #pragma once
 
 #include <functional>
@@ -9,14 +21,15 @@
 
 namespace mantissa::io {
 
-// Checks that `path` can be written (its directory exists and is writable, it is not a
-// directory), naming `flag` in the error: output files are checked before any work starts, so a
-// run does not end in a write error. An empty path passes.
+// Checks that `path` can be written (its directory exists and is writable; it does not exist or is
+// a regular file) and claims it for this process, naming `flag` in the error: output files are
+// checked before any work starts, so a run does not end in a write error. An empty path passes.
 void check_output_path(const std::string& path, const char* flag);
 
-// Writes a file atomically: `write` fills a temporary file in the same directory (`path.tmp.PID`),
-// which is renamed over `path` once it is complete. A failed write (disk full) removes the
-// temporary file and throws mantissa::Error; `path` keeps its old contents.
+// Writes a file atomically: `write` fills the temporary file, which is renamed over `path` once it
+// is complete. A failed write (disk full), an exception from `write`, or a path that is not
+// writable (as check_output_path says) removes the temporary file and throws mantissa::Error;
+// `path` keeps its old contents.
 void write_file_atomic(const std::string& path, const std::function<void(std::ostream&)>& write);
 void write_file_atomic(const std::string& path, const std::string& text);
 
