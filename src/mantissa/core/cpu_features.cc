@@ -9,6 +9,9 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #if MANTISSA_HAVE_X86_SIMD
 #include <immintrin.h>
 #endif
@@ -22,7 +25,11 @@ const CpuFeatures& cpu_features() {
     __builtin_cpu_init();
     f.avx2 = __builtin_cpu_supports("avx2");
     f.fma = __builtin_cpu_supports("fma");
-    f.f16c = __builtin_cpu_supports("f16c");
+    // F16C from CPUID leaf 1 (clang's __builtin_cpu_supports does not know it), usable when AVX
+    // state is (what the builtin checks for "avx").
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    f.f16c = __builtin_cpu_supports("avx") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) &&
+             (ecx & bit_F16C) != 0;
     f.avx512f = __builtin_cpu_supports("avx512f");
 #endif
     return f;
