@@ -180,7 +180,8 @@ Dataset load_cifar10(const std::string& dir_in, bool train) {
   uint8_t* img = static_cast<uint8_t*>(d.images.data_ptr());
   int64_t* lab = d.labels.data<int64_t>();
   constexpr uint64_t kChunk = 256;  // records per read
-  std::vector<uint8_t> buf(kChunk * kRecord);
+  std::vector<uint8_t> buf(std::min(kChunk, *std::max_element(records.begin(), records.end())) *
+                           kRecord);
   int64_t k = 0;
   for (size_t fi = 0; fi < files.size(); ++fi) {
     io::ContentReader in(*inputs[fi]);
