@@ -8,6 +8,7 @@
 #                                    # and Debian's PyTorch (regenerates tests/golden)
 #   bash scripts/setup.sh --browser  # also Chromium, which the tests render the HTML reports in
 #                                    # (with DejaVu fonts, whose metrics the label checks assume)
+#   bash scripts/setup.sh --fuzz     # also clang 16 and its libFuzzer runtime (scripts/fuzz.sh)
 set -euo pipefail
 
 # Open MPI (libopenmpi-dev, openmpi-bin: mpirun) carries data-parallel training between processes.
@@ -17,7 +18,8 @@ for arg in "$@"; do
   case "$arg" in
     --bench) packages+=(libopenblas0-pthread libblis4-pthread python3-torch) ;;
     --browser) packages+=(chromium fonts-dejavu-core) ;;
-    *) echo "setup: unknown option '$arg' (use --bench, --browser or nothing)" >&2; exit 2 ;;
+    --fuzz) packages+=(clang-16 libclang-rt-16-dev) ;;
+    *) echo "setup: unknown option '$arg' (use --bench, --browser, --fuzz or nothing)" >&2; exit 2 ;;
   esac
 done
 

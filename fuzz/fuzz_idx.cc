@@ -1,0 +1,19 @@
+// The IDX reader on the bytes as a file: raw, or gzip when they start with its magic (the corpus
+// holds both).
+#include "fuzz_input.h"
+#include "mantissa/core/error.h"
+#include "mantissa/data/datasets.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string path = mantissa::fuzz::write_input("input.idx", data, size);
+  try {
+    const mantissa::Tensor t = mantissa::data::read_idx(path);
+    // Every byte the reader says it holds is readable.
+    const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+    unsigned sum = 0;
+    for (size_t i = 0; i < t.nbytes(); ++i) sum += p[i];
+    (void)sum;
+  } catch (const mantissa::Error&) {
+  }
+  return 0;
+}

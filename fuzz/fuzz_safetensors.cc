@@ -1,0 +1,21 @@
+// The safetensors reader on the bytes as a whole file: header, metadata and data. Every tensor it
+// returns must have all its bytes readable.
+#include "fuzz_input.h"
+#include "mantissa/core/error.h"
+#include "mantissa/io/safetensors.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string path = mantissa::fuzz::write_input("input.safetensors", data, size);
+  try {
+    const mantissa::io::SafetensorsFile f = mantissa::io::load_safetensors(path);
+    unsigned sum = 0;
+    for (const auto& [name, t] : f.tensors) {
+      const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+      for (size_t i = 0; i < t.nbytes(); ++i) sum += p[i];
+    }
+    for (const auto& [key, value] : f.metadata) sum += static_cast<unsigned>(value.size());
+    (void)sum;
+  } catch (const mantissa::Error&) {
+  }
+  return 0;
+}
