@@ -49,6 +49,7 @@ for h in "${harnesses[@]}"; do
   else
     result="FAILED (see $log and $build/crashes/$h/)"
     failed=1
+    tail -n 40 "$log" >&2
   fi
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   corpus=$(find "$build/corpus/$h" -type f | wc -l)
