@@ -52,8 +52,13 @@ TEST(OutputFile, WritesWholeFilesAndReplacesThem) {
   const std::string all = contents(path);
   EXPECT_EQ(all.substr(0, 6), "0\n1\n2\n");
   EXPECT_EQ(all.substr(all.size() - 6), "99999\n");
-  // Only the file and this process's lock beside it.
-  EXPECT_EQ(entries(d.path()), (std::vector<std::string>{"out.txt", "out.txt.lock"}));
+  // Only the file: a write claims the path for its own duration.
+  EXPECT_EQ(entries(d.path()), (std::vector<std::string>{"out.txt"}));
+  // A checked path stays claimed until the process ends.
+  io::check_output_path(path, "--save");
+  EXPECT_EQ(contents(path + ".lock"), std::to_string(::getpid()) + "\n");
+  io::write_file_atomic(path, "again");
+  EXPECT_EQ(contents(path + ".lock"), std::to_string(::getpid()) + "\n");
 }
 
 TEST(OutputFile, AFailedWriteKeepsTheOldFileAndLeavesNoTemporary) {
@@ -67,7 +72,7 @@ TEST(OutputFile, AFailedWriteKeepsTheOldFileAndLeavesNoTemporary) {
                                      }),
                std::runtime_error);
   EXPECT_EQ(contents(path), "old");
-  EXPECT_EQ(entries(d.path()), (std::vector<std::string>{"out.txt", "out.txt.lock"}));
+  EXPECT_EQ(entries(d.path()), (std::vector<std::string>{"out.txt"}));
 }
 
 TEST(OutputFile, NeverReplacesWhatIsNotARegularFile) {
@@ -204,12 +209,30 @@ TEST(OutputFile, TwoProcessesCannotWriteOnePath) {
       << e;
   EXPECT_EQ(child.finish(), 0);
   EXPECT_EQ(contents(path), "child");
-  // The child ended without removing its lock file (_exit, as if killed): the file stays, the
-  // lock does not, and the path is free.
-  EXPECT_EQ(contents(path + ".lock"), pid + "\n");
+  EXPECT_FALSE(fs::exists(path + ".lock"));  // the write's claim ended with it
   io::write_file_atomic(path, "parent");
   EXPECT_EQ(contents(path), "parent");
-  EXPECT_EQ(contents(path + ".lock"), std::to_string(::getpid()) + "\n");
+}
+
+TEST(OutputFile, ALockLeftByAKilledProcessDoesNotBlock) {
+  TempDir d;
+  const std::string path = d.file("ck.safetensors");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    try {
+      io::check_output_path(path, "--save");  // claimed until the process ends...
+    } catch (...) {
+      ::_exit(2);
+    }
+    ::_exit(0);  // ...which it does without cleaning up, as if killed
+  }
+  int status = -1;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(contents(path + ".lock"), std::to_string(pid) + "\n");
+  io::write_file_atomic(path, "after");
+  EXPECT_EQ(contents(path), "after");
+  EXPECT_FALSE(fs::exists(path + ".lock"));
 }
 
 }  // namespace

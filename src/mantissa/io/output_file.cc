@@ -37,7 +37,7 @@ void check_target_kind(const std::string& path, const std::string& label) {
                 "give the path of a regular file to write");
 }
 
-// ---- Claims: advisory locks on PATH.lock, held until the process exits ----
+// ---- Claims: advisory locks on PATH.lock, for one write or until the process exits ----
 
 struct Claim {
   dev_t dev;
@@ -52,8 +52,9 @@ class Claims {
     static Claims claims;
     return claims;
   }
-  // Claims `path` (see output_file.h); `label` starts the error message.
-  void claim(const std::string& path, const std::string& label) {
+  // Claims `path` (see output_file.h); `label` starts the error message. Returns false if this
+  // process held it already; otherwise the claim lasts until release(path) or the process's end.
+  bool claim(const std::string& path, const std::string& label) {
     const std::string lock_path = path + ".lock";
     std::lock_guard<std::mutex> lock(mu_);
     // A lock file unlinked by its holder between our open and our lock is not the lock any more:
@@ -75,7 +76,7 @@ class Claims {
       for (const Claim& c : held_)
         if (c.dev == st.st_dev && c.ino == st.st_ino) {  // this process holds it already
           ::close(fd);
-          return;
+          return false;
         }
       if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
         const int err = errno;
@@ -104,25 +105,39 @@ class Claims {
         // The lock holds without the id: other processes then report the holder as unknown.
       }
       held_.push_back({st.st_dev, st.st_ino, fd, lock_path});
-      return;
+      return true;
     }
     throw Error(label + ": its lock file " + lock_path + " keeps being replaced",
                 "check what else writes to that directory");
   }
 
+  // Ends the claim of `path` made by the last claim() that returned true.
+  void release(const std::string& path) {
+    const std::string lock_path = path + ".lock";
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = held_.size(); i-- > 0;)
+      if (held_[i].lock_path == lock_path) {
+        drop(held_[i]);
+        held_.erase(held_.begin() + static_cast<std::ptrdiff_t>(i));
+        return;
+      }
+  }
+
   ~Claims() {
-    // Unlinked while still locked, and only if the path is still our file: a process that opened
-    // it meanwhile finds it gone once it gets the lock, and opens the path again.
-    for (const Claim& c : held_) {
-      struct stat st {};
-      if (::stat(c.lock_path.c_str(), &st) == 0 && st.st_dev == c.dev && st.st_ino == c.ino)
-        ::unlink(c.lock_path.c_str());
-      ::close(c.fd);
-    }
+    for (const Claim& c : held_) drop(c);
   }
 
  private:
   Claims() = default;
+  // The lock file is unlinked while still locked, and only if the path is still our file: a
+  // process that opened it meanwhile finds it gone once it gets the lock, and opens the path again.
+  static void drop(const Claim& c) {
+    struct stat st {};
+    if (::stat(c.lock_path.c_str(), &st) == 0 && st.st_dev == c.dev && st.st_ino == c.ino)
+      ::unlink(c.lock_path.c_str());
+    ::close(c.fd);
+  }
+
   std::mutex mu_;
   std::vector<Claim> held_;
 };
@@ -213,7 +228,7 @@ void check_output_path(const std::string& path, const char* flag) {
                  label + ": directory " + dir + " is not writable",
                  "choose a directory you can write to");
   check_target_kind(path, label);
-  Claims::instance().claim(path, label);
+  Claims::instance().claim(path, label);  // until the process ends: the run's output
 }
 
 void write_file_atomic(const std::string& path, const std::function<void(std::ostream&)>& write) {
@@ -223,7 +238,15 @@ void write_file_atomic(const std::string& path, const std::function<void(std::os
                  "cannot write " + path + ": directory " + dir + " does not exist",
                  "create the directory first, or choose another path");
   check_target_kind(path, "cannot write " + path + ": it");
-  Claims::instance().claim(path, "cannot write " + path + ": it");
+  // A path this process has not claimed before is claimed for this write only (a program writing
+  // many files keeps no lock file or descriptor per file).
+  struct WriteClaim {
+    const std::string& path;
+    bool held;
+    ~WriteClaim() {
+      if (held) Claims::instance().release(path);
+    }
+  } write_claim{path, Claims::instance().claim(path, "cannot write " + path + ": it")};
   remove_stale_temporaries(path);
 
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());

@@ -5,13 +5,16 @@
 //    to disk (fsync) and renamed over the target only once complete; the directory is then
 //    synced too, so after a crash the target is the old file or the new one, never a mix;
 //  - a target that exists and is not a regular file (a directory, FIFO, device node, socket; a
-//    symbolic link is followed) is refused, never replaced;
+//    symbolic link is followed) is refused, never replaced; a link to a regular file is replaced
+//    by the new file (the file it pointed to is left as it was);
 //  - temporaries of this naming left by a process that no longer runs (killed during a write) are
 //    removed by the next write of the same path;
-//  - a process that writes or checks a path claims it until it exits: an advisory lock (flock) on
-//    `PATH.lock`, a file beside the target holding the process id, removed when the process ends
-//    normally. A path another running process has claimed is refused, naming that process, so two
-//    runs writing one checkpoint fail clearly instead of both reporting success.
+//  - a process that checks a path (check_output_path, at the start of a run) claims it until it
+//    exits, and one that writes a path it has not checked claims it for that write: an advisory
+//    lock (flock) on `PATH.lock`, a file beside the target holding the process id, removed when
+//    the claim ends (at the end of the write, or when the process ends normally). A path another
+//    running process has claimed is refused, naming that process, so two runs writing one
+//    checkpoint fail clearly instead of both reporting success.
 // Threads of one process must not write the same path at the same time.
 #pragma once
 
