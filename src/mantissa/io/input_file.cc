@@ -38,8 +38,7 @@ InputFile::InputFile(const std::string& path, std::string what, uint64_t max_byt
   if (!stat_ok || !S_ISREG(st.st_mode)) {
     const std::string kind = stat_ok ? detail::file_kind(st.st_mode) : "unreadable";
     ::close(fd_);
-    throw Error(name() + " is " + kind + ", not a regular file",
-                "give the path of a regular file");
+    throw Error(name() + " is " + kind + ", not a regular file", "give the path of a regular file");
   }
   size_ = static_cast<uint64_t>(st.st_size);
   if (size_ > max_bytes) {
