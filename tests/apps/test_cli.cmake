@@ -158,7 +158,7 @@ expect(train_accumulation_too_many 2 "" "an epoch has 16 batches, fewer than the
 expect(train_workers_bad 2 "" "--workers '0' is not an integer >= 1" train --workers 0)
 expect(train_detect_anomaly 4 "" "^mantissa: step 2: anomaly in forward: linear in module 'fc1' produced [0-9]+ inf/nan values \\(f16 \\(12, 120\\).*input 1: f16 \\(120, 16\\).*HINT: .*--keep-fp32 fc1"
        train ${TRAIN_PIPE} --precision 16-true --optimizer sgd --lr 1e5 --detect-anomaly)
-expect(train_numerics_report 0 "numerics report: .*num.json and .*num.html \\(1 steps\\); suggested loss scale [0-9]+" ""
+expect(train_numerics_report 0 "numerics report: .*num.json and .*num.html \\(1 step\\); suggested loss scale [0-9]+" ""
        train ${TRAIN_PIPE} --max-steps 3 --precision 16-mixed --numerics-report ${WORK}/num.json)
 expect(train_profile 0 "profile: 3 steps, [0-9.]+ ms a step.*\n  forward +conv1 +Conv2d +[0-9.]+ +[0-9.]+% +1\n.*  backward +fc1 +linear .*  in-backward +fc1.weight +sgd .*  \\(loop\\)" ""
        train ${TRAIN_PIPE} --max-steps 3 --optimizer sgd --profile)

@@ -87,6 +87,28 @@ TEST(Numerics, ATrainingRunReportsEveryLayersActivationsAndGradients) {
   EXPECT_NE(page.find("Suggested loss scale"), std::string::npos);
 }
 
+// A user's module may be named anything: the page escapes the names and the title, and the line
+// that names the files counts its steps in words.
+TEST(Numerics, ThePageEscapesNamesAndTheLineCountsSteps) {
+  const testing::TempDir dir;
+  nn::NumericsRecorder r;
+  r.record("blocks<1>&x", "activation", Tensor::from_floats({1.0f, 2.0f}, {2}));
+  r.count_step();
+  const std::string line = train::write_numerics_report(dir.file("n.json"), r, "net <b> & \"co\"");
+  EXPECT_NE(line.find("(1 step); suggested loss scale"), std::string::npos) << line;
+  std::ifstream in(dir.file("n.html"));
+  const std::string page((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(page.find("<td>blocks&lt;1&gt;&amp;x</td>"), std::string::npos) << page;
+  EXPECT_NE(page.find("<h1>Numerics: net &lt;b&gt; &amp; &quot;co&quot;</h1>"), std::string::npos);
+  EXPECT_NE(page.find("<title>Mantissa numerics: net &lt;b&gt;"), std::string::npos);
+  EXPECT_NE(page.find("1 recorded step."), std::string::npos);
+  EXPECT_EQ(page.find("net <b>"), std::string::npos);
+  EXPECT_EQ(page.find("blocks<1>"), std::string::npos);
+  r.count_step();
+  EXPECT_NE(train::write_numerics_report(dir.file("n.json"), r, "net").find("(2 steps)"),
+            std::string::npos);
+}
+
 // Recomputed blocks run their first forward without recording: their layers' gradients are
 // probed when the blocks run again in the backward pass, and activations are counted once.
 TEST(Numerics, RecomputedBlocksAreReportedLikeOthers) {

@@ -8,6 +8,7 @@
 
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
+#include "mantissa/io/html.h"
 #include "mantissa/nn/module.h"
 
 namespace mantissa::nn {
@@ -156,11 +157,12 @@ std::string NumericsRecorder::json() const {
 
 std::string NumericsRecorder::html(const std::string& title) const {
   std::ostringstream h;
-  h << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Mantissa "
-       "numerics</title><style>body{font:14px sans-serif;margin:24px;color:#222}table{border-"
-       "collapse:collapse}td,th{padding:3px 8px;border-bottom:1px solid #ddd;text-align:right}"
-       "td:first-child,th:first-child{text-align:left}</style></head><body>\n<h1>Numerics: "
-    << title << "</h1>\n<p>" << steps_ << " recorded steps. Log2 histograms of the magnitudes; "
+  // The title and the layers' names come from the model (a user's module may be named anything):
+  // escaped.
+  h << io::html::page_start("Mantissa numerics: " + title)
+    << "<h1>Numerics: " << io::html::escape(title) << "</h1>\n<p>" << steps_
+    << (steps_ == 1 ? " recorded step" : " recorded steps")
+    << ". Log2 histograms of the magnitudes; "
     << "the shaded band is FP16's normal range, the lighter one its subnormals; values left of "
        "it flush to zero in FP16, values right of it overflow.</p>\n";
   const ScaleAdvice a = suggested_loss_scale();
@@ -220,13 +222,13 @@ std::string NumericsRecorder::html(const std::string& title) const {
       const RangeFractions f16 = range_fractions(e.histogram, kFp16Range);
       const RangeFractions b16 = range_fractions(e.histogram, kBf16Range);
       std::snprintf(buf, sizeof buf, "%.3g", e.histogram.max_abs);
-      h << "<tr><td>" << e.layer << "</td><td>" << e.histogram.count << "</td><td>" << e.dtype
-        << "</td><td>" << buf << "</td><td>" << pct(f16.overflow) << "</td><td>"
-        << pct(f16.underflow) << "</td><td>" << pct(f16.subnormal) << "</td><td>"
+      h << "<tr><td>" << io::html::escape(e.layer) << "</td><td>" << e.histogram.count
+        << "</td><td>" << e.dtype << "</td><td>" << buf << "</td><td>" << pct(f16.overflow)
+        << "</td><td>" << pct(f16.underflow) << "</td><td>" << pct(f16.subnormal) << "</td><td>"
         << pct(b16.underflow) << "</td></tr>\n";
     }
   }
-  h << "</table></body></html>\n";
+  h << "</table>" << io::html::kPageEnd;
   return h.str();
 }
 

@@ -7,36 +7,15 @@
 #include <sstream>
 
 #include "mantissa/core/error.h"
+#include "mantissa/io/html.h"
 
 namespace mantissa::train {
 namespace {
 
 using json = nlohmann::json;
+namespace html = io::html;
 
 constexpr size_t kMaxPoints = 1000;
-
-std::string html_escape(const std::string& s) {
-  std::string out;
-  for (char ch : s) {
-    switch (ch) {
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '&':
-        out += "&amp;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        out += ch;
-    }
-  }
-  return out;
-}
 
 json category_json(const CategoryBytes& b) {
   json j = json::object();
@@ -44,9 +23,6 @@ json category_json(const CategoryBytes& b) {
     j[std::string(memory_category_name(c))] = b[static_cast<size_t>(c)];
   return j;
 }
-
-constexpr const char* kColors[kNumMemoryCategories] = {"#4e79a7", "#f28e2b", "#59a14f", "#b07aa1",
-                                                       "#e15759", "#9c755f", "#76b7b2"};
 
 }  // namespace
 
@@ -259,54 +235,25 @@ std::string memory_json(const TrainConfig& c, const std::vector<StepMemory>& run
 }
 
 std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& runs) {
+  using html::escape;
   std::ostringstream h;
-  h << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Mantissa memory: "
-    << html_escape(c.model) << "</title>\n<style>body{font:14px sans-serif;margin:24px;color:#222}"
-    << "table{border-collapse:collapse}td,th{padding:3px 10px;border-bottom:1px solid #ddd;"
-    << "text-align:right}td:first-child,th:first-child{text-align:left}"
-    << ".key span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px}</style>"
-    << "</head><body>\n";
-  h << "<h1>Memory of one training step: " << html_escape(c.model) << ", batch " << c.batch_size
-    << ", " << c.effective_image_size() << "x" << c.effective_image_size() << "</h1>\n";
-  h << "<p class=\"key\">";
-  for (MemoryCategory cat : kAllMemoryCategories)
-    h << "<span style=\"background:" << kColors[static_cast<size_t>(cat)] << "\"></span>"
-      << memory_category_name(cat);
-  h << "</p>\n";
+  h << html::page_start("Mantissa memory: " + c.model);
+  h << "<h1>Memory of one training step: " << escape(c.model) << ", batch " << c.batch_size << ", "
+    << c.effective_image_size() << "x" << c.effective_image_size() << "</h1>\n";
+  h << html::category_key();
 
-  // Peak by category: one stacked bar per precision.
+  // Peak by category: one stacked bar per precision, on the scale of the largest (or the budget).
+  std::vector<html::CategoryBar> bars;
   size_t top = 1;
-  for (const StepMemory& r : runs) top = std::max(top, r.peak_total);
+  for (const StepMemory& r : runs) {
+    bars.push_back(
+        {r.precision, r.at_peak, format_bytes(r.peak_total) + (r.fits ? "" : " (does not fit)")});
+    top = std::max(top, r.peak_total);
+  }
   if (runs[0].budget) top = std::max(top, *runs[0].budget);
-  // Room right of the bars for "2.65 MiB (does not fit)", above them for the budget's label.
-  const double W = 640, bar_x = 110, top_y = 20;
-  h << "<h2>At the peak, by category</h2>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
-    << bar_x + W + 200 << "\" height=\"" << 40 * runs.size() + top_y + 10 << "\">\n";
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const StepMemory& r = runs[i];
-    const double y = top_y + 40.0 * static_cast<double>(i);
-    h << "<text x=\"0\" y=\"" << y + 18 << "\">" << html_escape(r.precision) << "</text>\n";
-    double x = bar_x;
-    for (MemoryCategory cat : kAllMemoryCategories) {
-      const double w =
-          W * static_cast<double>(r.at_peak[static_cast<size_t>(cat)]) / static_cast<double>(top);
-      if (w <= 0) continue;
-      h << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"26\" fill=\""
-        << kColors[static_cast<size_t>(cat)] << "\"><title>" << memory_category_name(cat) << ": "
-        << format_bytes(r.at_peak[static_cast<size_t>(cat)]) << "</title></rect>\n";
-      x += w;
-    }
-    h << "<text x=\"" << x + 6 << "\" y=\"" << y + 18 << "\">" << format_bytes(r.peak_total)
-      << (r.fits ? "" : " (does not fit)") << "</text>\n";
-  }
-  if (runs[0].budget) {
-    const double bx = bar_x + W * static_cast<double>(*runs[0].budget) / static_cast<double>(top);
-    h << "<line x1=\"" << bx << "\" x2=\"" << bx << "\" y1=\"4\" y2=\"" << 40 * runs.size() + top_y
-      << "\" stroke=\"#c00\" stroke-dasharray=\"4 3\"/><text x=\"" << bx + 3
-      << "\" y=\"15\" font-size=\"12\" fill=\"#c00\">budget " << format_bytes(*runs[0].budget)
-      << "</text>\n";
-  }
-  h << "</svg>\n";
+  h << "<h2>At the peak, by category</h2>\n"
+    << html::category_bars(bars, runs[0].budget,
+                           runs[0].budget ? "budget " + format_bytes(*runs[0].budget) : "");
 
   // Liveness: stacked areas by category over the step's allocations and frees.
   h << "<h2>Over the step (liveness)</h2>\n";
@@ -318,7 +265,7 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
     auto Y = [&](size_t b) {
       return T + CH - CH * static_cast<double>(b) / static_cast<double>(top);
     };
-    h << "<h3>" << html_escape(r.precision) << " (" << r.events
+    h << "<h3>" << escape(r.precision) << " (" << r.events
       << " allocations and frees)</h3>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
       << L + CW + 20 << "\" height=\"" << T + CH + 40 << "\">\n";
     // Phase bands, each named on hover; a label that would overlap the previous one or run past
@@ -328,7 +275,7 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
     for (size_t i = 1; i <= r.timeline.size(); ++i) {
       if (i < r.timeline.size() && r.timeline[i].phase == r.timeline[start].phase) continue;
       const double x0 = X(r.timeline[start].event), x1 = X(r.timeline[i - 1].event);
-      const std::string phase = html_escape(r.timeline[start].phase);
+      const std::string phase = escape(r.timeline[start].phase);
       h << "<rect x=\"" << x0 << "\" y=\"" << T << "\" width=\"" << std::max(0.5, x1 - x0)
         << "\" height=\"" << CH << "\" fill=\"" << ((start / 1) % 2 ? "#f4f4f4" : "#fafafa")
         << "\"><title>" << phase << "</title></rect>";
@@ -358,7 +305,7 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
         down += std::to_string(X(r.timeline[i].event)) + "," +
                 std::to_string(Y(base[i] - r.timeline[i].bytes[k])) + " ";
       if (any)
-        h << "<polygon points=\"" << up << down << "\" fill=\"" << kColors[k]
+        h << "<polygon points=\"" << up << down << "\" fill=\"" << html::category_colour(cat)
           << "\" fill-opacity=\"0.85\"><title>" << memory_category_name(cat)
           << "</title></polygon>\n";
     }
@@ -375,11 +322,11 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
 
   // By layer.
   h << "<h2>Largest holders at the peak</h2>\n<table><tr><th>layer</th>";
-  for (const StepMemory& r : runs) h << "<th>" << html_escape(r.precision) << "</th>";
-  h << "<th>made of (" << html_escape(runs[0].precision) << ")</th></tr>\n";
+  for (const StepMemory& r : runs) h << "<th>" << escape(r.precision) << "</th>";
+  h << "<th>made of (" << escape(runs[0].precision) << ")</th></tr>\n";
   for (size_t i = 0; i < runs[0].layers.size() && i < 40; ++i) {
     const LayerMemory& l = runs[0].layers[i];
-    h << "<tr><td>" << html_escape(l.layer) << "</td>";
+    h << "<tr><td>" << escape(l.layer) << "</td>";
     for (const StepMemory& r : runs) {
       size_t b = 0;
       for (const LayerMemory& o : r.layers)
@@ -395,9 +342,9 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
   }
   h << "</table>\n";
   for (const StepMemory& r : runs)
-    h << "<h3>" << html_escape(r.precision) << "</h3><p>" << html_escape(r.description) << "</p>"
-      << (r.fits ? "" : "<pre>" + html_escape(r.oom_report) + "</pre>") << "\n";
-  h << "</body></html>\n";
+    h << "<h3>" << escape(r.precision) << "</h3><p>" << escape(r.description) << "</p>"
+      << (r.fits ? "" : "<pre>" + escape(r.oom_report) + "</pre>") << "\n";
+  h << html::kPageEnd;
   return h.str();
 }
 

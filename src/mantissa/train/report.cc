@@ -285,8 +285,10 @@ std::string write_numerics_report(const std::string& path, const nn::NumericsRec
                            ".html";
   io::write_file_atomic(path, numerics.json());
   io::write_file_atomic(html, numerics.html(title));
-  return "numerics report: " + path + " and " + html + " (" + std::to_string(numerics.steps()) +
-         " steps); suggested loss scale " + fmt("%g", numerics.suggested_loss_scale().scale);
+  const int64_t steps = numerics.steps();
+  return "numerics report: " + path + " and " + html + " (" + std::to_string(steps) +
+         (steps == 1 ? " step" : " steps") + "); suggested loss scale " +
+         fmt("%g", numerics.suggested_loss_scale().scale);
 }
 
 }  // namespace mantissa::train
