@@ -101,6 +101,9 @@ constexpr const char* kTrainUsage =
     "  --save FILE           write a checkpoint (weights, optimizer and RNG state) atomically\n"
     "  --resume FILE         continue a run from a checkpoint, bit-exactly\n"
     "  --metrics-json FILE   write losses, per-epoch figures, accuracy, speed and peak memory\n"
+    "  --report FILE.html    a self-contained page of the run (opens offline): loss, accuracy,\n"
+    "                        loss scale, skipped steps and step time over the run, the\n"
+    "                        precision settings and memory by category\n"
     "output:\n"
     "  --no-progress         no progress bar on standard error   --no-eval  skip the test set\n"
     "  --print-model         print the model (layers, parameter names, shapes, dtypes) first\n";
@@ -283,6 +286,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--save", str(c.save)},
       {"--resume", str(c.resume)},
       {"--metrics-json", str(c.metrics_json)},
+      {"--report", str(c.report)},
       {"--no-progress", on(c.progress, false)},
       {"--no-eval", on(c.evaluate, false)},
       {"--print-model", on(print_model, true)},
@@ -297,9 +301,10 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
   c.prefetch = static_cast<int>(std::min<int64_t>(prefetch, 65));
   c.workers = static_cast<int>(std::min<int64_t>(workers, 65));
   if (wd_given) c.weight_decay = wd;
-  // Ctrl-C stops at the next step boundary: the checkpoint (--save) and metrics are written and
-  // the loader's workers end. A second Ctrl-C ends the program at once (SA_RESETHAND). Installed
-  // before the data is loaded, so an early Ctrl-C stops the run before its first step.
+  // Ctrl-C stops at the next step boundary: the checkpoint (--save), metrics and report are
+  // written and the loader's workers end. A second Ctrl-C ends the program at once
+  // (SA_RESETHAND). Installed before the data is loaded, so an early Ctrl-C stops the run before
+  // its first step.
   struct sigaction sa {};
   sa.sa_handler = [](int) { train::request_stop(); };
   sa.sa_flags = SA_RESETHAND;

@@ -28,4 +28,5 @@
 #include "mantissa/ops/ops.h"
 #include "mantissa/optim/optim.h"
 #include "mantissa/train/memory_report.h"
+#include "mantissa/train/report_html.h"
 #include "mantissa/train/trainer.h"

@@ -16,6 +16,7 @@
 #include "support/errors.h"
 #include "support/files.h"
 #include "support/train.h"
+#include "train/report_page.h"
 
 namespace mantissa {
 namespace {
@@ -217,6 +218,7 @@ TEST(Interrupt, StopsAtAStepBoundarySavesAndResumesBitExactly) {
 
   c.save = dir.file("ckpt.safetensors");
   c.metrics_json = dir.file("metrics.json");
+  c.report = dir.file("report.html");
   c.progress = true;
   c.evaluate = true;
   StopOnWrite stopper;
@@ -231,7 +233,11 @@ TEST(Interrupt, StopsAtAStepBoundarySavesAndResumesBitExactly) {
             std::string::npos)
       << out.str();
   std::ifstream in(c.metrics_json);
-  EXPECT_TRUE(nlohmann::json::parse(in)["interrupted"].get<bool>());
+  const nlohmann::json metrics = nlohmann::json::parse(in);
+  EXPECT_TRUE(metrics["interrupted"].get<bool>());
+  const std::string page = testing::read_text(c.report);
+  EXPECT_EQ(testing::report_data(page), metrics) << "the report is written with the metrics";
+  EXPECT_NE(page.find("1 (interrupted) in 1 epoch"), std::string::npos);
 
   c.resume = c.save;
   c.progress = false;

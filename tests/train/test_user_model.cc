@@ -12,6 +12,7 @@
 #include "support/errors.h"
 #include "support/files.h"
 #include "support/train.h"
+#include "train/report_page.h"
 
 namespace mantissa {
 namespace {
@@ -102,6 +103,7 @@ TEST(UserModel, GetsTheLeversAndReports) {
   c.workers = 2;
   c.numerics_report = dir.file("numerics.json");
   c.metrics_json = dir.file("metrics.json");
+  c.report = dir.file("report.html");
   c.profile = true;
   c.memory_budget = "64MiB";
   std::ostringstream out;
@@ -120,6 +122,9 @@ TEST(UserModel, GetsTheLeversAndReports) {
   EXPECT_EQ(j["config"]["dataset"], "blobs");
   EXPECT_TRUE(j["config"]["image_size"].is_null());
   EXPECT_EQ(j["step_losses"].size(), 6u);
+  const std::string page = testing::read_text(c.report);
+  EXPECT_EQ(testing::report_data(page), j);
+  EXPECT_NE(page.find("<h1>Training: UserMlp on blobs, 16-mixed</h1>"), std::string::npos);
 
   // O2 keeps the layer norm (a normalization layer by its property) in FP32 and the rest 16-bit.
   train::TrainConfig o2 = user_run("O2");

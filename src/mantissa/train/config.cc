@@ -85,6 +85,7 @@ RunSettings resolve(const TrainConfig& c) {
   MANTISSA_CHECK(c.prefetch >= 0 && c.prefetch <= 64, "--prefetch must lie in [0, 64]", "");
   io::check_output_path(c.save, "--save");
   io::check_output_path(c.metrics_json, "--metrics-json");
+  io::check_output_path(c.report, "--report");
   io::check_output_path(c.numerics_report, "--numerics-report");
   MANTISSA_CHECK(c.numerics_every >= 1, "--numerics-every must be at least 1", "");
   MANTISSA_CHECK(c.init_from.empty() || c.resume.empty(),

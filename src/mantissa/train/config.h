@@ -56,6 +56,10 @@ struct TrainConfig : amp::PrecisionChoices {
   uint64_t seed = 0;
   int threads = 0;  // 0: all hardware threads
   std::string init_from, save, resume, metrics_json;
+  // The training report: a self-contained HTML page of the run (loss, accuracy, loss scale,
+  // skipped steps, step time, precision, memory) drawn from the metrics JSON (report_html.h),
+  // written with the metrics, also when the run is interrupted.
+  std::string report;
 
   bool autocast_log = false;  // print each automatic-casting decision once
 

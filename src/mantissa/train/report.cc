@@ -221,9 +221,19 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
                  {"update_in_backward", c.update_in_backward},
                  {"recompute", c.recompute},
                  {"numerics_report", c.numerics_report},
+                 {"report", c.report},
                  {"async_dataloader", c.async_loader},
                  {"workers", c.async_loader ? c.workers : 0}};
+  j["precision_settings"] = s.precision.describe();
   j["step_losses"] = r.step_losses;
+  // The training accuracy of what this run's calls returned, at the (last) step each covers.
+  json acc_steps = json::array(), accuracy = json::array();
+  for (const StepOutput& o : r.outputs) {
+    acc_steps.push_back(o.step);
+    accuracy.push_back(
+        o.examples > 0 ? static_cast<double>(o.correct) / static_cast<double>(o.examples) : 0.0);
+  }
+  j["step_accuracy"] = {{"steps", acc_steps}, {"accuracy", accuracy}};
   j["epochs"] = json::array();
   for (auto& e : r.epochs)
     j["epochs"].push_back({{"epoch", e.epoch},
@@ -269,8 +279,14 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
     json h = json::array();
     for (const amp::ScaleChange& ch : r.loss_scale_history)
       h.push_back({{"step", ch.step}, {"scale", ch.scale}, {"overflow", ch.overflow}});
-    j["loss_scale"] = {
-        {"final", *r.loss_scale}, {"skipped_steps", r.skipped_steps}, {"history", h}};
+    // "initial": the settings' starting scale (a resumed run's history goes back to it);
+    // "skipped": the steps of this run that were skipped.
+    j["loss_scale"] = {{"initial", s.precision.loss_scaling ? s.precision.loss_scaling->init_scale
+                                                            : *r.loss_scale},
+                       {"final", *r.loss_scale},
+                       {"skipped_steps", r.skipped_steps},
+                       {"skipped", r.skipped},
+                       {"history", h}};
   } else {
     j["loss_scale"] = nullptr;
   }

@@ -12,6 +12,17 @@
 
 namespace mantissa::train {
 
+// What one call of the training step returns (TrainConfig::output_mode): one entry per returned
+// output. "all": every step; "final": the last; "every": every output_return_period-th step;
+// "sum": one entry summing every step of the call.
+struct StepOutput {
+  int64_t step = 0;      // the (last) optimizer step it covers, 1-based
+  int64_t steps = 1;     // optimizer steps summed into it
+  double loss_sum = 0;   // sum of the covered steps' losses
+  int64_t correct = 0;   // correctly classified training images of the covered steps
+  int64_t examples = 0;  // images of the covered steps
+};
+
 struct EpochStats {
   int64_t epoch = 0;  // 1-based
   double loss = 0;    // mean over the epoch's steps in this run
@@ -46,11 +57,14 @@ struct TrainResult {
   std::optional<double> loss_scale;
   int64_t skipped_steps = 0;
   std::vector<amp::ScaleChange> loss_scale_history;
+  std::vector<int64_t> skipped;  // the optimizer steps (1-based) of this run that were skipped
   // The pipeline: calls of the training step, bytes of input handed over, and the host's own
   // time per optimizer step (the loop less the step's compute and the wait for data).
   int64_t calls = 0;
   int64_t input_bytes = 0;
   double host_seconds_per_step = 0;
+  // What this run's calls returned (TrainConfig::output_mode): the training accuracy over the run.
+  std::vector<StepOutput> outputs;
   bool interrupted = false;  // stopped by request_stop() (Ctrl-C): a clean step boundary
   // With TrainConfig::profile: wall-clock rows over this run's training steps (phase "step" holds
   // the inclusive time of data, forward, backward, optimizer and zero_grad; phases "forward",
@@ -60,16 +74,7 @@ struct TrainResult {
   int64_t profiled_steps = 0;
 };
 
-// What one call of the training step returns (TrainConfig::output_mode): one entry per returned
-// output. "all": every step; "final": the last; "every": every output_return_period-th step;
-// "sum": one entry summing every step of the call.
-struct StepOutput {
-  int64_t step = 0;      // the (last) optimizer step it covers, 1-based
-  int64_t steps = 1;     // optimizer steps summed into it
-  double loss_sum = 0;   // sum of the covered steps' losses
-  int64_t correct = 0;   // correctly classified training images of the covered steps
-  int64_t examples = 0;  // images of the covered steps
-};
+// What one call returns: its outputs, the steps it ran, the images it consumed.
 struct CallOutput {
   std::vector<StepOutput> outputs;
   int64_t steps = 0;   // optimizer steps the call ran

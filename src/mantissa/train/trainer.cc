@@ -10,6 +10,7 @@
 #include "mantissa/core/error.h"
 #include "mantissa/core/parallel.h"
 #include "mantissa/io/output_file.h"
+#include "mantissa/train/report_html.h"
 
 namespace mantissa::train {
 namespace {
@@ -166,6 +167,7 @@ TrainResult Trainer::run() {
   // Train; the memory peaks are the training's.
   TrainResult r;
   default_memory_tracker().reset_peaks();
+  skipped_.clear();
   train_epochs(r);
   r.memory = default_memory_tracker().stats();
   r.steps = step_;
@@ -173,6 +175,7 @@ TrainResult Trainer::run() {
     r.loss_scale = scaler_->scale();
     r.skipped_steps = scaler_->skipped_steps();
     r.loss_scale_history = scaler_->history();
+    r.skipped = skipped_;
   }
   r.step_losses = step_losses_;
   // Save, also when stopped on request; evaluate unless stopped.
@@ -183,12 +186,17 @@ TrainResult Trainer::run() {
     r.test_accuracy = evaluate(&r.test_examples);
     if (streams_.out) *streams_.out << test_line(*r.test_accuracy, r.test_examples) << std::endl;
   }
-  // Report: the summary line, the profile table, the metrics and numerics files.
+  // Report: the summary line, the profile table, the metrics, the training report (drawn from
+  // the metrics' text) and the numerics files.
   if (streams_.out && r.train_seconds > 0)
     *streams_.out << summary_line(r, loader_->batch_bytes()) << std::endl;
   if (streams_.out && config_.profile) *streams_.out << profile_table(r);
-  if (!config_.metrics_json.empty())
-    io::write_file_atomic(config_.metrics_json, metrics_json(config_, run_, r));
+  if (!config_.metrics_json.empty() || !config_.report.empty()) {
+    const std::string metrics = metrics_json(config_, run_, r);
+    if (!config_.metrics_json.empty()) io::write_file_atomic(config_.metrics_json, metrics);
+    if (!config_.report.empty())
+      io::write_file_atomic(config_.report, training_report_html(metrics));
+  }
   if (numerics_) {
     const std::string line =
         write_numerics_report(config_.numerics_report, *numerics_,
@@ -248,6 +256,7 @@ void Trainer::train_epochs(TrainResult& result) {
       ++call_index;
       steps_run += co.steps;
       tally.add(co);
+      result.outputs.insert(result.outputs.end(), co.outputs.begin(), co.outputs.end());
       bar.update(epoch + 1, epochs, call_index, calls, seconds_since(t0),
                  static_cast<double>(tally.images()), tally.loss(), tally.accuracy(), step_ == last,
                  loss_scaler());
@@ -395,7 +404,7 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   options.max_grad_norm = config_.max_grad_norm;
   {
     ProfileTimer timed("step", "", "optimizer");
-    scaled.step(*optimizer_, options, divisor);
+    if (scaled.step(*optimizer_, options, divisor).skipped) skipped_.push_back(step_ + 1);
   }
   {
     ProfileTimer timed("step", "", "zero_grad");
