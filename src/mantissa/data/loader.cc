@@ -35,6 +35,21 @@ Taps bilinear_taps(int64_t in, int64_t out) {
   return t;
 }
 
+// The batch size and the slice of each global batch, for a dataset of n examples.
+void check_slices(const LoaderConfig& c, int64_t n, const std::string& name, const char* fix) {
+  MANTISSA_CHECK(c.ranks >= 1 && c.rank >= 0 && c.rank < c.ranks,
+                 "loader slice " + std::to_string(c.rank) + " of " + std::to_string(c.ranks) +
+                     " is out of range",
+                 "rank must lie in [0, ranks)");
+  const int64_t global = c.batch_size * c.ranks;
+  MANTISSA_CHECK(!c.drop_last || n >= global,
+                 "dataset " + name + " has " + std::to_string(n) + " examples, fewer than one " +
+                     (c.ranks > 1 ? "global batch of " + std::to_string(c.ranks) + " ranks x " +
+                                        std::to_string(c.batch_size)
+                                  : "batch of " + std::to_string(c.batch_size)),
+                 fix);
+}
+
 }  // namespace
 
 void transform_image(const uint8_t* src, int64_t C, int64_t H, int64_t W, const Transform& t,
@@ -125,10 +140,8 @@ Loader::Loader(const Dataset& data, const LoaderConfig& config) : data_(data), c
                  "batch size " + std::to_string(config.batch_size) + " is not positive",
                  "use --batch-size 1 or more");
   MANTISSA_CHECK(data.size() > 0, "dataset " + data.name + " is empty", "");
-  MANTISSA_CHECK(!config.drop_last || data.size() >= config.batch_size,
-                 "dataset " + data.name + " has " + std::to_string(data.size()) +
-                     " examples, fewer than one batch of " + std::to_string(config.batch_size),
-                 "lower --batch-size, or use more examples (--train-limit, --synthetic-size)");
+  check_slices(config, data.size(), data.name,
+               "lower --batch-size, or use more examples (--train-limit, --synthetic-size)");
   MANTISSA_CHECK(config.transform.crop_padding >= 0, "crop padding must be non-negative", "");
   MANTISSA_CHECK(config.dtype == DType::u8 || is_compute_float(config.dtype),
                  "the loader cannot deliver " + std::string(dtype_name(config.dtype)) + " images",
@@ -146,10 +159,7 @@ Loader::Loader(std::shared_ptr<const ExampleSource> source, const LoaderConfig& 
                  "batch size " + std::to_string(config.batch_size) + " is not positive",
                  "use --batch-size 1 or more");
   MANTISSA_CHECK(source_->size() > 0, "dataset " + name + " is empty", "");
-  MANTISSA_CHECK(!config.drop_last || source_->size() >= config.batch_size,
-                 "dataset " + name + " has " + std::to_string(source_->size()) +
-                     " examples, fewer than one batch of " + std::to_string(config.batch_size),
-                 "lower the batch size, or use more examples");
+  check_slices(config, source_->size(), name, "lower the batch size, or use more examples");
   MANTISSA_CHECK(config.transform.image_size == 0 && config.transform.crop_padding == 0 &&
                      !config.transform.random_flip,
                  "dataset " + name + ": resizing, cropping and flipping are for image datasets",
@@ -176,13 +186,18 @@ Loader::Loader(std::shared_ptr<const ExampleSource> source, const LoaderConfig& 
 Loader::~Loader() { stop(); }
 
 int64_t Loader::batches_per_epoch() const {
-  const int64_t n = size(), b = config_.batch_size;
-  return config_.drop_last ? n / b : (n + b - 1) / b;
+  const int64_t n = size(), b = config_.batch_size, g = b * config_.ranks;
+  if (config_.drop_last) return n / g;
+  // The global batches whose slice for this rank starts inside the dataset.
+  const int64_t first = config_.rank * b;
+  return n > first ? (n - first + g - 1) / g : 0;
 }
 
 std::vector<int64_t> Loader::batch_indices(int64_t epoch, int64_t b) const {
   const int64_t n = size();
-  const int64_t begin = b * config_.batch_size, end = std::min(n, begin + config_.batch_size);
+  const int64_t begin =
+      std::min(n, b * config_.batch_size * config_.ranks + config_.rank * config_.batch_size);
+  const int64_t end = std::min(n, begin + config_.batch_size);
   std::vector<int64_t> idx;
   if (!config_.shuffle) {
     for (int64_t i = begin; i < end; ++i) idx.push_back(i);

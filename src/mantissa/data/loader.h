@@ -5,6 +5,12 @@
 //
 // Every random choice is a function of (seed, epoch, position), so batch b of epoch e is the same
 // whether it is made in order, by another thread, or after resuming from a checkpoint.
+//
+// Data parallelism: with `ranks` > 1 the loader of rank r delivers the r-th slice of each global
+// batch of ranks x batch_size examples, taken from the one seeded order of the epoch. The ranks
+// together see the images one process sees with a batch ranks x batch_size (or with
+// ranks x batch_size split into gradient-accumulation micro-batches of batch_size), in the same
+// order, each with the same augmentation.
 #pragma once
 
 #include <condition_variable>
@@ -45,6 +51,11 @@ struct LoaderConfig {
   // caller of next()). Whatever their number, next() returns batches in order.
   int workers = 0;
   int prefetch = 2;  // with workers: batches made ahead of the consumer at most (queue depth)
+  // This process's slice of each global batch (data parallelism): global batch b holds positions
+  // [b * G, (b + 1) * G) of the epoch's order, G = ranks * batch_size, and rank `rank` takes
+  // [b * G + rank * batch_size, + batch_size) of them (fewer, or none, in a last partial batch
+  // without drop_last).
+  int64_t ranks = 1, rank = 0;
 };
 
 struct Batch {
@@ -63,12 +74,15 @@ class Loader {
   Loader(const Loader&) = delete;
   Loader& operator=(const Loader&) = delete;
 
+  // Batches this rank delivers in an epoch: with drop_last, the whole global batches; without,
+  // those whose slice for this rank holds an example.
   int64_t batches_per_epoch() const;
   // The built-in image dataset (empty for an ExampleSource).
   const Dataset& dataset() const { return data_; }
   // Examples in the dataset or source.
   int64_t size() const { return source_ ? source_->size() : data_.size(); }
-  // The dataset positions of the examples of batch b of `epoch` (shuffled when configured).
+  // The dataset positions of the examples of batch b of `epoch` (shuffled when configured): this
+  // rank's slice of global batch b.
   std::vector<int64_t> batch_indices(int64_t epoch, int64_t b) const;
   // Makes batch b of `epoch` on the calling thread.
   Batch make_batch(int64_t epoch, int64_t b) const;
