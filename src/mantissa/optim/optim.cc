@@ -76,10 +76,9 @@ Tensor checked_grad(const nn::Module::NamedTensor& p) {
   return g.contiguous();
 }
 
-// Sum of squares of (g * scale) over a gradient (FP64 across chunks), and whether every value
-// is finite.
-std::pair<double, bool> sum_of_squares(const Tensor& g, float scale) {
-  const int64_t n = g.numel();
+// Sum of squares of (g * scale) over elements [first, first + n) of a gradient (FP64 across
+// chunks), and whether every value is finite.
+std::pair<double, bool> sum_of_squares(const Tensor& g, float scale, int64_t first, int64_t n) {
   std::vector<double> partial((static_cast<size_t>(n) + (1 << 15) - 1) >> 15, 0.0);
   std::vector<char> finite(partial.size(), 1);
   parallel_for(static_cast<size_t>(n), 1 << 15, default_num_threads(), [&](size_t b, size_t e) {
@@ -87,7 +86,7 @@ std::pair<double, bool> sum_of_squares(const Tensor& g, float scale) {
     bool ok = true;
     for (size_t c = b; c < e; c += kChunk) {
       const int64_t len = static_cast<int64_t>(std::min<size_t>(kChunk, e - c));
-      Staged gs(g, static_cast<int64_t>(c), len);
+      Staged gs(g, first + static_cast<int64_t>(c), len);
       float acc[8] = {};
       detail::sum_squares(gs.data(), len, scale, acc);
       float total = 0;
@@ -143,6 +142,47 @@ void Optimizer::enable_master_weights() {
   }
 }
 
+void Optimizer::set_shards(std::vector<ElementRange> ranges) {
+  MANTISSA_CHECK(ranges.size() == params_.size(),
+                 "optimizer shards: " + std::to_string(ranges.size()) + " ranges for " +
+                     std::to_string(params_.size()) + " parameters",
+                 "give one element range per parameter");
+  for (const std::vector<Tensor>& buffers : state_)
+    for (const Tensor& b : buffers)
+      MANTISSA_CHECK(!b.defined(), "the optimizer's shards cannot change after its first step",
+                     "shard the optimizer before training");
+  MANTISSA_CHECK(!backward_step_, "optimizer shards set during a step begun in the backward pass",
+                 "shard the optimizer before training");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ElementRange r = ranges[i];
+    MANTISSA_CHECK(r.begin >= 0 && r.begin <= r.end && r.end <= params_[i].tensor->numel(),
+                   "optimizer shard [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                       ") of '" + params_[i].name + "' outside its " +
+                       std::to_string(params_[i].tensor->numel()) + " elements",
+                   "give each parameter a range of its flattened elements");
+  }
+  shards_ = std::move(ranges);
+  // Master weights keep only the shard's elements, from the parameter's current values.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!masters_[i].defined()) continue;
+    const ElementRange r = shards_[i];
+    TensorOptions o = charged_to(MemoryCategory::master_weights);
+    o.owner = params_[i].name + ".master";
+    Tensor part = Tensor::empty({r.size()}, DType::f32, o);
+    if (r.size() > 0)
+      part.copy_from(params_[i].tensor->contiguous().view({-1}).narrow(0, r.begin, r.size()));
+    masters_[i] = std::move(part);
+  }
+}
+
+ElementRange Optimizer::shard(size_t i) const {
+  return shards_.empty() ? ElementRange{0, params_[i].tensor->numel()} : shards_[i];
+}
+
+Shape Optimizer::state_shape(size_t i) const {
+  return shards_.empty() ? params_[i].tensor->shape() : Shape{shards_[i].size()};
+}
+
 CastOptions Optimizer::rounding(size_t i, size_t buffer, int64_t begin) const {
   CastOptions o;
   if (!sr_seed_) return o;
@@ -165,10 +205,18 @@ StepReport Optimizer::step(const StepOptions& so) {
   if (so.skip_nonfinite || so.max_grad_norm > 0) {
     double total = 0;
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (!grads[i].defined()) continue;
-      const auto [sq, finite] = sum_of_squares(grads[i], so.grad_scale);
+      const ElementRange r = shard(i);
+      if (!grads[i].defined() || r.size() == 0) continue;
+      const auto [sq, finite] = sum_of_squares(grads[i], so.grad_scale, r.begin, r.size());
       total += sq;
       if (!finite) report.nonfinite.push_back(params_[i].name);
+    }
+    if (so.combine) {
+      // Every shard's figures: the same norm and decision on each.
+      const auto [all, nonfinite] = so.combine(total, !report.nonfinite.empty());
+      total = all;
+      if (nonfinite && report.nonfinite.empty())
+        report.nonfinite.push_back("(a part of the parameters updated by another shard)");
     }
     const double norm =
         report.nonfinite.empty() ? std::sqrt(total) : std::numeric_limits<double>::infinity();
@@ -198,7 +246,7 @@ StepReport Optimizer::step(const StepOptions& so) {
   }
   const std::string op = name();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!grads[i].defined()) continue;
+    if (!grads[i].defined() || shard(i).size() == 0) continue;
     ProfileTimer timed("optimizer", params_[i].name, op);
     update_param(i, grads[i], so.grad_scale, clip);
   }
@@ -224,23 +272,26 @@ void Optimizer::update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t
   const Tensor* master = masters_[i].defined() ? &masters_[i] : nullptr;
   const Tensor& target = master ? *master : p;
   constexpr size_t kParamBuffer = 15;
-  auto at = [b](const Tensor& t) {
+  // Elements [b, b + n) of the parameter (and of its gradient, g) are elements [s, s + n) of its
+  // state and master: the same unless the state holds a shard.
+  const int64_t s = b - a.state_begin;
+  auto at = [](const Tensor& t, int64_t e) {
     return static_cast<char*>(const_cast<void*>(t.data_ptr())) +
-           b * static_cast<int64_t>(dtype_size(t.dtype()));
+           e * static_cast<int64_t>(dtype_size(t.dtype()));
   };
   if (!sr_seed_ && nb == 2) {
-    const detail::DirectChunk dc{at(p),
+    const detail::DirectChunk dc{at(p, b),
                                  p.dtype(),
                                  const_cast<char*>(g),
                                  gt,
-                                 at(*bufs[0]),
+                                 at(*bufs[0], s),
                                  bufs[0]->dtype(),
-                                 at(*bufs[1]),
+                                 at(*bufs[1], s),
                                  bufs[1]->dtype(),
-                                 master ? const_cast<float*>(master->data<float>()) + b : nullptr};
+                                 master ? const_cast<float*>(master->data<float>()) + s : nullptr};
     if (update_chunk_direct(a, dc, n)) return;
   }
-  Staged ps(target, b, n);
+  Staged ps(target, master ? s : b, n);
   float gbuf[kChunk];
   const float* gp = reinterpret_cast<const float*>(g);
   if (gt != DType::f32) {
@@ -250,7 +301,7 @@ void Optimizer::update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t
   Staged ss[2];
   float* sp[2] = {nullptr, nullptr};
   for (size_t k = 0; k < nb; ++k) {
-    ss[k].bind(*bufs[k], b, n);
+    ss[k].bind(*bufs[k], s, n);
     sp[k] = ss[k].data();
   }
   update_chunk(a, ps.data(), gp, sp, n);
@@ -271,16 +322,20 @@ void Optimizer::update_param(size_t i, const Tensor& g, float unscale, float cli
   a.param = i;
   a.unscale = unscale;
   a.clip = clip;
+  const ElementRange r = shard(i);
+  a.state_begin = r.begin;
   const std::vector<Tensor*> bufs = state_buffers(i, &a.fresh_state);
   const char* gb = static_cast<const char*>(g.data_ptr());
   const int64_t gs = static_cast<int64_t>(dtype_size(g.dtype()));
-  for_chunks(p.numel(), [&](int64_t b, int64_t n) {
-    update_elements(a, bufs.data(), b, n, gb + b * gs, g.dtype());
+  for_chunks(r.size(), [&](int64_t b, int64_t n) {
+    update_elements(a, bufs.data(), r.begin + b, n, gb + (r.begin + b) * gs, g.dtype());
   });
 }
 
 size_t Optimizer::begin_backward_step() {
   MANTISSA_ASSERT(!backward_step_, "begin_backward_step twice without step()");
+  MANTISSA_CHECK(shards_.empty(), "updates in the backward pass with a sharded optimizer",
+                 "a shard's update waits for the gradients reduced over every shard: use step()");
   ++steps_;
   begin_step();
   backward_step_ = true;
@@ -349,7 +404,7 @@ Tensor& Optimizer::state(size_t i, size_t k) {
   if (s.size() < names.size()) s.resize(names.size());
   TensorOptions o = charged_to(MemoryCategory::optimizer_state);
   o.owner = params_[i].name + "." + names[k];
-  s[k] = Tensor::zeros(params_[i].tensor->shape(), state_dtype(k), o);
+  s[k] = Tensor::zeros(state_shape(i), state_dtype(k), o);
   return s[k];
 }
 
@@ -375,6 +430,7 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, int64_t
   std::vector<std::vector<Tensor>> loaded(params_.size());
   std::vector<Tensor> masters(params_.size());
   size_t used = 0;
+  size_t param = 0;  // the parameter `load` reads for
   auto load = [&](const std::string& key, const Shape& shape, DType dtype, MemoryCategory cat,
                   Tensor& into) {
     auto it = tensors.find(key);
@@ -386,10 +442,16 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, int64_t
                    "the checkpoint belongs to another model");
     TensorOptions o = charged_to(cat);
     o.owner = key;
-    into = Tensor::empty(shape, dtype, o);
-    into.copy_from(it->second);
+    into = Tensor::empty(state_shape(param), dtype, o);
+    if (shards_.empty()) {
+      into.copy_from(it->second);
+    } else if (shards_[param].size() > 0) {
+      const ElementRange r = shards_[param];  // a shard keeps its part of the whole tensor
+      into.copy_from(it->second.contiguous().view({-1}).narrow(0, r.begin, r.size()));
+    }
   };
   for (size_t i = 0; i < params_.size(); ++i) {
+    param = i;
     const Shape& shape = params_[i].tensor->shape();
     for (size_t k = 0; k < names.size(); ++k) {
       Tensor t;
@@ -417,8 +479,12 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, int64_t
   for (size_t i = 0; i < params_.size(); ++i)
     if (masters[i].defined()) {
       masters_[i] = std::move(masters[i]);
-    } else if (masters_[i].defined()) {
+    } else if (masters_[i].defined() && shards_.empty()) {
       masters_[i].copy_from(*params_[i].tensor);  // a checkpoint from step 0
+    } else if (masters_[i].defined() && shards_[i].size() > 0) {
+      const ElementRange r = shards_[i];
+      masters_[i].copy_from(
+          params_[i].tensor->contiguous().view({-1}).narrow(0, r.begin, r.size()));
     }
   steps_ = steps;
 }
@@ -428,6 +494,21 @@ size_t Optimizer::state_bytes() const {
   for (auto& s : state_)
     for (auto& t : s)
       if (t.defined()) b += t.nbytes();
+  return b;
+}
+
+std::vector<std::pair<std::string, DType>> Optimizer::state_layout() const {
+  const std::vector<std::string> names = state_names();
+  std::vector<std::pair<std::string, DType>> out;
+  for (size_t k = 0; k < buffers_used() && k < names.size(); ++k)
+    out.emplace_back(names[k], state_dtype(k));
+  return out;
+}
+
+size_t Optimizer::master_bytes() const {
+  size_t b = 0;
+  for (const Tensor& t : masters_)
+    if (t.defined()) b += t.nbytes();
   return b;
 }
 
@@ -539,7 +620,7 @@ double grad_norm(const ParamList& params) {
   double total = 0;
   for (auto& p : params) {
     const Tensor g = p.tensor->grad();
-    if (g.defined()) total += sum_of_squares(g.contiguous(), 1.0f).first;
+    if (g.defined()) total += sum_of_squares(g.contiguous(), 1.0f, 0, g.numel()).first;
   }
   return std::sqrt(total);
 }

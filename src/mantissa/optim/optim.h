@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -31,6 +32,19 @@ struct StepOptions {
   float grad_scale = 1;         // every gradient is multiplied by this first (the 1/S of scaling)
   double max_grad_norm = 0;     // > 0: clip the unscaled gradients to this global 2-norm
   bool skip_nonfinite = false;  // an inf/NaN gradient skips the whole step (nothing changes)
+  // Optimizers that each update a shard of the parameters (set_shards: ZeRO stage 1) combine the
+  // read-only pass's findings: called with this optimizer's sum of squares of the unscaled
+  // gradients it updates and whether one of them is inf/NaN, it returns the totals over every
+  // shard, from which the norm, the clipping and the skip follow alike on every shard. A
+  // collective when it communicates: every shard's step() must be given it alike. Unset: this
+  // optimizer's own figures are the totals.
+  std::function<std::pair<double, bool>(double sum_of_squares, bool nonfinite)> combine;
+};
+
+// Elements [begin, end) of a parameter's flattened values.
+struct ElementRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
 };
 
 struct StepReport {
@@ -92,8 +106,28 @@ class Optimizer {
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;
   void load_state(const std::map<std::string, Tensor>& tensors, int64_t steps,
                   const std::string& source);
+  // The state buffers each parameter gets (names as in state_tensors(), e.g. "exp_avg") and their
+  // storage types, in order.
+  std::vector<std::pair<std::string, DType>> state_layout() const;
   // Bytes of optimizer state (master weights not included).
   size_t state_bytes() const;
+  // Bytes of FP32 master weights.
+  size_t master_bytes() const;
+
+  // Sharded state (ZeRO stage 1): this optimizer owns elements ranges[i] of parameter i's
+  // flattened values (an empty range: none of it). Its state buffers and master weights hold
+  // those elements alone (1-D, range.size() elements; existing masters are cut to their range),
+  // and step() updates only them: the rest of each parameter belongs to other shards, whose
+  // owners bring it up to date (dist::Zero1 all-gathers the parameters after each step). An
+  // element's update is the arithmetic of the unsharded optimizer, stochastic rounding included
+  // (its bits are keyed by the element's index in the whole parameter), so shards that together
+  // cover every element compute what one optimizer would. state_tensors() then returns the parts
+  // (1-D) and load_state() takes whole tensors, keeping the parts. Before the first step; not
+  // with begin_backward_step().
+  void set_shards(std::vector<ElementRange> ranges);
+  bool sharded() const { return !shards_.empty(); }
+  // The elements of parameter i this optimizer updates: its range, or all of them.
+  ElementRange shard(size_t i) const;
 
  protected:
   // What update_chunk gets besides the FP32 arrays.
@@ -101,6 +135,9 @@ class Optimizer {
     size_t param = 0;
     bool fresh_state = false;  // the state buffers were created in this step (zeros)
     float unscale = 1, clip = 1;
+    // The parameter's element that the state buffers' and master's element 0 holds (a shard's
+    // begin; 0 unsharded).
+    int64_t state_begin = 0;
   };
   // Called once per step before any update (per-step scalars).
   virtual void begin_step() {}
@@ -136,8 +173,12 @@ class Optimizer {
                        DType gt) const;
   CastOptions rounding(size_t i, size_t buffer, int64_t begin) const;
 
+  // The shape of parameter i's state and master: the parameter's, or (sharded) its range's.
+  Shape state_shape(size_t i) const;
+
   std::vector<std::vector<Tensor>> state_;  // [param][buffer]
   std::vector<Tensor> masters_;             // [param]: undefined where there is none
+  std::vector<ElementRange> shards_;        // [param] when sharded, else empty
   bool masters_enabled_ = false;
   std::optional<uint64_t> sr_seed_;
   bool backward_step_ = false;  // begin_backward_step() ran; step() has not yet
