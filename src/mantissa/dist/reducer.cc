@@ -79,32 +79,23 @@ Reducer::Reducer(comm::Communicator& comm, const std::vector<NamedTensor>& param
     meta_.push_back(meta);
   }
 
-  // Buckets, from the last parameter registered to the first.
-  const size_t ws = dtype_size(options.wire);
+  std::vector<int64_t> numels;
+  for (const NamedTensor& p : params_) numels.push_back(p.tensor->numel());
+  buckets_ = plan(numels, options, comm.size());
   bucket_of_.resize(params_.size());
   slot_of_.resize(params_.size());
-  double cap = std::min(options.first_bucket_mib, options.bucket_cap_mib) * kMiB;
-  for (size_t k = params_.size(); k-- > 0;) {
-    const int64_t n = params_[k].tensor->numel();
-    if (buckets_.empty() ||
-        (buckets_.back().numel > 0 &&
-         static_cast<double>((buckets_.back().numel + n) * static_cast<int64_t>(ws)) > cap)) {
-      if (!buckets_.empty()) cap = options.bucket_cap_mib * kMiB;
-      buckets_.emplace_back();
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (size_t s = 0; s < buckets_[b].params.size(); ++s) {
+      bucket_of_[buckets_[b].params[s]] = b;
+      slot_of_[buckets_[b].params[s]] = s;
     }
-    Bucket& b = buckets_.back();
-    bucket_of_[k] = buckets_.size() - 1;
-    slot_of_[k] = b.params.size();
-    b.params.push_back(k);
-    b.offsets.push_back(b.numel);
-    b.numel += n;
-  }
 
   // The same layout on every rank, or an error naming what differs (before any hook is set).
   ConfigFields fields{{"wire", std::string(dtype_name(options.wire))},
                       {"bucket_cap_mib", std::to_string(options.bucket_cap_mib)},
                       {"first_bucket_mib", std::to_string(options.first_bucket_mib)},
-                      {"result", result_name(options.result)}};
+                      {"result", result_name(options.result)},
+                      {"scatter", options.scatter ? "yes" : "no"}};
   for (size_t k = 0; k < params_.size(); ++k) {
     const Tensor& t = *params_[k].tensor;
     const DType gd = meta_[k]->grad_dtype.value_or(t.dtype());
@@ -117,10 +108,55 @@ Reducer::Reducer(comm::Communicator& comm, const std::vector<NamedTensor>& param
   for (size_t b = 0; b < buckets_.size(); ++b) {
     TensorOptions o = charged_to(MemoryCategory::gradients);
     o.owner = "gradient bucket " + std::to_string(b);
-    storage_.push_back(Tensor::zeros({buckets_[b].numel}, options.wire, o));
+    storage_.push_back(Tensor::zeros({buckets_[b].padded}, options.wire, o));
+    if (options.scatter) {
+      o.owner = "gradient bucket " + std::to_string(b) + " (this rank's part)";
+      parts_.push_back(Tensor::zeros({buckets_[b].part}, options.wire, o));
+    }
   }
   for (size_t k = 0; k < params_.size(); ++k) meta_[k]->on_grad_ready = [this, k] { on_ready(k); };
   reset_pass();
+}
+
+std::vector<Reducer::Bucket> Reducer::plan(const std::vector<int64_t>& numels,
+                                           const ReducerOptions& options, int ranks) {
+  // From the last parameter registered to the first.
+  const size_t ws = dtype_size(options.wire);
+  std::vector<Bucket> buckets;
+  double cap = std::min(options.first_bucket_mib, options.bucket_cap_mib) * kMiB;
+  for (size_t k = numels.size(); k-- > 0;) {
+    const int64_t n = numels[k];
+    if (buckets.empty() ||
+        (buckets.back().numel > 0 &&
+         static_cast<double>((buckets.back().numel + n) * static_cast<int64_t>(ws)) > cap)) {
+      if (!buckets.empty()) cap = options.bucket_cap_mib * kMiB;
+      buckets.emplace_back();
+    }
+    Bucket& b = buckets.back();
+    b.params.push_back(k);
+    b.offsets.push_back(b.numel);
+    b.numel += n;
+  }
+  const int64_t parts = options.scatter ? std::max(ranks, 1) : 1;
+  for (Bucket& b : buckets) {
+    b.part = (b.numel + parts - 1) / parts;
+    b.padded = b.part * parts;
+    if (!options.scatter) b.part = b.padded = b.numel;
+  }
+  return buckets;
+}
+
+std::pair<int64_t, int64_t> Reducer::owned(size_t k) const {
+  MANTISSA_CHECK(k < params_.size(), "dist::Reducer::owned: no parameter " + std::to_string(k),
+                 "pass an index into params()");
+  const int64_t n = params_[k].tensor->numel();
+  if (!options_.scatter) return {0, n};
+  const Bucket& b = buckets_[bucket_of_[k]];
+  const int64_t offset = b.offsets[slot_of_[k]];
+  const int64_t lo = static_cast<int64_t>(comm_.rank()) * b.part, hi = lo + b.part;
+  const int64_t begin = std::clamp<int64_t>(lo - offset, 0, n);
+  const int64_t end = std::clamp<int64_t>(hi - offset, begin, n);
+  return {begin, end};
 }
 
 Reducer::~Reducer() {
@@ -164,7 +200,9 @@ void Reducer::mark_ready(size_t param) {
 void Reducer::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && pending_[next_launch_] == 0) {
     const size_t b = next_launch_++;
-    requests_[b] = comm_.all_reduce_async(storage_[b], comm::ReduceOp::kSum);
+    requests_[b] = options_.scatter
+                       ? comm_.reduce_scatter_async(storage_[b], parts_[b], comm::ReduceOp::kSum)
+                       : comm_.all_reduce_async(storage_[b], comm::ReduceOp::kSum);
     launch_order_.push_back(b);
     last_.bytes += static_cast<int64_t>(storage_[b].nbytes());
   }
@@ -201,16 +239,33 @@ void Reducer::copy_out(size_t bucket) {
     AutogradMeta& meta = *meta_[p];
     const Tensor& t = *params_[p].tensor;
     const DType gd = meta.grad_dtype.value_or(t.dtype());
+    // The elements written: all of them, or (scatter) those in this rank's part.
+    const auto [begin, end] = owned(p);
+    if (begin == end) continue;
     if (!meta.grad || !meta.grad->defined() || !meta.grad->is_contiguous() ||
         meta.grad->dtype() != gd) {
       TensorOptions o = charged_to(MemoryCategory::gradients);
       o.owner = params_[p].name;
-      meta.grad = std::make_unique<Tensor>(Tensor::empty(t.shape(), gd, o));
+      Tensor g = Tensor::empty(t.shape(), gd, o);
+      if (options_.scatter) {  // the elements not written keep the local gradient: here none
+        Tensor local = meta.grad && meta.grad->defined() ? meta.grad->contiguous() : Tensor();
+        if (local.defined() && local.shape() == t.shape())
+          g.copy_from(local);
+        else
+          g.fill(0.0);
+      }
+      meta.grad = std::make_unique<Tensor>(std::move(g));
     }
-    const char* src = static_cast<const char*>(storage_[bucket].data_ptr()) +
-                      static_cast<size_t>(bk.offsets[s]) * ws;
-    scaled_convert(src, options_.wire, meta.grad->data_ptr(), gd, static_cast<size_t>(t.numel()),
-                   multiply, divide);
+    const char* src = options_.scatter
+                          ? static_cast<const char*>(parts_[bucket].data_ptr()) +
+                                static_cast<size_t>(bk.offsets[s] + begin -
+                                                    static_cast<int64_t>(comm_.rank()) * bk.part) *
+                                    ws
+                          : static_cast<const char*>(storage_[bucket].data_ptr()) +
+                                static_cast<size_t>(bk.offsets[s]) * ws;
+    char* dst =
+        static_cast<char*>(meta.grad->data_ptr()) + static_cast<size_t>(begin) * dtype_size(gd);
+    scaled_convert(src, options_.wire, dst, gd, static_cast<size_t>(end - begin), multiply, divide);
   }
 }
 

@@ -44,6 +44,12 @@
 // nothing and finish() returns at once); the first synchronised pass after them reduces the
 // accumulated gradients.
 //
+// Scatter (ZeRO stage 1, dist/zero.h): each bucket, padded with zeros to a multiple of the ranks N,
+// is split into N equal parts, and a reduce-scatter leaves rank r only the sum of part r; finish()
+// writes that part back into the gradients (owned(param) says which elements of each parameter
+// it is) and leaves the rest of each gradient as the backward pass made it. Half the traffic of
+// an all-reduce; the parameters are then brought up to date by an all-gather (dist::Zero1).
+//
 // Not thread-safe: the backward passes and finish() run on one thread. A pass that throws leaves
 // all-reduces running on some ranks: end the job (comm::Communicator::abort).
 #pragma once
@@ -62,6 +68,7 @@ struct ReducerOptions {
   double first_bucket_mib = 1;  // DDP's first bucket
   DType wire = DType::f32;      // f32, f16 or bf16
   enum class Result : uint8_t { kSum, kMean } result = Result::kSum;
+  bool scatter = false;  // reduce-scatter: each rank gets the sum of its part of each bucket
 };
 
 // Communication figures, of the last synchronised pass or summed over all of them.
@@ -85,7 +92,16 @@ class Reducer {
     std::vector<size_t> params;
     std::vector<int64_t> offsets;  // element offset of each in the bucket
     int64_t numel = 0;             // elements of the wire type
+    // Elements on the wire: numel, rounded up to a multiple of the ranks when scattering; rank r's
+    // part is elements [r * part, (r + 1) * part).
+    int64_t padded = 0, part = 0;
   };
+
+  // The buckets of parameters of `numels` elements (those that require grad, in registration
+  // order) as a reducer over `ranks` ranks lays them out: a pure function of its arguments, for
+  // planning memory without a job.
+  static std::vector<Bucket> plan(const std::vector<int64_t>& numels, const ReducerOptions& options,
+                                  int ranks);
 
   // A collective (the layout check). Throws Error if a parameter already has a ready hook (two
   // reducers), appears twice, or the ranks' parameters or options differ.
@@ -121,6 +137,12 @@ class Reducer {
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   DType wire() const { return options_.wire; }
+  const ReducerOptions& options() const { return options_; }
+  // The parameters in buckets (those that require grad), in the order given.
+  const std::vector<NamedTensor>& params() const { return params_; }
+  // Scatter: the elements [begin, end) of params()[k] that lie in this rank's part of its bucket
+  // (begin == end: none); without scatter, all of them.
+  std::pair<int64_t, int64_t> owned(size_t k) const;
   const CommStats& last_step() const { return last_; }
   const CommStats& total() const { return total_; }
   // The buckets in the order they became ready, and in the order their all-reduces started, in
@@ -143,7 +165,8 @@ class Reducer {
   std::vector<size_t> bucket_of_;                    // [param]
   std::vector<size_t> slot_of_;                      // [param]: index in its bucket
   std::vector<Bucket> buckets_;
-  std::vector<Tensor> storage_;  // [bucket]: (numel,) of the wire type
+  std::vector<Tensor> storage_;  // [bucket]: (padded,) of the wire type
+  std::vector<Tensor> parts_;    // scatter, [bucket]: (part,) of the wire type, this rank's sum
 
   // The pass in progress.
   bool sync_ = true;

@@ -1,0 +1,143 @@
+#include "mantissa/dist/zero.h"
+
+#include <chrono>
+#include <cstring>
+#include <map>
+
+#include "mantissa/core/convert.h"
+#include "mantissa/core/error.h"
+
+namespace mantissa::dist {
+
+Zero1::Zero1(comm::Communicator& comm, const Reducer& reducer, optim::Optimizer& optimizer)
+    : comm_(comm), reducer_(reducer), optimizer_(optimizer) {
+  MANTISSA_CHECK(reducer.options().scatter,
+                 "dist::Zero1 needs a reducer that reduce-scatters the gradients",
+                 "make the reducer with ReducerOptions::scatter = true");
+  // Each optimizer parameter's shard: its elements in this rank's part of its bucket. Parameters
+  // the reducer leaves out (frozen) get none: they have no gradient to update with.
+  const optim::ParamList& ops = optimizer.params();
+  std::map<const AutogradMeta*, size_t> index;
+  for (size_t i = 0; i < ops.size(); ++i) index[ops[i].tensor->autograd_meta().get()] = i;
+  std::vector<optim::ElementRange> ranges(ops.size());
+  for (size_t k = 0; k < reducer.params().size(); ++k) {
+    auto it = index.find(reducer.params()[k].tensor->autograd_meta().get());
+    MANTISSA_CHECK(it != index.end(),
+                   "dist::Zero1: parameter '" + reducer.params()[k].name +
+                       "' of the reducer is not one of the optimizer's",
+                   "make the reducer and the optimizer over the same model's parameters");
+    const auto [begin, end] = reducer.owned(k);
+    ranges[it->second] = {begin, end};
+  }
+  optimizer.set_shards(std::move(ranges));
+
+  // A gather buffer per bucket, in its parameters' dtype (FP32 where they differ: widening to it
+  // and back is exact).
+  for (const Reducer::Bucket& b : reducer.buckets()) {
+    DType dtype = reducer.params()[b.params.front()].tensor->dtype();
+    for (size_t p : b.params)
+      if (reducer.params()[p].tensor->dtype() != dtype) dtype = DType::f32;
+    gather_dtype_.push_back(dtype);
+    TensorOptions o = charged_to(MemoryCategory::workspace);
+    o.owner = "parameter gather bucket " + std::to_string(gather_.size());
+    gather_.push_back(Tensor::zeros({b.padded}, dtype, o));
+  }
+}
+
+std::function<std::pair<double, bool>(double, bool)> Zero1::combine() {
+  return [this](double sum_of_squares, bool nonfinite) {
+    // One all-reduce: the sums of squares, and the flags counted (any rank's makes it positive).
+    double v[2] = {sum_of_squares, nonfinite ? 1.0 : 0.0};
+    comm_.all_reduce(v, 2, DType::f64, comm::ReduceOp::kSum);
+    return std::pair<double, bool>(v[0], v[1] > 0);
+  };
+}
+
+void Zero1::gather_parameters() {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t0 = Clock::now();
+  const std::vector<Reducer::Bucket>& buckets = reducer_.buckets();
+  const std::vector<Reducer::NamedTensor>& params = reducer_.params();
+  std::vector<comm::Request> requests(buckets.size());
+  last_bytes_ = 0;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    // This rank's part: the elements it updated, converted to the gather dtype.
+    const Reducer::Bucket& bk = buckets[b];
+    const size_t gs = dtype_size(gather_dtype_[b]);
+    char* base = static_cast<char*>(gather_[b].data_ptr());
+    for (size_t s = 0; s < bk.params.size(); ++s) {
+      const auto [begin, end] = reducer_.owned(bk.params[s]);
+      if (begin == end) continue;
+      const Tensor& p = *params[bk.params[s]].tensor;
+      MANTISSA_CHECK(p.is_contiguous(),
+                     "dist::Zero1: parameter '" + params[bk.params[s]].name + "' is not contiguous",
+                     "");
+      convert(static_cast<const char*>(p.data_ptr()) +
+                  static_cast<size_t>(begin) * dtype_size(p.dtype()),
+              p.dtype(), base + static_cast<size_t>(bk.offsets[s] + begin) * gs, gather_dtype_[b],
+              static_cast<size_t>(end - begin));
+    }
+    Tensor mine = gather_[b].narrow(0, static_cast<int64_t>(comm_.rank()) * bk.part, bk.part);
+    requests[b] = comm_.all_gather_async(mine, gather_[b]);
+    last_bytes_ += static_cast<int64_t>(gather_[b].nbytes());
+  }
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    requests[b].wait();
+    const Reducer::Bucket& bk = buckets[b];
+    const size_t gs = dtype_size(gather_dtype_[b]);
+    const char* base = static_cast<const char*>(gather_[b].data_ptr());
+    for (size_t s = 0; s < bk.params.size(); ++s) {
+      Tensor& p = *params[bk.params[s]].tensor;
+      convert(base + static_cast<size_t>(bk.offsets[s]) * gs, gather_dtype_[b], p.data_ptr(),
+              p.dtype(), static_cast<size_t>(p.numel()));
+    }
+  }
+  last_seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::vector<std::pair<std::string, Tensor>> Zero1::gathered_state() const {
+  const optim::ParamList& ops = optimizer_.params();
+  const std::vector<std::pair<std::string, DType>> layout = optimizer_.state_layout();
+  std::map<std::string, Tensor> local;
+  for (auto& [name, t] : optimizer_.state_tensors())
+    if (t.numel() > 0) local.emplace(name, t);
+  // Which tensors exist on some rank: per parameter, each state buffer, then the master (the
+  // order of an unsharded optimizer's state_tensors()).
+  const size_t per = layout.size() + 1;
+  std::vector<uint8_t> present(ops.size() * per, 0);
+  auto key = [&](size_t i, size_t k) {
+    return ops[i].name + "." + (k < layout.size() ? layout[k].first : std::string("master"));
+  };
+  for (size_t i = 0; i < ops.size(); ++i)
+    for (size_t k = 0; k < per; ++k) present[i * per + k] = local.count(key(i, k)) ? 1 : 0;
+  comm_.all_reduce(present.data(), present.size(), DType::u8, comm::ReduceOp::kMax);
+
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (size_t i = 0; i < ops.size(); ++i)
+    for (size_t k = 0; k < per; ++k) {
+      if (!present[i * per + k]) continue;
+      const std::string name = key(i, k);
+      const DType dtype = k < layout.size() ? layout[k].second : DType::f32;
+      TensorOptions o = charged_to(k < layout.size() ? MemoryCategory::optimizer_state
+                                                     : MemoryCategory::master_weights);
+      o.owner = name;
+      Tensor whole = Tensor::zeros(ops[i].tensor->shape(), dtype, o);
+      auto it = local.find(name);
+      if (it != local.end()) {
+        const optim::ElementRange r = optimizer_.shard(i);
+        const Tensor part = it->second.contiguous();
+        MANTISSA_ASSERT(part.numel() == r.size() && part.dtype() == dtype,
+                        "a state shard of another size or type");
+        std::memcpy(
+            static_cast<char*>(whole.data_ptr()) + static_cast<size_t>(r.begin) * dtype_size(dtype),
+            part.data_ptr(), part.nbytes());
+      }
+      // The parts are disjoint and every other byte is zero: a byte-wise sum assembles the
+      // tensor exactly (no byte sum exceeds 255).
+      comm_.all_reduce(whole.data_ptr(), whole.nbytes(), DType::u8, comm::ReduceOp::kSum);
+      if (comm_.rank() == 0) out.emplace_back(name, std::move(whole));
+    }
+  return out;
+}
+
+}  // namespace mantissa::dist

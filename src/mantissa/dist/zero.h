@@ -1,0 +1,83 @@
+// ZeRO stage 1 (Rajbhandari et al., 2020): the optimizer's state and FP32 master weights sharded
+// across the ranks of a data-parallel job, so that each rank holds about 1/N of them.
+//
+//   dist::ReducerOptions o;  o.scatter = true;              // reduce-scatter the gradients
+//   dist::Reducer reducer(comm, model->named_parameters(), o);
+//   dist::Zero1 zero(comm, reducer, optimizer);              // the optimizer now owns a shard
+//   autograd::backward(loss);  reducer.finish();             // this rank's part of each sum
+//   optim::StepOptions so;  so.combine = zero.combine();     // norm and inf/NaN over all shards
+//   if (!optimizer.step(so).skipped) zero.gather_parameters();
+//
+// Layout. The shards follow the reducer's buckets: bucket b (padded to a multiple of N) is cut
+// into N equal parts and rank r owns part r of every bucket, the part the reduce-scatter leaves
+// it. A parameter's elements in that part form one range (Reducer::owned), which becomes the
+// optimizer's shard of that parameter (optim::Optimizer::set_shards): its state buffers and master
+// weights hold only those elements. Every element is updated by exactly one rank, with the
+// arithmetic (and the stochastic-rounding bits) of the unsharded optimizer, and the parameters
+// then travel to every rank by an all-gather per bucket, so the replicas stay identical.
+//
+// What differs from plain data parallelism. The gradient a rank updates with is the
+// reduce-scatter's sum of its part where plain data parallelism uses the all-reduce's: on 2 ranks
+// both are g0 + g1, bit for bit, so a step without clipping is identical; on more ranks MPI may
+// add the ranks' contributions in another order (a few FP32 roundings of the sum). Clipping and
+// the loss scaler's inf/NaN check use the sum over ranks of each shard's sum of squares and the
+// MAX of each shard's flag (combine()), the same decision on every rank; the norm is added in
+// another order than one process adds it, so the clipping coefficient can differ in its last
+// bits. docs/distributed.md states the tolerances the tests use.
+//
+// Each function is a collective: every rank calls it, in the same order as its other collectives.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mantissa/comm/communicator.h"
+#include "mantissa/dist/reducer.h"
+#include "mantissa/optim/optim.h"
+
+namespace mantissa::dist {
+
+class Zero1 {
+ public:
+  // Shards `optimizer` (whose parameters must be the model's, in its order: the reducer's are
+  // those of them that require grad) along `reducer`'s buckets, which must scatter
+  // (ReducerOptions::scatter). Before the optimizer's first step; after its master weights are
+  // made (amp::apply_precision), which it cuts to the shard.
+  Zero1(comm::Communicator& comm, const Reducer& reducer, optim::Optimizer& optimizer);
+  Zero1(const Zero1&) = delete;
+  Zero1& operator=(const Zero1&) = delete;
+
+  // For optim::StepOptions::combine: the sum over ranks of the shards' sums of squares and whether
+  // any shard found inf/NaN, in one FP64 all-reduce (of the sums and of the flags counted).
+  std::function<std::pair<double, bool>(double, bool)> combine();
+
+  // After a step that updated the parameters: each rank's updated part of every bucket to every
+  // rank (an all-gather per bucket, in the parameters' dtype, or FP32 where a bucket mixes
+  // dtypes: exact either way), written into the parameters.
+  void gather_parameters();
+
+  // The optimizer's whole state, as an unsharded optimizer's state_tensors() would name and shape
+  // it ("fc1.weight.exp_avg" of fc1.weight's shape, "fc1.weight.master"), assembled from every
+  // rank's parts (bytes summed with zeros elsewhere: exact), one tensor at a time; for checkpoints.
+  // Rank 0 gets the list; the other ranks take part and get an empty one.
+  std::vector<std::pair<std::string, Tensor>> gathered_state() const;
+
+  // Bytes all-gathered (the buckets' sizes in their gather dtype) and the time spent, in the last
+  // gather_parameters() and in all of them.
+  int64_t last_bytes() const { return last_bytes_; }
+  double last_seconds() const { return last_seconds_; }
+
+ private:
+  comm::Communicator& comm_;
+  const Reducer& reducer_;
+  optim::Optimizer& optimizer_;
+  std::vector<DType> gather_dtype_;  // [bucket]
+  std::vector<Tensor> gather_;       // [bucket]: (padded,) of gather_dtype_
+  int64_t last_bytes_ = 0;
+  double last_seconds_ = 0;
+};
+
+}  // namespace mantissa::dist
