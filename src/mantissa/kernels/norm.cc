@@ -95,6 +95,50 @@ void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>
                });
 }
 
+// Batch norm's statistics (L.across_outer) over the processes that `sync` joins: norm_stats'
+// arithmetic in two phases, each channel's local sum (and then sum of squared deviations) a term
+// of the total that sync adds. Returns the total count of values per channel.
+double synced_batch_stats(FloatRows x, const NormLayout& L, double eps, const ChannelSums& sync,
+                          std::vector<float>& mean, std::vector<float>& rstd,
+                          std::vector<double>& var) {
+  const size_t C = static_cast<size_t>(L.groups);
+  const int threads = threads_for(L.outer * L.groups * L.inner);
+  // Calls term(channel, row values) for every row of each channel, a task per channel range.
+  auto over_channels = [&](const std::function<double(size_t, const float*)>& term,
+                           std::vector<double>& out) {
+    parallel_for(C, 1, threads, [&](size_t s0, size_t s1) {
+      std::vector<float> buf(x.dtype == DType::f32 ? 0 : static_cast<size_t>(L.inner));
+      for (size_t s = s0; s < s1; ++s) {
+        double total = 0;
+        for (int64_t o = 0; o < L.outer; ++o)
+          total += term(
+              s, x.row((o * L.groups + static_cast<int64_t>(s)) * L.inner, L.inner, buf.data()));
+        out[s] = total;
+      }
+    });
+  };
+  std::vector<double> sums(C + 1, 0.0);
+  over_channels([&](size_t, const float* row) { return sum_f(row, L.inner); }, sums);
+  sums[C] = static_cast<double>(L.outer * L.inner);
+  sync(sums.data(), C + 1);
+  const double count = sums[C];
+  std::vector<double> mu(C), sq(C, 0.0);
+  for (size_t s = 0; s < C; ++s) mu[s] = sums[s] / count;
+  over_channels(
+      [&](size_t s, const float* row) { return sum_sq_f(row, L.inner, static_cast<float>(mu[s])); },
+      sq);
+  sync(sq.data(), C);
+  mean.assign(C, 0.0f);
+  rstd.assign(C, 0.0f);
+  var.assign(C, 0.0);
+  for (size_t s = 0; s < C; ++s) {
+    var[s] = sq[s] / count;
+    mean[s] = static_cast<float>(mu[s]);
+    rstd[s] = static_cast<float>(1.0 / std::sqrt(var[s] + eps));
+  }
+  return count;
+}
+
 // Calls fn(row, stat index, [begin, end) within the row, channel) for each run of a row's elements
 // that share an affine channel (an element e's channel is (e / channel_inner) % channels).
 template <typename Fn>
@@ -174,9 +218,12 @@ void sums_d_dxhat(const float* d, const float* x, int64_t n, float mu, float rs,
 // statistics over each stat group (those statistics depend on x when `through_stats`; batch norm
 // in eval mode uses fixed ones). Sums in float lanes and FP64 across chunks; dx elementwise in
 // FP32, rounded once into dx_type. 16-bit rows are converted one at a time.
+// With `sync` (batch norm), the stat groups' sums and the count are added over the processes
+// before dx is computed.
 void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::vector<float>& mean,
                    const std::vector<float>& rstd, const std::vector<float>* w, bool through_stats,
-                   void* dx, DType dx_type, std::vector<double>& dw, std::vector<double>& db) {
+                   void* dx, DType dx_type, std::vector<double>& dw, std::vector<double>& db,
+                   const ChannelSums* sync) {
   const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
   const int64_t rows = L.outer * L.groups;
   const int64_t elements = rows * L.inner;
@@ -219,7 +266,17 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
   });
   // Pass 2: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per stat group, as
   // dx = dy * (rstd * w) - (rstd * mean(g)) - xhat * (rstd * mean(g * xhat)).
-  const double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
+  double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
+  if (sync && through_stats) {
+    std::vector<double> sums(2 * static_cast<size_t>(stats) + 1);
+    std::copy(sum_g.begin(), sum_g.end(), sums.begin());
+    std::copy(sum_gx.begin(), sum_gx.end(), sums.begin() + stats);
+    sums.back() = count;
+    (*sync)(sums.data(), sums.size());
+    std::copy(sums.begin(), sums.begin() + stats, sum_g.begin());
+    std::copy(sums.begin() + stats, sums.end() - 1, sum_gx.begin());
+    count = sums.back();
+  }
   const size_t dx_size = esize(dx_type);
   parallel_for(static_cast<size_t>(rows), 1, threads_for(elements), [&](size_t r0, size_t r1) {
     std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype), outbuf = buffer(dx_type);
@@ -248,7 +305,8 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
 std::tuple<Tensor, Tensor, Tensor> norm_backward_tensors(const Tensor& dy_in, const Tensor& x_in,
                                                          const NormLayout& L, const Tensor& weight,
                                                          const Tensor& mean, const Tensor& rstd,
-                                                         bool through_stats, DType dx_type) {
+                                                         bool through_stats, DType dx_type,
+                                                         const ChannelSums* sync = nullptr) {
   std::vector<float> wv;
   if (weight.defined()) wv = load_all(weight);
   std::vector<double> dw, db;
@@ -257,7 +315,7 @@ std::tuple<Tensor, Tensor, Tensor> norm_backward_tensors(const Tensor& dy_in, co
   norm_backward({static_cast<const char*>(dy.data_ptr()), dy.dtype()},
                 {static_cast<const char*>(x.data_ptr()), x.dtype()}, L, load_all(mean),
                 load_all(rstd), weight.defined() ? &wv : nullptr, through_stats, tdx.data_ptr(),
-                dx_type, dw, db);
+                dx_type, dw, db, sync);
   if (!weight.defined()) return {tdx, Tensor(), Tensor()};
   std::vector<float> fw(dw.begin(), dw.end()), fb(db.begin(), db.end());
   return {tdx, from_vector(fw, weight.shape(), weight.dtype(), MemoryCategory::gradients),
@@ -280,7 +338,7 @@ void check_affine(const Tensor& w, const Tensor& b, int64_t channels, const char
 std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& weight,
                                               const Tensor& bias, Tensor running_mean,
                                               Tensor running_var, bool training, double momentum,
-                                              double eps, DType out) {
+                                              double eps, DType out, const ChannelSums* sync) {
   require_float(x, "batch_norm", "input");
   MANTISSA_CHECK(x.dim() >= 2, "batch_norm: input must be (N, C, ...), got " + shape_str(x.shape()),
                  "add a batch dimension");
@@ -297,7 +355,11 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& wei
                        shape_str(x.shape()),
                    "use a batch larger than 1, or evaluation mode");
     std::vector<double> var;
-    norm_stats(xv, L, eps, mean, rstd, &var);
+    double n = static_cast<double>(x.size(0) * inner);
+    if (sync)
+      n = synced_batch_stats(xv, L, eps, *sync, mean, rstd, var);
+    else
+      norm_stats(xv, L, eps, mean, rstd, &var);
     if (running_mean.defined()) {
       MANTISSA_CHECK(running_mean.dtype() == DType::f32 && running_var.dtype() == DType::f32 &&
                          running_mean.numel() == C && running_var.numel() == C,
@@ -305,7 +367,6 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& wei
                      "keep running statistics in f32");
       float* rm = running_mean.data<float>();
       float* rv = running_var.data<float>();
-      const double n = static_cast<double>(x.size(0) * inner);
       for (int64_t c = 0; c < C; ++c) {
         rm[c] = static_cast<float>((1.0 - momentum) * rm[c] + momentum * mean[c]);
         rv[c] = static_cast<float>((1.0 - momentum) * rv[c] + momentum * var[c] * n / (n - 1.0));
@@ -329,10 +390,11 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& wei
 std::tuple<Tensor, Tensor, Tensor> batch_norm_backward(const Tensor& dy, const Tensor& x,
                                                        const Tensor& weight, const Tensor& mean,
                                                        const Tensor& rstd, bool training,
-                                                       DType dx_type) {
+                                                       DType dx_type, const ChannelSums* sync) {
   const int64_t C = x.size(1), inner = x.numel() / std::max<int64_t>(x.size(0) * C, 1);
   const NormLayout L{x.size(0), C, inner, C, inner, true};
-  return norm_backward_tensors(dy, x, L, weight, mean, rstd, training, dx_type);
+  return norm_backward_tensors(dy, x, L, weight, mean, rstd, training, dx_type,
+                               training ? sync : nullptr);
 }
 
 std::tuple<Tensor, Tensor, Tensor> group_norm(const Tensor& x, int64_t groups, const Tensor& weight,

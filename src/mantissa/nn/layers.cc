@@ -121,9 +121,12 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
     n.data<int64_t>()[0] += 1;
   }
   const bool use_running = update || !is_training();
-  return ops::batch_norm(
-      x, param("weight"), param("bias"), use_running ? buffer("running_mean") : Tensor(),
-      use_running ? buffer("running_var") : Tensor(), is_training(), momentum_, eps_);
+  const Tensor rm = use_running ? buffer("running_mean") : Tensor();
+  const Tensor rv = use_running ? buffer("running_var") : Tensor();
+  if (sync_ && is_training())
+    return ops::sync_batch_norm(x, param("weight"), param("bias"), rm, rv, true, sync_, momentum_,
+                                eps_);
+  return ops::batch_norm(x, param("weight"), param("bias"), rm, rv, is_training(), momentum_, eps_);
 }
 
 std::string BatchNorm2d::extra_repr() const {

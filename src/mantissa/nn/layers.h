@@ -64,10 +64,16 @@ class BatchNorm2d : public Module {
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override;
   bool is_normalization() const override { return true; }
+  // Sync batch norm (PyTorch's SyncBatchNorm): in training, the statistics of every process's
+  // batch together, through `sums` (ops::sync_batch_norm); an empty function returns to this
+  // process's batch alone.
+  void set_sync(kernels::ChannelSums sums) { sync_ = std::move(sums); }
+  bool synced() const { return static_cast<bool>(sync_); }
 
  private:
   int64_t channels_;
   double eps_, momentum_;
+  kernels::ChannelSums sync_;
 };
 
 class GroupNorm : public Module {

@@ -384,28 +384,50 @@ Tensor mul_scalar(const Tensor& a, double s, const OpOptions& opt) {
 
 // ---- Normalization ----
 
-Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                  const Tensor& running_mean, const Tensor& running_var, bool training,
-                  double momentum, double eps, const OpOptions& opt) {
+namespace {
+
+// batch_norm and sync_batch_norm: `sync` (or null) goes to the kernels, forward and backward.
+Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                     const Tensor& running_mean, const Tensor& running_var, bool training,
+                     const std::shared_ptr<const kernels::ChannelSums>& sync, double momentum,
+                     double eps, const OpOptions& opt) {
   detail::OpCall call(OpId::batch_norm, opt, {&x, &weight, &bias});
   if (call.active())
-    return call.finish(batch_norm(call.in(0), call.in(1), call.in(2), running_mean, running_var,
-                                  training, momentum, eps, call.options()));
+    return call.finish(batch_norm_op(call.in(0), call.in(1), call.in(2), running_mean, running_var,
+                                     training, sync, momentum, eps, call.options()));
   const Tensor xd = x.detach(), wd = weight.defined() ? weight.detach() : Tensor();
   auto [y, mean, rstd] =
       kernels::batch_norm(xd, wd, bias.defined() ? bias.detach() : Tensor(),
                           running_mean.defined() ? running_mean.detach() : Tensor(),
                           running_var.defined() ? running_var.detach() : Tensor(), training,
-                          momentum, eps, out_or(opt, x.dtype()));
-  return recorded(
-      y, OpId::batch_norm, {&x, &weight, &bias},
-      [xd, wd, mean = mean, rstd = rstd, training](const Tensor& g,
-                                                   const FnNode& n) -> std::vector<Tensor> {
-        auto [dx, dw, db] =
-            kernels::batch_norm_backward(g, xd, wd, mean, rstd, training, n.input_dtype(0));
-        return {n.needs_input_grad(0) ? dx : Tensor(), n.needs_input_grad(1) ? dw : Tensor(),
-                n.needs_input_grad(2) ? db : Tensor()};
-      });
+                          momentum, eps, out_or(opt, x.dtype()), sync.get());
+  return recorded(y, OpId::batch_norm, {&x, &weight, &bias},
+                  [xd, wd, mean = mean, rstd = rstd, training, sync](
+                      const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    auto [dx, dw, db] = kernels::batch_norm_backward(
+                        g, xd, wd, mean, rstd, training, n.input_dtype(0), sync.get());
+                    return {n.needs_input_grad(0) ? dx : Tensor(),
+                            n.needs_input_grad(1) ? dw : Tensor(),
+                            n.needs_input_grad(2) ? db : Tensor()};
+                  });
+}
+
+}  // namespace
+
+Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                  const Tensor& running_mean, const Tensor& running_var, bool training,
+                  double momentum, double eps, const OpOptions& opt) {
+  return batch_norm_op(x, weight, bias, running_mean, running_var, training, nullptr, momentum, eps,
+                       opt);
+}
+
+Tensor sync_batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                       const Tensor& running_mean, const Tensor& running_var, bool training,
+                       const kernels::ChannelSums& sync, double momentum, double eps,
+                       const OpOptions& opt) {
+  return batch_norm_op(x, weight, bias, running_mean, running_var, training,
+                       training ? std::make_shared<const kernels::ChannelSums>(sync) : nullptr,
+                       momentum, eps, opt);
 }
 
 Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight, const Tensor& bias,

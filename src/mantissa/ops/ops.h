@@ -56,6 +56,13 @@ Tensor mul_scalar(const Tensor& a, double s, const OpOptions& opt = {});
 Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
                   const Tensor& running_mean, const Tensor& running_var, bool training,
                   double momentum = 0.1, double eps = 1e-5, const OpOptions& opt = {});
+// batch_norm whose training statistics are those of every process's batch together (sync batch
+// norm; `sync` adds per-channel sums over the processes: kernels::ChannelSums), forward and
+// backward. In evaluation mode it is batch_norm.
+Tensor sync_batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                       const Tensor& running_mean, const Tensor& running_var, bool training,
+                       const kernels::ChannelSums& sync, double momentum = 0.1, double eps = 1e-5,
+                       const OpOptions& opt = {});
 Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight = {},
                   const Tensor& bias = {}, double eps = 1e-5, const OpOptions& opt = {});
 Tensor layer_norm(const Tensor& x, int64_t normalized_dims, const Tensor& weight = {},
