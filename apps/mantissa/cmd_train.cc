@@ -2,6 +2,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -48,7 +49,8 @@ constexpr const char* kTrainUsage =
     "  --lr-schedule NAME    constant (default), step, cosine\n"
     "  --warmup-steps N      linear warm-up    --lr-step-size N --lr-gamma X  (step schedule)\n"
     "  --seed N              seed of initialisation, shuffling and augmentation (default 0)\n"
-    "  --threads N           compute threads (default: all cores)\n"
+    "  --threads N           compute threads (default: all cores; under mpirun, per rank: the\n"
+    "                        host's cores divided among its ranks)\n"
     "pipeline (docs/ipu_guide.md):\n"
     "  --gradient-accumulation N   N micro-batches of --batch-size per optimizer step\n"
     "  --accumulation-reduction R  mean (default: sum, then / N), running (running mean, cannot\n"
@@ -106,7 +108,15 @@ constexpr const char* kTrainUsage =
     "                        precision settings and memory by category\n"
     "output:\n"
     "  --no-progress         no progress bar on standard error   --no-eval  skip the test set\n"
-    "  --print-model         print the model (layers, parameter names, shapes, dtypes) first\n";
+    "  --print-model         print the model (layers, parameter names, shapes, dtypes) first\n"
+    "data parallelism (under mpirun -np N or srun; docs/distributed.md):\n"
+    "  --batch-size is per rank: the global batch is N x batch, rank r trains on its r-th slice\n"
+    "  --bucket-size MIB     gradients travel in buckets of at most MIB (default 25)\n"
+    "  --allreduce-dtype T   the gradients' type on the wire: fp32 (default), fp16, bf16\n"
+    "  --sync-batchnorm      batch-norm statistics over the global batch (default: each rank's,\n"
+    "                        with rank 0's running statistics kept on every rank)\n"
+    "  --zero 1              shard the optimizer state and master weights across the ranks\n"
+    "  --check-replicas      after every step, check that every rank holds the same weights\n";
 
 constexpr const char* kEvalUsage =
     "usage: mantissa eval --checkpoint FILE [--dataset NAME] [--data-dir DIR] [--test-limit N]\n"
@@ -189,6 +199,13 @@ Flag list_flag(std::vector<std::string>& dst) {
 }
 Flag switch_flag(bool& dst, bool value = true) {
   return Flag{false, [&dst, value](const std::string&) { dst = value; }};
+}
+
+// A command that runs in one process, refused when an MPI launcher started several.
+void refuse_ranks(const char* command, const char* fix) {
+  if (comm::launched_by_mpi() && comm::world().size() > 1)
+    throw UsageError(std::string("'mantissa ") + command + "' does not run over " +
+                     std::to_string(comm::world().size()) + " processes: " + fix);
 }
 
 }  // namespace
@@ -290,6 +307,11 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--no-progress", on(c.progress, false)},
       {"--no-eval", on(c.evaluate, false)},
       {"--print-model", on(print_model, true)},
+      {"--bucket-size", dbl("--bucket-size", c.bucket_size_mib)},
+      {"--allreduce-dtype", str(c.allreduce_dtype)},
+      {"--sync-batchnorm", on(c.sync_batchnorm, true)},
+      {"--zero", i64("--zero", c.zero, 0)},
+      {"--check-replicas", on(c.check_replicas, true)},
   };
   parse_flags(args, flags, "train");
   if (help) {
@@ -305,16 +327,31 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
   // written and the loader's workers end. A second Ctrl-C ends the program at once
   // (SA_RESETHAND). Installed before the data is loaded, so an early Ctrl-C stops the run before
   // its first step.
+  // Under an MPI launcher, SIGTERM too: Open MPI's mpirun, given Ctrl-C (SIGINT) or SIGTERM,
+  // sends its ranks SIGCONT, then SIGTERM after odls_base_sigkill_timeout seconds (default 1),
+  // then SIGKILL after as many again; the ranks agree on the step to stop at (the trainer's
+  // per-call collective) and rank 0 writes the checkpoint (docs/distributed.md).
+  const bool launched = comm::launched_by_mpi();
   struct sigaction sa {};
   sa.sa_handler = [](int) { train::request_stop(); };
   sa.sa_flags = SA_RESETHAND;
   sigemptyset(&sa.sa_mask);
-  struct sigaction previous {};
-  sigaction(SIGINT, &sa, &previous);
+  struct sigaction previous_int {
+  }, previous_term{};
+  sigaction(SIGINT, &sa, &previous_int);
+  if (launched) sigaction(SIGTERM, &sa, &previous_term);
   struct Restore {
-    struct sigaction* previous;
-    ~Restore() { sigaction(SIGINT, previous, nullptr); }
-  } restore{&previous};
+    struct sigaction *previous_int, *previous_term;
+    bool term;
+    ~Restore() {
+      sigaction(SIGINT, previous_int, nullptr);
+      if (term) sigaction(SIGTERM, previous_term, nullptr);
+    }
+  } restore{&previous_int, &previous_term, launched};
+  if (launched && !c.save.empty() && comm::world().rank() == 0 &&
+      !std::getenv("OMPI_MCA_odls_base_sigkill_timeout") && std::getenv("OMPI_COMM_WORLD_SIZE"))
+    err << "mantissa: note: mpirun ends its ranks 1 s after passing on Ctrl-C; to leave time for "
+           "the checkpoint, start it with --mca odls_base_sigkill_timeout 30\n";
   train::Trainer trainer(c, {&out, &err});
   if (print_model) out << trainer.model().summary() << std::endl;
   const train::TrainResult r = trainer.run();
@@ -341,6 +378,7 @@ int run_eval(const std::vector<std::string>& args, std::ostream& out) {
     out << kEvalUsage;
     return kExitOk;
   }
+  refuse_ranks("eval", "run it without mpirun: one process evaluates the checkpoint");
   if (checkpoint.empty())
     throw UsageError(
         "'mantissa eval' needs --checkpoint FILE (written by 'mantissa train --save')");

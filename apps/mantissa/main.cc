@@ -19,6 +19,34 @@ constexpr const char* kUsage =
     "  peak      FP32 multiply-add throughput of this machine: the ceiling for training GFLOP/s\n"
     "Run 'mantissa <command> --help' for a command's options.\n";
 
+// "mantissa", or in a job of several processes "mantissa (rank 1 of 4)": whose error it is.
+std::string who() {
+  if (!mantissa::comm::launched_by_mpi()) return "mantissa";
+  try {
+    const mantissa::comm::Communicator& w = mantissa::comm::world();
+    if (w.size() > 1)
+      return "mantissa (rank " + std::to_string(w.rank()) + " of " + std::to_string(w.size()) + ")";
+  } catch (const std::exception&) {
+  }
+  return "mantissa";
+}
+
+// A failed process of a job that several run ends the whole job with its status: the others
+// would wait for it in their next collective (and a rank that returns from main while they wait
+// hangs in MPI's shutdown). One process returns the status.
+int failed(int status) {
+  if (mantissa::comm::launched_by_mpi()) {
+    try {
+      mantissa::comm::Communicator& w = mantissa::comm::world();
+      if (w.size() > 1) w.abort(status);
+    } catch (const std::exception&) {
+    }
+  }
+  return status;
+}
+
+int run(const std::string& command, std::vector<std::string>& args);
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -30,6 +58,13 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[0];
   args.erase(args.begin());
+  return run(command, args);
+}
+
+namespace {
+
+int run(const std::string& command, std::vector<std::string>& args) {
+  using namespace mantissa::cli;
   try {
     if (command == "formats") return run_formats(args, std::cout);
     if (command == "cast") return run_cast(args, std::cin, std::cout);
@@ -44,31 +79,33 @@ int main(int argc, char** argv) {
     throw UsageError("unknown command '" + command + "'; run 'mantissa --help' for the list");
   } catch (const UsageError& e) {
     std::cout.flush();
-    std::cerr << "mantissa: error: " << e.what() << '\n';
-    return kExitBadInput;
+    std::cerr << who() << ": error: " << e.what() << std::endl;
+    return failed(kExitBadInput);
   } catch (const mantissa::OutOfMemoryError& e) {
     std::cout.flush();
-    std::cerr << "mantissa: " << e.what() << '\n';
-    return kExitOutOfMemory;
+    std::cerr << who() << ": " << e.what() << std::endl;
+    return failed(kExitOutOfMemory);
   } catch (const mantissa::autograd::AnomalyError& e) {
     std::cout.flush();
-    std::cerr << "mantissa: " << e.what() << '\n';
-    return kExitAnomaly;
+    std::cerr << who() << ": " << e.what() << std::endl;
+    return failed(kExitAnomaly);
   } catch (const mantissa::Error& e) {
     // One line: the problem, then how to fix it.
     std::cout.flush();
-    std::cerr << "mantissa: error: " << e.message();
+    std::cerr << who() << ": error: " << e.message();
     if (!e.hint().empty()) std::cerr << " (" << e.hint() << ")";
-    std::cerr << '\n';
-    return kExitBadInput;
+    std::cerr << std::endl;
+    return failed(kExitBadInput);
   } catch (const mantissa::InternalError& e) {
     // A bug in Mantissa: the place it was detected, and where it belongs.
     std::cout.flush();
-    std::cerr << "mantissa: " << e.what() << " -- please report this as a bug\n";
-    return kExitFailure;
+    std::cerr << who() << ": " << e.what() << " -- please report this as a bug" << std::endl;
+    return failed(kExitFailure);
   } catch (const std::exception& e) {
     std::cout.flush();
-    std::cerr << "mantissa: internal error: " << e.what() << '\n';
-    return kExitFailure;
+    std::cerr << who() << ": internal error: " << e.what() << std::endl;
+    return failed(kExitFailure);
   }
 }
+
+}  // namespace

@@ -95,9 +95,10 @@ void check_model(const io::SafetensorsFile& f, const std::string& path, const Ch
 
 void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                      const optim::Optimizer& optimizer, const amp::LossScaler* scaler, int64_t step,
-                     const std::vector<float>& step_losses) {
+                     const std::vector<float>& step_losses,
+                     const std::vector<std::pair<std::string, Tensor>>* optimizer_state) {
   std::vector<std::pair<std::string, Tensor>> tensors = model.state_dict();
-  for (auto& [name, t] : optimizer.state_tensors())
+  for (auto& [name, t] : optimizer_state ? *optimizer_state : optimizer.state_tensors())
     tensors.emplace_back(kOptimizerPrefix + name, t);
   json losses = json::array();
   for (float l : step_losses) losses.push_back(l);
@@ -125,6 +126,7 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
     m["imagenet_stem"] = mc.imagenet_stem ? "true" : "false";
     m["synthetic_size"] = std::to_string(run.synthetic_size);
   }
+  if (run.world_size > 1) m["world_size"] = std::to_string(run.world_size);
   if (scaler) m["loss_scaler"] = scaler->to_json();
   if (optimizer.stochastic_rounding())
     m["stochastic_rounding_seed"] = std::to_string(*optimizer.stochastic_rounding());
@@ -147,12 +149,32 @@ Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::C
   MANTISSA_CHECK(precision == run.precision,
                  path + " was trained with --precision " + precision + ", not " + run.precision,
                  "pass --precision " + precision + " to resume it");
+  // The global batch (ranks x batch x accumulation) fixes which images each step trains on: the
+  // same for any number of ranks.
   const int64_t ga =
       f.metadata.count("gradient_accumulation") ? meta_int(f, "gradient_accumulation", path) : 1;
-  MANTISSA_CHECK(ga == run.gradient_accumulation,
-                 path + " was trained with --gradient-accumulation " + std::to_string(ga) +
-                     ", not " + std::to_string(run.gradient_accumulation),
-                 "pass --gradient-accumulation " + std::to_string(ga) + " to resume it");
+  const int64_t ranks = f.metadata.count("world_size") ? meta_int(f, "world_size", path) : 1;
+  const int64_t batch =
+      f.metadata.count("batch_size") ? meta_int(f, "batch_size", path) : run.batch_size;
+  if (ranks == run.world_size && batch == run.batch_size) {
+    MANTISSA_CHECK(ga == run.gradient_accumulation,
+                   path + " was trained with --gradient-accumulation " + std::to_string(ga) +
+                       ", not " + std::to_string(run.gradient_accumulation),
+                   "pass --gradient-accumulation " + std::to_string(ga) + " to resume it");
+  } else {
+    const auto global = [](int64_t r, int64_t b, int64_t a) {
+      return std::to_string(r * b * a) + " (" + std::to_string(r) + " rank" + (r > 1 ? "s" : "") +
+             " x --batch-size " + std::to_string(b) + " x --gradient-accumulation " +
+             std::to_string(a) + ")";
+    };
+    MANTISSA_CHECK(
+        ranks * batch * ga == run.world_size * run.batch_size * run.gradient_accumulation,
+        path + " was trained with a global batch of " + global(ranks, batch, ga) + ", not " +
+            global(run.world_size, run.batch_size, run.gradient_accumulation),
+        "choose --batch-size and --gradient-accumulation so that ranks x batch x "
+        "accumulation = " +
+            std::to_string(ranks * batch * ga));
+  }
   MANTISSA_CHECK(f.metadata.count("loss_scaler") == (scaler ? 1u : 0u),
                  path + (scaler ? " holds no loss-scaler state" : " holds loss-scaler state"),
                  "resume with the --loss-scaling of the original run");

@@ -28,20 +28,27 @@ struct CheckpointRun {
   std::string dataset;
   std::string precision;  // the mode's name
   uint64_t seed = 0;
-  int64_t batch_size = 0;
+  int64_t batch_size = 0;  // per rank
   int64_t gradient_accumulation = 1;
+  // Ranks of the data-parallel job (1: one process). A resume keeps the global batch,
+  // world_size x batch_size x gradient_accumulation, whatever the number of ranks.
+  int64_t world_size = 1;
   int64_t synthetic_size = 0;  // the synthetic dataset is made from the seed and its size
 };
 
 // The training state a checkpoint holds. `scaler` is null when the run has no loss scaling.
+// `optimizer_state`: the optimizer's state tensors as an unsharded optimizer names them, when the
+// optimizer holds only a shard (ZeRO: gathered from every rank first); null: its own.
 void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                      const optim::Optimizer& optimizer, const amp::LossScaler* scaler, int64_t step,
-                     const std::vector<float>& step_losses);
+                     const std::vector<float>& step_losses,
+                     const std::vector<std::pair<std::string, Tensor>>* optimizer_state = nullptr);
 
 // Restores a checkpoint into the run's model, optimizer and scaler after checking that it is one
-// of this run (the same model, image size, optimizer, precision, gradient accumulation and loss
-// scaling), and returns its step count and losses. Throws naming the first thing that differs
-// and the setting that resumes it; for a different model, the first tensor that does not match.
+// of this run (the same model, image size, optimizer, precision, global batch and loss scaling;
+// any number of ranks), and returns its step count and losses. Throws naming the first thing that
+// differs and the setting that resumes it; for a different model, the first tensor that does not
+// match.
 struct Resumed {
   int64_t step = 0;
   std::vector<float> step_losses;

@@ -40,6 +40,13 @@ OutputMode parse_output_mode(const std::string& name) {
               "use all, sum, final or every (with --output-return-period N)");
 }
 
+DType parse_allreduce_dtype(const std::string& name) {
+  if (name == "fp32") return DType::f32;
+  if (name == "fp16") return DType::f16;
+  if (name == "bf16") return DType::bf16;
+  throw Error("--allreduce-dtype '" + name + "' is not valid", "use fp32, fp16 or bf16");
+}
+
 }  // namespace
 
 RunSettings resolve(const TrainConfig& c) {
@@ -102,6 +109,12 @@ RunSettings resolve(const TrainConfig& c) {
                    "give bytes or a size with a unit, e.g. 512MiB or 1.5GiB");
   }
   r.precision = amp::resolve_precision(c, c.seed);
+  r.allreduce_dtype = parse_allreduce_dtype(c.allreduce_dtype);
+  MANTISSA_CHECK(std::isfinite(c.bucket_size_mib) && c.bucket_size_mib > 0,
+                 "--bucket-size must be a positive number of MiB", "e.g. --bucket-size 25");
+  MANTISSA_CHECK(c.zero == 0 || c.zero == 1,
+                 "--zero " + std::to_string(c.zero) + " is not a supported ZeRO stage",
+                 "use --zero 1 (optimizer state and master weights sharded), or leave it out");
   return r;
 }
 

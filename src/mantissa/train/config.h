@@ -54,7 +54,9 @@ struct TrainConfig : amp::PrecisionChoices {
   int64_t lr_step_size = 1000;
   double lr_gamma = 0.1;
   uint64_t seed = 0;
-  int threads = 0;  // 0: all hardware threads
+  // Compute threads of this process. 0: all hardware threads, shared among the ranks of a
+  // data-parallel job that run on this host (the host's cores divided by its ranks).
+  int threads = 0;
   std::string init_from, save, resume, metrics_json;
   // The training report: a self-contained HTML page of the run (loss, accuracy, loss scale,
   // skipped steps, step time, precision, memory) drawn from the metrics JSON (report_html.h),
@@ -113,6 +115,19 @@ struct TrainConfig : amp::PrecisionChoices {
   bool progress = true;  // progress bar on the progress stream
   bool evaluate = true;  // test accuracy after training
 
+  // ---- Data parallelism (docs/distributed.md) ----
+  // Used when an MPI launcher (mpirun, srun) starts several processes (ranks): each trains on its
+  // slice of every global batch of ranks x batch_size images and the gradients are summed over
+  // the ranks before each update. On one process these change nothing.
+  double bucket_size_mib = 25;           // gradients travel in buckets of at most this many MiB
+  std::string allreduce_dtype = "fp32";  // the gradients' type on the wire: fp32 | fp16 | bf16
+  bool sync_batchnorm = false;  // batch-norm statistics over the global batch, not each rank's
+  int64_t zero = 0;             // 1: ZeRO stage 1, optimizer state and master weights sharded
+  // After every step, check that every rank holds the same parameters and buffers, bit for bit
+  // (a hash per tensor, gathered): a debugging aid that stops naming the first tensor that
+  // differs.
+  bool check_replicas = false;
+
   double effective_weight_decay() const {
     return weight_decay ? *weight_decay : (optimizer == "adamw" ? 0.01 : 0.0);
   }
@@ -142,6 +157,7 @@ struct RunSettings {
   OutputMode output_mode = OutputMode::kFinal;
   std::optional<size_t> memory_budget;
   amp::PrecisionSettings precision;
+  DType allreduce_dtype = DType::f32;  // TrainConfig::allreduce_dtype
 };
 
 // Checks every setting and resolves it; throws mantissa::Error naming the first bad setting and

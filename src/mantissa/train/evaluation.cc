@@ -41,6 +41,7 @@ EvalResult evaluate_model(nn::Classifier& m, data::Loader& loader,
     r.examples += batch->labels.size(0);
   }
   m.train(was_training);
+  r.correct = correct;
   r.accuracy = r.examples > 0 ? static_cast<double>(correct) / static_cast<double>(r.examples) : 0;
   r.loss = r.examples > 0 ? loss_sum / static_cast<double>(r.examples) : 0;
   return r;

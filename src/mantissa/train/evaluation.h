@@ -13,6 +13,7 @@ namespace mantissa::train {
 
 struct EvalResult {
   double accuracy = 0;
+  int64_t correct = 0;  // correctly classified examples
   int64_t examples = 0;
   double loss = 0;
   std::string model;

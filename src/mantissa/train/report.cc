@@ -108,15 +108,26 @@ std::string interrupted_line(int64_t step, const std::string& save) {
 }
 
 std::string summary_line(const TrainResult& r, int64_t batch_bytes) {
-  return "training: " + fmt("%.1f", r.images_per_second) + " images/s (" +
-         fmt("%.1f", r.gflops_per_second) + " GFLOP/s at " + fmt("%.4g", r.flops_per_image * 1e-6) +
-         " MFLOP an image), waited " + fmt("%.2f", r.data_wait_seconds) + " s for data (" +
-         format_bytes(static_cast<size_t>(batch_bytes)) + " a batch), host " +
-         fmt("%.0f", r.host_seconds_per_step * 1e6) + " us a step, peak memory " +
-         format_bytes(r.memory.peak_total) +
-         (r.loss_scale ? ", loss scale " + fmt("%g", *r.loss_scale) + ", " +
-                             std::to_string(r.skipped_steps) + " steps skipped"
-                       : std::string());
+  std::string line = "training: " + fmt("%.1f", r.images_per_second) + " images/s (" +
+                     fmt("%.1f", r.gflops_per_second) + " GFLOP/s at " +
+                     fmt("%.4g", r.flops_per_image * 1e-6) + " MFLOP an image), waited " +
+                     fmt("%.2f", r.data_wait_seconds) + " s for data (" +
+                     format_bytes(static_cast<size_t>(batch_bytes)) + " a batch), host " +
+                     fmt("%.0f", r.host_seconds_per_step * 1e6) + " us a step, peak memory " +
+                     format_bytes(r.memory.peak_total) +
+                     (r.loss_scale ? ", loss scale " + fmt("%g", *r.loss_scale) + ", " +
+                                         std::to_string(r.skipped_steps) + " steps skipped"
+                                   : std::string());
+  if (r.communication) line += '\n' + communication_line(*r.communication);
+  return line;
+}
+
+std::string communication_line(const Communication& c) {
+  return "communication: " + std::to_string(c.world_size) + " ranks, " +
+         format_bytes(static_cast<size_t>(c.bytes_per_step)) + " a step (gradients as " + c.wire +
+         "), collectives running " + fmt("%.1f", c.seconds_per_step * 1e3) +
+         " ms a step, the step waiting for them " + fmt("%.1f", c.exposed_seconds_per_step * 1e3) +
+         " ms";
 }
 
 std::string profile_table(const TrainResult& r) {
@@ -147,10 +158,10 @@ std::string profile_table(const TrainResult& r) {
     return 0.0;
   };
   double accounted = 0;
-  for (const char* phase :
-       {"data", "forward", "backward", "recompute", "in-backward", "optimizer", "zero_grad"}) {
+  for (const char* phase : {"data", "forward", "backward", "recompute", "in-backward",
+                            "communication", "optimizer", "zero_grad"}) {
     const std::string ph = phase;
-    const bool inclusive_only = ph == "data" || ph == "zero_grad";
+    const bool inclusive_only = ph == "data" || ph == "zero_grad" || ph == "communication";
     // Recomputed forwards and updates in the backward pass run inside the backward rows of
     // their modules: listed, not added again.
     const bool nested = ph == "recompute" || ph == "in-backward";
@@ -223,7 +234,11 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
                  {"numerics_report", c.numerics_report},
                  {"report", c.report},
                  {"async_dataloader", c.async_loader},
-                 {"workers", c.async_loader ? c.workers : 0}};
+                 {"workers", c.async_loader ? c.workers : 0},
+                 {"bucket_size_mib", c.bucket_size_mib},
+                 {"allreduce_dtype", c.allreduce_dtype},
+                 {"sync_batchnorm", c.sync_batchnorm},
+                 {"zero", c.zero}};
   j["precision_settings"] = s.precision.describe();
   j["step_losses"] = r.step_losses;
   // The training accuracy of what this run's calls returned, at the (last) step each covers.
@@ -275,6 +290,16 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
     at_peak[std::string(memory_category_name(cat))] =
         r.memory.at_peak_total[static_cast<size_t>(cat)];
   j["memory_at_peak_bytes"] = at_peak;
+  // Data parallelism: the job's ranks, each one's peak, and the gradients' traffic per step.
+  j["world_size"] = r.communication ? r.communication->world_size : 1;
+  j["peak_memory_bytes_per_rank"] = r.rank_peak_memory;
+  if (r.communication)
+    j["communication"] = {{"bytes_per_step", r.communication->bytes_per_step},
+                          {"seconds_per_step", r.communication->seconds_per_step},
+                          {"exposed_seconds_per_step", r.communication->exposed_seconds_per_step},
+                          {"wire", r.communication->wire}};
+  else
+    j["communication"] = nullptr;
   if (r.loss_scale) {
     json h = json::array();
     for (const amp::ScaleChange& ch : r.loss_scale_history)

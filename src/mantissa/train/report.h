@@ -54,7 +54,11 @@ std::string test_line(double accuracy, int64_t examples);
 std::string interrupted_line(int64_t step, const std::string& save);
 // "training: ... images/s (... GFLOP/s ...), waited ... s for data (... a batch), host ... us a
 // step, peak memory ...[, loss scale S, N steps skipped]"
+// With several ranks a second line follows: communication_line().
 std::string summary_line(const TrainResult& r, int64_t batch_bytes);
+// "communication: 2 ranks, 1.2 MiB a step (gradients as fp32), collectives running 3.1 ms a
+// step, the step waiting for them 0.4 ms"
+std::string communication_line(const Communication& c);
 
 // The profile as a table: milliseconds a step by phase, module and op, the part of each phase
 // outside its rows ("(rest)"), and the share of the training loop's time.

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "mantissa/amp/loss_scaler.h"
@@ -30,6 +31,20 @@ struct EpochStats {
   double seconds = 0;
   double images_per_second = 0;
   int64_t steps = 0;
+};
+
+// Communication of a data-parallel run (docs/distributed.md), per optimizer step: the payload of
+// its collectives (the gradient buckets all-reduced or reduce-scattered, and under ZeRO the
+// parameters all-gathered; a ring algorithm sends and receives about 2 (N - 1) / N times an
+// all-reduce's payload per rank, (N - 1) / N times a reduce-scatter's or an all-gather's), the
+// time some collective was running, and the time the step waited for them (what the backward
+// pass did not hide; ZeRO's all-gather, which nothing hides, counts whole).
+struct Communication {
+  int64_t world_size = 1;
+  std::string wire;  // the gradients' type on the wire: fp32, fp16, bf16
+  double bytes_per_step = 0;
+  double seconds_per_step = 0;
+  double exposed_seconds_per_step = 0;
 };
 
 struct TrainResult {
@@ -66,6 +81,10 @@ struct TrainResult {
   // What this run's calls returned (TrainConfig::output_mode): the training accuracy over the run.
   std::vector<StepOutput> outputs;
   bool interrupted = false;  // stopped by request_stop() (Ctrl-C): a clean step boundary
+  // Data parallelism: the ranks' peak memory (bytes, by rank; this process's alone when it runs
+  // by itself) and the communication (nullopt on one process).
+  std::vector<int64_t> rank_peak_memory;
+  std::optional<Communication> communication;
   // With TrainConfig::profile: wall-clock rows over this run's training steps (phase "step" holds
   // the inclusive time of data, forward, backward, optimizer and zero_grad; phases "forward",
   // "backward", "recompute" and "optimizer" the layers, autograd nodes and parameters inside them;

@@ -16,8 +16,11 @@ data::Dataset load_split(const TrainConfig& c, bool train) {
   return d.head(train ? c.train_limit : c.test_limit);
 }
 
-data::LoaderConfig loader_config(const TrainConfig& c, DType input, bool train, int64_t channels) {
+data::LoaderConfig loader_config(const TrainConfig& c, DType input, bool train, int64_t channels,
+                                 int64_t ranks, int64_t rank) {
   data::LoaderConfig lc;
+  lc.ranks = ranks;
+  lc.rank = rank;
   lc.dtype = input;
   lc.batch_size = train ? c.batch_size : c.eval_batch_size;
   lc.shuffle = train && c.shuffle;
@@ -35,13 +38,18 @@ data::LoaderConfig loader_config(const TrainConfig& c, DType input, bool train, 
   return lc;
 }
 
-RunData::RunData(const TrainConfig& c, DType input)
-    : config_(c), input_(input), train_(load_split(c, true)) {}
+RunData::RunData(const TrainConfig& c, DType input, int64_t ranks, int64_t rank)
+    : config_(c), input_(input), ranks_(ranks), rank_(rank), train_(load_split(c, true)) {}
 
 RunData::RunData(const TrainConfig& c, DType input,
                  std::shared_ptr<const data::ExampleSource> train,
-                 std::shared_ptr<const data::ExampleSource> test)
-    : config_(c), input_(input), train_source_(std::move(train)), test_source_(std::move(test)) {
+                 std::shared_ptr<const data::ExampleSource> test, int64_t ranks, int64_t rank)
+    : config_(c),
+      input_(input),
+      ranks_(ranks),
+      rank_(rank),
+      train_source_(std::move(train)),
+      test_source_(std::move(test)) {
   MANTISSA_ASSERT(train_source_ != nullptr, "a run without training data");
 }
 
@@ -54,18 +62,20 @@ data::Transform RunData::transform() const {
 
 std::unique_ptr<data::Loader> RunData::train_loader() const {
   if (train_source_)
-    return std::make_unique<data::Loader>(train_source_, loader_config(config_, input_, true, 0));
-  return std::make_unique<data::Loader>(train_, loader_config(config_, input_, true, channels()));
+    return std::make_unique<data::Loader>(train_source_,
+                                          loader_config(config_, input_, true, 0, ranks_, rank_));
+  return std::make_unique<data::Loader>(
+      train_, loader_config(config_, input_, true, channels(), ranks_, rank_));
 }
 
 std::unique_ptr<data::Loader> RunData::test_loader() const {
   if (train_source_)
-    return test_source_ ? std::make_unique<data::Loader>(test_source_,
-                                                         loader_config(config_, input_, false, 0))
+    return test_source_ ? std::make_unique<data::Loader>(
+                              test_source_, loader_config(config_, input_, false, 0, ranks_, rank_))
                         : nullptr;
   const data::Dataset test = load_split(config_, false);
-  return std::make_unique<data::Loader>(test,
-                                        loader_config(config_, input_, false, test.channels()));
+  return std::make_unique<data::Loader>(
+      test, loader_config(config_, input_, false, test.channels(), ranks_, rank_));
 }
 
 }  // namespace mantissa::train

@@ -22,16 +22,19 @@ data::Dataset load_split(const TrainConfig& c, bool train);
 // only), seed, workers, and the batches' dtype (`input`; u8 with 8-bit I/O). For a built-in image
 // dataset of `channels` channels also the transform: the resize, augmentation (training only) and
 // the normalization to [-1, 1]; `channels` 0 is a user's ExampleSource, whose examples are
-// delivered as they are.
-data::LoaderConfig loader_config(const TrainConfig& c, DType input, bool train, int64_t channels);
+// delivered as they are. Data parallelism: `rank`'s slice of each batch of `ranks` x the batch
+// size (data::LoaderConfig::ranks).
+data::LoaderConfig loader_config(const TrainConfig& c, DType input, bool train, int64_t channels,
+                                 int64_t ranks = 1, int64_t rank = 0);
 
 class RunData {
  public:
-  // A built-in dataset: the training split is read now, the test split at each evaluation.
-  RunData(const TrainConfig& c, DType input);
+  // A built-in dataset: the training split is read now, the test split at each evaluation. The
+  // loaders deliver `rank`'s slice of batches of `ranks` x the batch size (data parallelism).
+  RunData(const TrainConfig& c, DType input, int64_t ranks = 1, int64_t rank = 0);
   // A user's examples; `test` may be null (the run is not evaluated).
   RunData(const TrainConfig& c, DType input, std::shared_ptr<const data::ExampleSource> train,
-          std::shared_ptr<const data::ExampleSource> test);
+          std::shared_ptr<const data::ExampleSource> test, int64_t ranks = 1, int64_t rank = 0);
 
   // The training split's name ("fashion-mnist (train)", a source's name()).
   std::string name() const;
@@ -49,6 +52,7 @@ class RunData {
  private:
   TrainConfig config_;
   DType input_;
+  int64_t ranks_ = 1, rank_ = 0;
   data::Dataset train_;  // a built-in dataset's training split
   std::shared_ptr<const data::ExampleSource> train_source_, test_source_;  // or a user's
 };

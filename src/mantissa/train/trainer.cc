@@ -79,10 +79,15 @@ Trainer::BudgetScope::~BudgetScope() {
   if (active) default_memory_tracker().set_budget(previous);
 }
 
-Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
-    : config_(config), run_(resolve(config)), streams_(streams), budget_(run_.memory_budget) {
-  set_num_threads(config_.threads);
-  data_.emplace(config_, input_dtype(config_, run_));
+Trainer::Trainer(const TrainConfig& config, TrainStreams streams, comm::Communicator* comm)
+    : config_(config),
+      run_(resolve(config)),
+      comm_(comm ? comm : &comm::world()),
+      streams_(comm_->rank() == 0 ? streams : TrainStreams{}),
+      budget_(run_.memory_budget) {
+  set_rank_threads(config_, *comm_);
+  if (comm_->size() > 1) dp_ = std::make_unique<DataParallel>(*comm_, config_, run_);
+  data_.emplace(config_, input_dtype(config_, run_), comm_->size(), comm_->rank());
   nn::ModelConfig mc;
   mc.in_channels = data_->channels();
   mc.image_size = *run_.image_size;
@@ -95,15 +100,19 @@ Trainer::Trainer(const TrainConfig& config, TrainStreams streams)
 
 Trainer::Trainer(const TrainConfig& config, std::shared_ptr<nn::Classifier> model,
                  std::shared_ptr<const data::ExampleSource> train,
-                 std::shared_ptr<const data::ExampleSource> test, TrainStreams streams)
+                 std::shared_ptr<const data::ExampleSource> test, TrainStreams streams,
+                 comm::Communicator* comm)
     : config_(config),
       run_(resolve_user_run(config, model.get(), train.get())),
-      streams_(streams),
+      comm_(comm ? comm : &comm::world()),
+      streams_(comm_->rank() == 0 ? streams : TrainStreams{}),
       budget_(run_.memory_budget),
       model_(std::move(model)),
       user_model_(true) {
-  set_num_threads(config_.threads);
-  data_.emplace(config_, input_dtype(config_, run_), std::move(train), std::move(test));
+  set_rank_threads(config_, *comm_);
+  if (comm_->size() > 1) dp_ = std::make_unique<DataParallel>(*comm_, config_, run_);
+  data_.emplace(config_, input_dtype(config_, run_), std::move(train), std::move(test),
+                comm_->size(), comm_->rank());
   model_->name_storage();  // memory reports name the layers, as for the built-in models
   set_up();
 }
@@ -112,12 +121,24 @@ Trainer::~Trainer() = default;
 
 void Trainer::set_up() {
   if (!config_.init_from.empty()) init_from(config_.init_from);
+  // Every rank starts from rank 0's weights (built from the same seed, or read from the same
+  // file, they are the same already; the broadcast makes it so whatever the hosts hold).
+  if (dp_) dp_->broadcast_model(*model_);
   // The precision applies to the model and its optimizer together: parameter and gradient
   // dtypes, per-module precision, then the optimizer's state types, master weights and
   // stochastic rounding (amp/settings.h).
   optimizer_ = make_optimizer(config_, run_, model_->named_parameters());
   amp::apply_precision(run_.precision, *model_, *optimizer_);
   apply_levers();
+  if (config_.sync_batchnorm) {
+    bool has = false;
+    for (auto& [path, m] : model_->named_modules()) has = has || dynamic_cast<nn::BatchNorm2d*>(m);
+    MANTISSA_CHECK(has, "--sync-batchnorm: " + run_.model + " has no batch normalization",
+                   "drop --sync-batchnorm (a model without batch norm has no statistics to share)");
+  }
+  // The gradient reducer's hooks, ZeRO's shards and the synchronised batch norms, on the model
+  // as it will train.
+  if (dp_) dp_->attach(*model_, *optimizer_);
   if (run_.precision.loss_scaling) scaler_.emplace(*run_.precision.loss_scaling);
   std::function<void(const std::string&)> sink;
   if (config_.autocast_log && streams_.out) {
@@ -126,6 +147,12 @@ void Trainer::set_up() {
   }
   log_ = std::make_unique<ops::AutocastLog>(sink);
   if (streams_.out) *streams_.out << run_.precision.describe() << std::endl;
+  if (streams_.out && dp_)
+    *streams_.out << "data parallel: " << dp_->size() << " ranks x batch " << config_.batch_size
+                  << " = global batch " << dp_->size() * config_.batch_size
+                  << ", gradients in buckets of " << config_.bucket_size_mib << " MiB as "
+                  << config_.allreduce_dtype << (config_.sync_batchnorm ? ", sync batch norm" : "")
+                  << (config_.zero == 1 ? ", ZeRO-1 (optimizer state sharded)" : "") << std::endl;
 
   loader_ = data_->train_loader();
   const int64_t bpe = loader_->batches_per_epoch();
@@ -171,6 +198,9 @@ TrainResult Trainer::run() {
   train_epochs(r);
   r.memory = default_memory_tracker().stats();
   r.steps = step_;
+  const int64_t peak = static_cast<int64_t>(r.memory.peak_total);
+  r.rank_peak_memory = dp_ ? dp_->gather(peak) : std::vector<int64_t>{peak};
+  if (dp_) r.communication = dp_->communication();
   if (scaler_) {
     r.loss_scale = scaler_->scale();
     r.skipped_steps = scaler_->skipped_steps();
@@ -191,6 +221,8 @@ TrainResult Trainer::run() {
   if (streams_.out && r.train_seconds > 0)
     *streams_.out << summary_line(r, loader_->batch_bytes()) << std::endl;
   if (streams_.out && config_.profile) *streams_.out << profile_table(r);
+  // Files are rank 0's to write.
+  if (rank() != 0) return r;
   if (!config_.metrics_json.empty() || !config_.report.empty()) {
     const std::string metrics = metrics_json(config_, run_, r);
     if (!config_.metrics_json.empty()) io::write_file_atomic(config_.metrics_json, metrics);
@@ -221,7 +253,9 @@ void Trainer::train_epochs(TrainResult& result) {
   const double wait0 = loader_->wait_seconds();
   compute_seconds_ = 0;
   int64_t images_total = 0, steps_run = 0;
-  while (step_ < total && !stop_requested()) {
+  // A stop asked for before training (during set-up) is honoured by every rank alike.
+  agreed_stop_ = dp_ && dp_->any(stop_requested());
+  while (step_ < total && !stopping()) {
     // An epoch, or what is left of it after a resume: the loader starts at the step's batch
     // (the batches of an epoch are a function of the seed and the epoch).
     const int64_t epoch = step_ / spe;
@@ -234,7 +268,7 @@ void Trainer::train_epochs(TrainResult& result) {
     int64_t call_index = (step_ - epoch * spe) / K;
     const int64_t calls = (last - epoch * spe + K - 1) / K;
     std::vector<data::Batch> batches;
-    while (step_ < last && !stop_requested()) {
+    while (step_ < last && !stopping()) {
       // One call: the batches of up to K steps handed over at once, the outputs returned once.
       const int64_t k = std::min(K, last - step_);
       batches.clear();
@@ -272,11 +306,11 @@ void Trainer::train_epochs(TrainResult& result) {
     result.epochs.push_back(es);
     if (streams_.out) *streams_.out << epoch_line(es) << std::endl;
     // A checkpoint at each epoch's end; run() saves the last one.
-    if (!config_.save.empty() && step_ < total && !stop_requested()) save_checkpoint(config_.save);
+    if (!config_.save.empty() && step_ < total && !stopping()) save_checkpoint(config_.save);
   }
   loader_->stop();
   result.interrupted = step_ < total;
-  if (result.interrupted) g_stop = 0;  // the request is honoured: a later run goes on
+  if (result.interrupted) g_stop = 0, agreed_stop_ = false;  // honoured: a later run goes on
   result.train_seconds = seconds_since(t_train);
   result.images_per_second =
       result.train_seconds > 0 ? static_cast<double>(images_total) / result.train_seconds : 0;
@@ -305,62 +339,112 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
   CallOutput co;
   co.steps = n / N;
   const OutputMode mode = run_.output_mode;
+  // Each step's figures, this rank's: its micro-batches' summed losses, correct images and images.
+  struct Figures {
+    double loss_sum = 0;
+    int64_t correct = 0, images = 0;
+    bool returned = false;
+  };
+  std::vector<Figures> steps(static_cast<size_t>(co.steps));
+  // A step's figures (of the global batch once summed over the ranks) into the history and the
+  // call's outputs.
+  const int64_t first_step = step_;
+  const double micro = static_cast<double>(micro_batches_per_step());
+  auto record = [&](int64_t k, const Figures& f) {
+    const float l = static_cast<float>(f.loss_sum / micro);
+    MANTISSA_CHECK(std::isfinite(l),
+                   "the loss became " + std::string(std::isnan(l) ? "nan" : "inf") + " at step " +
+                       std::to_string(first_step + k + 1),
+                   "lower --lr, or set --max-grad-norm");
+    step_losses_.push_back(l);
+    co.images += f.images;
+    if (!f.returned) return;
+    const int64_t step = first_step + k + 1;
+    if (mode == OutputMode::kSum && !co.outputs.empty()) {
+      StepOutput& o = co.outputs.back();
+      o.step = step;
+      ++o.steps;
+      o.loss_sum += l;
+      o.correct += f.correct;
+      o.examples += f.images;
+    } else {
+      co.outputs.push_back({step, 1, l, f.correct, f.images});
+    }
+  };
   for (int64_t k = 0; k < co.steps; ++k) {
-    const bool returned =
-        mode == OutputMode::kAll || mode == OutputMode::kSum ||
-        (mode == OutputMode::kFinal && k == co.steps - 1) ||
-        (mode == OutputMode::kEvery && (k + 1) % config_.output_return_period == 0);
+    Figures& f = steps[static_cast<size_t>(k)];
+    f.returned = mode == OutputMode::kAll || mode == OutputMode::kSum ||
+                 (mode == OutputMode::kFinal && k == co.steps - 1) ||
+                 (mode == OutputMode::kEvery && (k + 1) % config_.output_return_period == 0);
     // Dropout's masks and the learning rate are functions of the step, so a resumed run draws
-    // and uses the same.
-    nn::set_random_context({config_.seed, static_cast<uint64_t>(step_)});
+    // and uses the same; each rank draws masks of its own for its images.
+    nn::set_random_context({config_.seed + static_cast<uint64_t>(rank()) * 0x9e3779b97f4a7c15ull,
+                            static_cast<uint64_t>(step_)});
     optimizer_->set_lr(schedule_.lr_at(config_.lr, step_));
-    int64_t correct = 0;
-    float l = 0;
     try {
-      l = train_step(&batches[static_cast<size_t>(k * N)], returned ? &correct : nullptr);
+      f.loss_sum =
+          train_step(&batches[static_cast<size_t>(k * N)], f.returned ? &f.correct : nullptr);
     } catch (const autograd::AnomalyError& e) {
       throw autograd::AnomalyError("step " + std::to_string(step_ + 1) + ": " + e.message(),
                                    e.hint());
     }
-    MANTISSA_CHECK(std::isfinite(l),
-                   "the loss became " + std::string(std::isnan(l) ? "nan" : "inf") + " at step " +
-                       std::to_string(step_ + 1),
-                   "lower --lr, or set --max-grad-norm");
-    step_losses_.push_back(l);
+    for (int64_t m = 0; m < N; ++m)
+      f.images += batches[static_cast<size_t>(k * N + m)].labels.size(0);
+    if (!dp_) record(k, f);  // one process: each step's loss is checked as it comes
     ++step_;
-    int64_t images = 0;
-    for (int64_t f = 0; f < N; ++f)
-      images += batches[static_cast<size_t>(k * N + f)].labels.size(0);
-    co.images += images;
-    if (!returned) continue;
-    if (mode == OutputMode::kSum && !co.outputs.empty()) {
-      StepOutput& o = co.outputs.back();
-      o.step = step_;
-      ++o.steps;
-      o.loss_sum += l;
-      o.correct += correct;
-      o.examples += images;
-    } else {
-      co.outputs.push_back({step_, 1, l, correct, images});
+  }
+  if (dp_) {
+    // One all-reduce for the call: every step's losses, correct and counted images over the
+    // ranks, and the stop requests (the ranks stop at the same boundary).
+    std::vector<double> v;
+    for (const Figures& f : steps) {
+      v.push_back(f.loss_sum);
+      v.push_back(static_cast<double>(f.correct));
+      v.push_back(static_cast<double>(f.images));
+    }
+    v.push_back(stop_requested() ? 1.0 : 0.0);
+    dp_->sum(v);
+    agreed_stop_ = v.back() > 0;
+    for (int64_t k = 0; k < co.steps; ++k) {
+      Figures f = steps[static_cast<size_t>(k)];
+      f.loss_sum = v[static_cast<size_t>(3 * k)];
+      f.correct = static_cast<int64_t>(v[static_cast<size_t>(3 * k + 1)]);
+      f.images = static_cast<int64_t>(v[static_cast<size_t>(3 * k + 2)]);
+      record(k, f);
     }
   }
   return co;
+}
+
+bool Trainer::stopping() const { return dp_ ? agreed_stop_ : stop_requested(); }
+
+int64_t Trainer::micro_batches_per_step() const {
+  return config_.gradient_accumulation * world_size();
 }
 
 // One optimizer step:
 //   1. each of the N micro-batches runs forward to its loss in the configured precision
 //      (forward_loss), then backward from the loss times the loss scale S, which adds its
 //      gradients to those of the micro-batches before it;
-//   2. the optimizer's fused step (amp::ScaledStep): each gradient is unscaled by 1/S (and, for
-//      the "mean" reduction, divided by N), checked for inf/NaN under loss scaling (an overflow
-//      skips the step and lowers S), clipped, and applied, one parameter chunk at a time;
-//   3. the gradients are dropped.
-// When a step needs nothing global (one micro-batch, no loss scale, clipping, anomaly detection,
-// numerics report or recomputation), step 2 happens inside the backward pass of step 1: each
-// parameter is updated as soon as its gradient is complete (Optimizer::begin_backward_step), so
-// gradients do not pile up over the backward pass (a lower peak) and each is read while it is
-// still in cache; the arithmetic is the same, bit for bit.
-float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
+//   2. with several ranks, the gradients are summed over the ranks: the last micro-batch's
+//      backward pass hands each bucket of gradients to the reducer as soon as it is complete
+//      (the earlier micro-batches accumulate locally, no_sync), and the step waits for the sums
+//      (with --zero 1, each rank receives the sum of its shard only);
+//   3. the optimizer's fused step (amp::ScaledStep): each gradient is unscaled by 1/S (and, for
+//      the "mean" reduction, divided by the micro-batches of every rank), checked for inf/NaN
+//      under loss scaling (an overflow skips the step and lowers S; the reduced gradients are
+//      the same on every rank, so is the decision; ZeRO's shards combine their checks), clipped
+//      (by the norm of the reduced gradients), and applied, one parameter chunk at a time; ZeRO
+//      then gathers the updated shards, and rank 0's batch-norm statistics go to every rank;
+//   4. the gradients are dropped.
+// When a step needs nothing global (one micro-batch on one process, no loss scale, clipping,
+// anomaly detection, numerics report or recomputation), step 3 happens inside the backward pass
+// of step 1: each parameter is updated as soon as its gradient is complete
+// (Optimizer::begin_backward_step), so gradients do not pile up over the backward pass (a lower
+// peak) and each is read while it is still in cache; the arithmetic is the same, bit for bit.
+// With several ranks an update must wait for the gradient summed over the ranks, so every step
+// updates after the backward pass.
+double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   const int64_t N = config_.gradient_accumulation;
   const auto t0 = Clock::now();
   amp::ScaledStep scaled(loss_scaler());  // S is read once: every micro-batch is scaled alike
@@ -368,7 +452,7 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   if (config_.detect_anomaly) anomaly.emplace(/*inf_in_backward=*/!scaler_.has_value());
   nn::NumericsRecorder* numerics =
       numerics_ && step_ % config_.numerics_every == 0 ? numerics_.get() : nullptr;
-  const bool update_in_backward = config_.update_in_backward && N == 1 && !scaler_ &&
+  const bool update_in_backward = config_.update_in_backward && N == 1 && !dp_ && !scaler_ &&
                                   config_.max_grad_norm <= 0 && !numerics &&
                                   !config_.detect_anomaly && !config_.recompute;
   double loss_sum = 0;
@@ -386,15 +470,25 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
     if (update_in_backward) optimizer_->begin_backward_step();
     {
       ProfileTimer timed("step", "", "backward");
+      std::optional<dist::Reducer::NoSync> local;  // communication on the last micro-batch only
+      if (dp_ && f + 1 < N) local.emplace(dp_->no_sync());
       autograd::backward(scaled.scale_loss(loss, weight));
     }
     loss_sum += loss.item();
     if (correct) *correct += count_correct(out, micro[f].labels);
   }
+  if (dp_) {
+    ProfileTimer timed("step", "", "communication");
+    dp_->finish_gradients();
+  }
   anomaly.reset();
   default_memory_tracker().set_phase("optimizer");
-  // "mean" divides the summed gradients by N in the step's pass, with the unscaling.
-  const double divisor = run_.reduction == Reduction::kMean ? static_cast<double>(N) : 1.0;
+  // "mean" divides the summed gradients by the micro-batches of every rank in the step's pass,
+  // with the unscaling; "running" leaves each rank's mean, summed over the ranks: divided by
+  // their number.
+  const double divisor = run_.reduction == Reduction::kMean ? static_cast<double>(N) * world_size()
+                         : run_.reduction == Reduction::kRunning ? static_cast<double>(world_size())
+                                                                 : 1.0;
   if (numerics) {
     numerics->record_parameter_gradients(*model_,
                                          1.0 / static_cast<double>(scaled.inverse_scale(divisor)));
@@ -402,9 +496,16 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   }
   optim::StepOptions options;
   options.max_grad_norm = config_.max_grad_norm;
+  if (dp_) dp_->prepare(options);
+  optim::StepReport report;
   {
     ProfileTimer timed("step", "", "optimizer");
-    if (scaled.step(*optimizer_, options, divisor).skipped) skipped_.push_back(step_ + 1);
+    report = scaled.step(*optimizer_, options, divisor);
+    if (report.skipped) skipped_.push_back(step_ + 1);
+  }
+  if (dp_) {
+    ProfileTimer timed("step", "", "communication");
+    dp_->after_step(report);
   }
   {
     ProfileTimer timed("step", "", "zero_grad");
@@ -412,7 +513,7 @@ float Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   }
   default_memory_tracker().set_phase("");
   compute_seconds_ += seconds_since(t0);
-  return static_cast<float>(loss_sum / static_cast<double>(N));
+  return loss_sum;
 }
 
 Tensor Trainer::forward_loss(const data::Batch& batch, int64_t micro_batch, Tensor* output) {
@@ -420,9 +521,12 @@ Tensor Trainer::forward_loss(const data::Batch& batch, int64_t micro_batch, Tens
   ProfileTimer timed("step", "", "forward");
   // Automatic casting, partials and stochastic op outputs as the precision says; the stream of
   // stochastic outputs is a function of the step and the micro-batch.
+  // Each rank's micro-batches draw streams of their own (one process: the micro-batch's).
   const amp::ForwardPrecision precision(
       run_.precision, log_.get(),
-      static_cast<uint64_t>(step_ * config_.gradient_accumulation + micro_batch) << 24);
+      static_cast<uint64_t>((step_ * config_.gradient_accumulation + micro_batch) * world_size() +
+                            rank())
+          << 24);
   {
     // The model's cost is counted on the run's first forward.
     std::optional<MacCounter> macs;
@@ -439,7 +543,16 @@ Tensor Trainer::forward_loss(const data::Batch& batch, int64_t micro_batch, Tens
 
 double Trainer::evaluate(int64_t* examples) {
   std::unique_ptr<data::Loader> test = data_->test_loader();
-  const EvalResult r = test ? evaluate_model(*model_, *test, &run_.precision) : EvalResult{};
+  EvalResult r = test ? evaluate_model(*model_, *test, &run_.precision) : EvalResult{};
+  if (dp_) {
+    // Each rank evaluated its slice of every test batch: the counts over the ranks.
+    std::vector<double> v{static_cast<double>(r.correct), static_cast<double>(r.examples)};
+    dp_->sum(v);
+    r.correct = static_cast<int64_t>(v[0]);
+    r.examples = static_cast<int64_t>(v[1]);
+    r.accuracy =
+        r.examples > 0 ? static_cast<double>(r.correct) / static_cast<double>(r.examples) : 0;
+  }
   if (examples) *examples = r.examples;
   return r.accuracy;
 }
@@ -456,12 +569,18 @@ CheckpointRun Trainer::checkpoint_run() const {
   c.batch_size = config_.batch_size;
   c.gradient_accumulation = config_.gradient_accumulation;
   c.synthetic_size = config_.synthetic_size;
+  c.world_size = world_size();
   return c;
 }
 
 void Trainer::save_checkpoint(const std::string& path) const {
+  // ZeRO's shards are gathered first (every rank takes part); rank 0 writes.
+  const std::optional<std::vector<std::pair<std::string, Tensor>>> gathered =
+      dp_ ? dp_->gathered_optimizer_state() : std::nullopt;
+  if (rank() != 0) return;
   train::save_checkpoint(path, checkpoint_run(), *model_, *optimizer_,
-                         scaler_ ? &*scaler_ : nullptr, step_, step_losses_);
+                         scaler_ ? &*scaler_ : nullptr, step_, step_losses_,
+                         gathered ? &*gathered : nullptr);
 }
 
 void Trainer::load_checkpoint(const std::string& path) {

@@ -19,6 +19,7 @@
 
 #include "mantissa/amp/loss_scaler.h"
 #include "mantissa/amp/settings.h"
+#include "mantissa/comm/communicator.h"
 #include "mantissa/core/profiler.h"
 #include "mantissa/data/loader.h"
 #include "mantissa/data/source.h"
@@ -28,6 +29,7 @@
 #include "mantissa/optim/optim.h"
 #include "mantissa/train/checkpoint.h"
 #include "mantissa/train/config.h"
+#include "mantissa/train/data_parallel.h"
 #include "mantissa/train/evaluation.h"
 #include "mantissa/train/report.h"
 #include "mantissa/train/result.h"
@@ -38,6 +40,8 @@ namespace mantissa::train {
 // Asks the running Trainer (or the next one to run) to stop at the next step boundary (async-
 // signal-safe: a SIGINT handler may call it). The trainer saves its checkpoint (--save) and
 // metrics, then returns with TrainResult::interrupted set; the run that stops clears the request.
+// In a data-parallel job the ranks agree on the boundary: each call of the training step ends
+// with a collective that tells every rank whether any was asked to stop.
 void request_stop();
 bool stop_requested();
 
@@ -47,17 +51,27 @@ struct TrainStreams {
   std::ostream* progress = nullptr;
 };
 
+// Data parallelism. A trainer runs on the processes of `comm` (default: comm::world(), which is
+// every rank of a job started by mpirun or srun, or this process alone), each rank training on its
+// slice of every global batch (docs/distributed.md); with one process it is the single-process
+// trainer, bit for bit. Only rank 0 writes to the streams and writes files (checkpoints, metrics,
+// reports); the figures it shows are the global batch's. The constructor, run(), call(),
+// evaluate() and save_checkpoint() are collectives when there are several ranks: every rank calls
+// them alike. A rank that fails must end the job (comm::Communicator::abort): the others would
+// wait for it.
 class Trainer {
  public:
   // The built-in model and dataset that `config` names (TrainConfig::model, dataset).
-  explicit Trainer(const TrainConfig& config, TrainStreams streams = {});
+  explicit Trainer(const TrainConfig& config, TrainStreams streams = {},
+                   comm::Communicator* comm = nullptr);
   // A user's model, trained on `train` and evaluated on `test` (null: no evaluation). Everything
   // else in `config` applies as to a built-in model (precision, levers, reports, checkpoints);
   // the fields that only the built-in models and datasets use are refused when set
   // (check_user_model_config). Checkpoints record the model's Module::type().
   Trainer(const TrainConfig& config, std::shared_ptr<nn::Classifier> model,
           std::shared_ptr<const data::ExampleSource> train,
-          std::shared_ptr<const data::ExampleSource> test, TrainStreams streams = {});
+          std::shared_ptr<const data::ExampleSource> test, TrainStreams streams = {},
+          comm::Communicator* comm = nullptr);
   ~Trainer();
 
   // Trains as configured (resuming and initialising as asked), evaluates, saves, writes metrics.
@@ -67,7 +81,8 @@ class Trainer {
   double evaluate(int64_t* examples = nullptr);
   // One call of the training step: device_iterations optimizer steps (fewer at an epoch's end),
   // each on gradient_accumulation micro-batches taken in order from `batches` (whose size must
-  // be a multiple of gradient_accumulation). Returns the outputs output_mode asks for.
+  // be a multiple of gradient_accumulation). Returns the outputs output_mode asks for: with
+  // several ranks, those of the global batch (every rank's images and losses).
   CallOutput call(const std::vector<data::Batch>& batches);
 
   nn::Classifier& model() { return *model_; }
@@ -81,6 +96,9 @@ class Trainer {
   const TrainConfig& config() const { return config_; }
   const RunSettings& settings() const { return run_; }
   int64_t step() const { return step_; }
+  // The job's processes: this rank and their number (1 alone).
+  int rank() const { return comm_->rank(); }
+  int world_size() const { return comm_->size(); }
 
   void save_checkpoint(const std::string& path) const;
   // Restores weights, buffers, optimizer state, step and loss history; checks the model matches.
@@ -99,15 +117,21 @@ class Trainer {
   // The epochs: calls of the training step on the loader's batches, the progress bar and the
   // per-epoch figures, a checkpoint at each epoch's end.
   void train_epochs(TrainResult& result);
-  // One optimizer step on gradient_accumulation micro-batches (see trainer.cc). Returns the mean
-  // (unscaled) loss, and when asked the number of correctly classified images.
-  float train_step(const data::Batch* micro, int64_t* correct);
+  // One optimizer step on gradient_accumulation micro-batches (see trainer.cc). Returns the sum
+  // of this rank's micro-batches' (unscaled) losses, and when asked the number of correctly
+  // classified images.
+  double train_step(const data::Batch* micro, int64_t* correct);
+  // Whether the run stops at this step boundary: a stop request, agreed by every rank.
+  bool stopping() const;
+  // The micro-batches whose gradients one step combines: every rank's gradient_accumulation.
+  int64_t micro_batches_per_step() const;
   // Forward and loss of one micro-batch in the configured precision.
   Tensor forward_loss(const data::Batch& batch, int64_t micro_batch, Tensor* output);
 
   TrainConfig config_;
   RunSettings run_;  // config_ resolved
-  TrainStreams streams_;
+  comm::Communicator* comm_;
+  TrainStreams streams_;  // rank 0's; no stream on the other ranks
   // --memory-budget for the trainer's lifetime: the previous budget comes back when it ends, even
   // when the constructor throws.
   struct BudgetScope {
@@ -131,6 +155,8 @@ class Trainer {
   double forward_macs_per_image_ = 0;  // counted on this run's first forward
   Profiler profiler_;                  // with config_.profile
   std::unique_ptr<nn::NumericsRecorder> numerics_;
+  std::unique_ptr<DataParallel> dp_;  // with several ranks
+  bool agreed_stop_ = false;          // every rank's stop requests, as of the last call
 };
 
 }  // namespace mantissa::train
