@@ -404,6 +404,9 @@ constexpr const char* kMemoryUsage =
     "  --precision P         repeatable (default 32-true)   --half-type fp16|bf16\n"
     "  --gradient-accumulation N  --device-iterations K  --eight-bit-io  --recompute\n"
     "  --memory-budget SIZE  say whether each precision fits (exit status 3 if one does not)\n"
+    "  --ranks N             also what each rank of an N-rank data-parallel job holds, with and\n"
+    "                        without --zero 1 (computed from this step and the layout of the\n"
+    "                        gradient buckets and shards; --bucket-size MIB, --allreduce-dtype T)\n"
     "  --json FILE           the figures, with the liveness timeline\n"
     "  --html FILE           a self-contained page with SVG charts (opens offline)\n"
     "  --threads N\n";
@@ -412,7 +415,7 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   train::TrainConfig c;
   std::vector<std::string> precisions;
   std::string json_path, html_path;
-  int64_t threads = 0;
+  int64_t threads = 0, ranks = 0;
   bool help = false;
   const auto str = str_flag;
   const auto i64 = int_flag;
@@ -433,22 +436,32 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
       {"--json", str(json_path)},
       {"--html", str(html_path)},
       {"--threads", i64("--threads", threads, 1)},
+      {"--ranks", i64("--ranks", ranks, 1)},
+      {"--bucket-size", num_flag("--bucket-size", c.bucket_size_mib)},
+      {"--allreduce-dtype", str(c.allreduce_dtype)},
   };
   parse_flags(args, flags, "memory");
   if (help) {
     out << kMemoryUsage;
     return kExitOk;
   }
+  refuse_ranks("memory", "run it in one process, with --ranks N for what each of N ranks holds");
   if (precisions.empty()) precisions.push_back(c.precision);
   c.threads = static_cast<int>(std::min<int64_t>(threads, 1024));
-  train::validate(c);
+  // With several ranks every update waits for the reduced gradients: measured that way.
+  if (ranks > 1) c.update_in_backward = false;
+  const train::RunSettings settings = train::resolve(c);
   io::check_output_path(json_path, "--json");
   io::check_output_path(html_path, "--html");
   std::vector<train::StepMemory> runs;
+  std::vector<train::RankMemory> per_rank;
   for (const std::string& p : precisions) {
     train::TrainConfig rc = c;
     rc.precision = p;
     runs.push_back(train::profile_step(rc));
+    if (ranks > 0)
+      per_rank.push_back(train::rank_memory(runs.back(), static_cast<int>(ranks), c.bucket_size_mib,
+                                            settings.allreduce_dtype));
   }
   out << "memory of one training step: " << c.model << ", batch " << c.batch_size << ", "
       << c.effective_image_size() << "x" << c.effective_image_size() << ", " << c.optimizer
@@ -456,8 +469,8 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
               ? ", gradient accumulation " + std::to_string(c.gradient_accumulation)
               : std::string())
       << (c.recompute ? ", recomputation" : "") << "\n"
-      << train::memory_text(runs);
-  if (!json_path.empty()) io::write_file_atomic(json_path, train::memory_json(c, runs));
+      << train::memory_text(runs, 12, per_rank);
+  if (!json_path.empty()) io::write_file_atomic(json_path, train::memory_json(c, runs, per_rank));
   if (!html_path.empty()) io::write_file_atomic(html_path, train::memory_html(c, runs));
   for (const train::StepMemory& r : runs)
     if (!r.fits) return kExitOutOfMemory;

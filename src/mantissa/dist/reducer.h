@@ -143,6 +143,10 @@ class Reducer {
   // Scatter: the elements [begin, end) of params()[k] that lie in this rank's part of its bucket
   // (begin == end: none); without scatter, all of them.
   std::pair<int64_t, int64_t> owned(size_t k) const;
+  // Bucket b's flat buffer ((padded,) of the wire type). Its contents matter only from a
+  // synchronised backward pass to its finish(): between finish() and the next one, others may use
+  // the memory (dist::Zero1 all-gathers the parameters in it).
+  Tensor& storage(size_t b) { return storage_.at(b); }
   const CommStats& last_step() const { return last_; }
   const CommStats& total() const { return total_; }
   // The buckets in the order they became ready, and in the order their all-reduces started, in

@@ -9,7 +9,7 @@
 
 namespace mantissa::dist {
 
-Zero1::Zero1(comm::Communicator& comm, const Reducer& reducer, optim::Optimizer& optimizer)
+Zero1::Zero1(comm::Communicator& comm, Reducer& reducer, optim::Optimizer& optimizer)
     : comm_(comm), reducer_(reducer), optimizer_(optimizer) {
   MANTISSA_CHECK(reducer.options().scatter,
                  "dist::Zero1 needs a reducer that reduce-scatters the gradients",
@@ -31,13 +31,17 @@ Zero1::Zero1(comm::Communicator& comm, const Reducer& reducer, optim::Optimizer&
   }
   optimizer.set_shards(std::move(ranges));
 
-  // A gather buffer per bucket, in its parameters' dtype (FP32 where they differ: widening to it
-  // and back is exact).
+  // Each bucket's gather dtype: its parameters' (FP32 where they differ: widening to it and back
+  // is exact), in the bucket's own buffer when it fits.
   for (const Reducer::Bucket& b : reducer.buckets()) {
     DType dtype = reducer.params()[b.params.front()].tensor->dtype();
     for (size_t p : b.params)
       if (reducer.params()[p].tensor->dtype() != dtype) dtype = DType::f32;
     gather_dtype_.push_back(dtype);
+    if (dtype_size(dtype) <= dtype_size(reducer.wire())) {
+      gather_.emplace_back();
+      continue;
+    }
     TensorOptions o = charged_to(MemoryCategory::workspace);
     o.owner = "parameter gather bucket " + std::to_string(gather_.size());
     gather_.push_back(Tensor::zeros({b.padded}, dtype, o));
@@ -60,11 +64,15 @@ void Zero1::gather_parameters() {
   const std::vector<Reducer::NamedTensor>& params = reducer_.params();
   std::vector<comm::Request> requests(buckets.size());
   last_bytes_ = 0;
+  // Bucket b's gather buffer: its own, or the gradient bucket's.
+  auto buffer = [&](size_t b) -> Tensor& {
+    return gather_[b].defined() ? gather_[b] : reducer_.storage(b);
+  };
   for (size_t b = 0; b < buckets.size(); ++b) {
     // This rank's part: the elements it updated, converted to the gather dtype.
     const Reducer::Bucket& bk = buckets[b];
     const size_t gs = dtype_size(gather_dtype_[b]);
-    char* base = static_cast<char*>(gather_[b].data_ptr());
+    char* base = static_cast<char*>(buffer(b).data_ptr());
     for (size_t s = 0; s < bk.params.size(); ++s) {
       const auto [begin, end] = reducer_.owned(bk.params[s]);
       if (begin == end) continue;
@@ -77,15 +85,16 @@ void Zero1::gather_parameters() {
               p.dtype(), base + static_cast<size_t>(bk.offsets[s] + begin) * gs, gather_dtype_[b],
               static_cast<size_t>(end - begin));
     }
-    Tensor mine = gather_[b].narrow(0, static_cast<int64_t>(comm_.rank()) * bk.part, bk.part);
-    requests[b] = comm_.all_gather_async(mine, gather_[b]);
-    last_bytes_ += static_cast<int64_t>(gather_[b].nbytes());
+    requests[b] =
+        comm_.all_gather_async(base + static_cast<size_t>(comm_.rank() * bk.part) * gs, base,
+                               static_cast<size_t>(bk.part), gather_dtype_[b], buffer(b).storage());
+    last_bytes_ += bk.padded * static_cast<int64_t>(gs);
   }
   for (size_t b = 0; b < buckets.size(); ++b) {
     requests[b].wait();
     const Reducer::Bucket& bk = buckets[b];
     const size_t gs = dtype_size(gather_dtype_[b]);
-    const char* base = static_cast<const char*>(gather_[b].data_ptr());
+    const char* base = static_cast<const char*>(buffer(b).data_ptr());
     for (size_t s = 0; s < bk.params.size(); ++s) {
       Tensor& p = *params[bk.params[s]].tensor;
       convert(base + static_cast<size_t>(bk.offsets[s]) * gs, gather_dtype_[b], p.data_ptr(),

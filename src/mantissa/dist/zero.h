@@ -46,7 +46,7 @@ class Zero1 {
   // those of them that require grad) along `reducer`'s buckets, which must scatter
   // (ReducerOptions::scatter). Before the optimizer's first step; after its master weights are
   // made (amp::apply_precision), which it cuts to the shard.
-  Zero1(comm::Communicator& comm, const Reducer& reducer, optim::Optimizer& optimizer);
+  Zero1(comm::Communicator& comm, Reducer& reducer, optim::Optimizer& optimizer);
   Zero1(const Zero1&) = delete;
   Zero1& operator=(const Zero1&) = delete;
 
@@ -56,7 +56,9 @@ class Zero1 {
 
   // After a step that updated the parameters: each rank's updated part of every bucket to every
   // rank (an all-gather per bucket, in the parameters' dtype, or FP32 where a bucket mixes
-  // dtypes: exact either way), written into the parameters.
+  // dtypes: exact either way), written into the parameters. The gradient bucket's buffer holds
+  // the gather when the gather dtype is no wider than the wire type (it is idle between steps);
+  // otherwise a buffer of its own does.
   void gather_parameters();
 
   // The optimizer's whole state, as an unsharded optimizer's state_tensors() would name and shape
@@ -72,10 +74,12 @@ class Zero1 {
 
  private:
   comm::Communicator& comm_;
-  const Reducer& reducer_;
+  Reducer& reducer_;
   optim::Optimizer& optimizer_;
   std::vector<DType> gather_dtype_;  // [bucket]
-  std::vector<Tensor> gather_;       // [bucket]: (padded,) of gather_dtype_
+  // [bucket]: (padded,) of gather_dtype_ where the bucket's own buffer is too small; else
+  // undefined.
+  std::vector<Tensor> gather_;
   int64_t last_bytes_ = 0;
   double last_seconds_ = 0;
 };

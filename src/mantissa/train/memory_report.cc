@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "mantissa/core/error.h"
+#include "mantissa/dist/reducer.h"
 #include "mantissa/io/html.h"
 
 namespace mantissa::train {
@@ -49,11 +50,20 @@ StepMemory profile_step(TrainConfig c) {
   const CategoryBytes before = tracker.stats().current;
   tracker.set_phase("setup");
   tracker.start_recording();
+  // One process, whatever launched this one: the figures are a rank's, computed from it.
+  const std::unique_ptr<comm::Communicator> alone = comm::make_single_process();
   try {
-    Trainer trainer(c, {});
+    Trainer trainer(c, {}, alone.get());
     m.precision = trainer.precision().name;
     m.description = trainer.precision().describe();
     trainer.run();
+    const optim::Optimizer& opt = trainer.optimizer();
+    size_t state_per_element = 0;
+    for (const auto& [name, dtype] : opt.state_layout()) state_per_element += dtype_size(dtype);
+    for (const auto& p : opt.params())
+      m.params.push_back({p.tensor->numel(), p.tensor->dtype(), p.tensor->requires_grad(),
+                          state_per_element,
+                          opt.has_master_weights() && p.tensor->dtype() != DType::f32});
   } catch (const OutOfMemoryError& e) {
     m.fits = false;
     m.oom_report = e.what();
@@ -138,7 +148,83 @@ StepMemory profile_step(TrainConfig c) {
   return m;
 }
 
-std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers) {
+RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib, DType wire) {
+  MANTISSA_CHECK(ranks >= 1, "--ranks must be at least 1", "e.g. --ranks 4");
+  RankMemory m;
+  m.ranks = ranks;
+  std::vector<int64_t> numels;
+  std::vector<const ParamMemory*> trained;
+  for (const ParamMemory& p : step.params) {
+    if (!p.trained) continue;
+    numels.push_back(p.numel);
+    trained.push_back(&p);
+  }
+  const size_t ws = dtype_size(wire);
+  dist::ReducerOptions o;
+  o.bucket_cap_mib = bucket_size_mib;
+  o.wire = wire;
+  const std::vector<dist::Reducer::Bucket> plain = dist::Reducer::plan(numels, o, ranks);
+  o.scatter = true;
+  const std::vector<dist::Reducer::Bucket> scattered = dist::Reducer::plan(numels, o, ranks);
+  size_t buckets = 0;
+  for (const dist::Reducer::Bucket& b : plain) buckets += static_cast<size_t>(b.padded) * ws;
+  // ZeRO-1: the buckets padded, this rank's part of each, the gather buffers of buckets whose
+  // parameters are wider than the wire type (the others gather in the bucket's buffer), and each
+  // rank's share of the state and master weights (its part of every bucket), against the whole.
+  size_t zero_buffers = 0, gathers = 0;
+  double whole_state = 0, whole_master = 0;
+  std::vector<double> state_share(static_cast<size_t>(ranks), 0),
+      master_share(static_cast<size_t>(ranks), 0);
+  for (const dist::Reducer::Bucket& b : scattered) {
+    zero_buffers += static_cast<size_t>(b.padded + b.part) * ws;
+    DType gather = trained[b.params.front()]->dtype;
+    for (size_t k : b.params)
+      if (trained[k]->dtype != gather) gather = DType::f32;
+    if (dtype_size(gather) > ws) gathers += static_cast<size_t>(b.padded) * dtype_size(gather);
+    for (size_t s = 0; s < b.params.size(); ++s) {
+      const ParamMemory& p = *trained[b.params[s]];
+      const double per_state = static_cast<double>(p.state_bytes_per_element);
+      const double per_master = p.master ? 4.0 : 0.0;
+      whole_state += static_cast<double>(p.numel) * per_state;
+      whole_master += static_cast<double>(p.numel) * per_master;
+      for (int r = 0; r < ranks; ++r) {
+        const int64_t lo = std::max<int64_t>(b.offsets[s], r * b.part);
+        const int64_t hi = std::min<int64_t>(b.offsets[s] + p.numel, (r + 1) * b.part);
+        if (hi <= lo) continue;
+        state_share[static_cast<size_t>(r)] += static_cast<double>(hi - lo) * per_state;
+        master_share[static_cast<size_t>(r)] += static_cast<double>(hi - lo) * per_master;
+      }
+    }
+  }
+  size_t largest = 0;  // the rank holding the most
+  for (size_t r = 1; r < state_share.size(); ++r)
+    if (state_share[r] + master_share[r] > state_share[largest] + master_share[largest])
+      largest = r;
+  const size_t state = static_cast<size_t>(MemoryCategory::optimizer_state);
+  const size_t master = static_cast<size_t>(MemoryCategory::master_weights);
+  const size_t grads = static_cast<size_t>(MemoryCategory::gradients);
+  const size_t work = static_cast<size_t>(MemoryCategory::workspace);
+  m.data_parallel = step.at_peak;
+  m.data_parallel[grads] += buckets;
+  m.zero = step.at_peak;
+  m.zero[grads] += zero_buffers;
+  m.zero[work] += gathers;
+  // The state and masters held at the peak (persistent, made at the first step) scaled to the
+  // largest rank's share of them.
+  auto scaled = [](size_t held, double part, double whole) {
+    return whole > 0 ? static_cast<size_t>(static_cast<double>(held) * part / whole) : held;
+  };
+  m.zero[state] = scaled(m.zero[state], state_share[largest], whole_state);
+  m.zero[master] = scaled(m.zero[master], master_share[largest], whole_master);
+  m.optimizer_state = step.at_peak[state] + step.at_peak[master];
+  m.optimizer_state_zero = m.zero[state] + m.zero[master];
+  for (size_t v : m.data_parallel) m.data_parallel_total += v;
+  for (size_t v : m.zero) m.zero_total += v;
+  return m;
+}
+
+std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers,
+                        const std::vector<RankMemory>& ranks) {
   std::ostringstream out;
   char line[256];
   std::snprintf(line, sizeof line, "%-22s", "category (at the peak)");
@@ -179,6 +265,27 @@ std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers) 
     if (r.budget)
       out << r.precision << ": " << (r.fits ? "fits in" : "does NOT fit in") << " the budget of "
           << format_bytes(*r.budget) << " (needs " << format_bytes(r.peak_total) << ")\n";
+  for (size_t i = 0; i < ranks.size() && i < runs.size(); ++i) {
+    const RankMemory& rm = ranks[i];
+    out << "per rank of " << rm.ranks << " ranks, " << runs[i].precision
+        << " (computed: this step at the per-rank batch, plus the gradient buckets; ZeRO-1: the "
+           "largest rank's share of the optimizer state and master weights, plus its "
+           "reduce-scatter and gather buffers):\n";
+    std::snprintf(line, sizeof line, "  %-20s %16s %16s\n", "category (at the peak)",
+                  "data parallel", "--zero 1");
+    out << line;
+    for (MemoryCategory c : kAllMemoryCategories) {
+      const size_t k = static_cast<size_t>(c);
+      std::snprintf(line, sizeof line, "  %-20s %16s %16s\n",
+                    std::string(memory_category_name(c)).c_str(),
+                    format_bytes(rm.data_parallel[k]).c_str(), format_bytes(rm.zero[k]).c_str());
+      out << line;
+    }
+    std::snprintf(line, sizeof line, "  %-20s %16s %16s\n", "total at the peak",
+                  format_bytes(rm.data_parallel_total).c_str(),
+                  format_bytes(rm.zero_total).c_str());
+    out << line;
+  }
   for (const StepMemory& r : runs) {
     out << "largest holders at the peak, " << r.precision << ":\n";
     for (size_t i = 0; i < r.layers.size() && i < top_layers; ++i) {
@@ -198,7 +305,8 @@ std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers) 
   return out.str();
 }
 
-std::string memory_json(const TrainConfig& c, const std::vector<StepMemory>& runs) {
+std::string memory_json(const TrainConfig& c, const std::vector<StepMemory>& runs,
+                        const std::vector<RankMemory>& ranks) {
   json j;
   j["model"] = c.model;
   j["batch_size"] = c.batch_size;
@@ -229,6 +337,15 @@ std::string memory_json(const TrainConfig& c, const std::vector<StepMemory>& run
                           {"total", p.total},
                           {"bytes", category_json(p.bytes)}});
     run["timeline"] = timeline;
+    const size_t i = j["runs"].size();
+    if (i < ranks.size())
+      run["per_rank"] = {
+          {"ranks", ranks[i].ranks},
+          {"data_parallel",
+           {{"total", ranks[i].data_parallel_total},
+            {"at_peak_bytes", category_json(ranks[i].data_parallel)}}},
+          {"zero1",
+           {{"total", ranks[i].zero_total}, {"at_peak_bytes", category_json(ranks[i].zero)}}}};
     j["runs"].push_back(run);
   }
   return j.dump(2) + "\n";

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "mantissa/core/dtype.h"
 #include "mantissa/core/memory.h"
 #include "mantissa/train/trainer.h"
 
@@ -33,6 +34,15 @@ struct MemoryPoint {
   size_t total = 0;
 };
 
+// A parameter as the step's optimizer holds it: what per-rank memory is computed from.
+struct ParamMemory {
+  int64_t numel = 0;
+  DType dtype = DType::f32;
+  bool trained = true;                 // requires grad: in the gradient reducer's buckets
+  size_t state_bytes_per_element = 0;  // the optimizer state's buffers together
+  bool master = false;                 // an FP32 master copy (4 bytes an element)
+};
+
 struct StepMemory {
   std::string precision;    // the mode's name
   std::string description;  // its settings
@@ -44,19 +54,40 @@ struct StepMemory {
   size_t events = 0;                  // allocations and frees recorded
   std::optional<size_t> budget;
   bool fits = true;
-  std::string oom_report;  // when it does not fit: the out-of-memory report
+  std::string oom_report;           // when it does not fit: the out-of-memory report
+  std::vector<ParamMemory> params;  // the model's parameters, in registration order
 };
 
 // One training step of `c` (its model, batch size, precision and levers; the dataset is made
 // synthetic, one optimizer step, no evaluation, nothing written), measured. With a memory
 // budget, a step that passes it is reported as not fitting, with the out-of-memory report, and
-// with the figures of the whole step measured again without the budget (what it needs).
+// with the figures of the whole step measured again without the budget (what it needs). It runs
+// in this process alone, whatever launched it.
 StepMemory profile_step(TrainConfig c);
 
+// What one rank of a data-parallel job of `ranks` ranks holds at the step's peak, by category,
+// computed (not measured across processes): the step measured in one process at the per-rank
+// batch (profile_step, with updates in the backward pass off, as they are with several ranks),
+// plus the gradient reducer's buckets as Reducer::plan lays them out at the wire type; with
+// ZeRO-1 the whole optimizer state and master weights are replaced by the shards the largest rank
+// owns (its part of every bucket), and the reduce-scatter's part buffers and the parameters'
+// gather buffers (dist::Zero1) are added. These are persistent, so they add to (or come off)
+// every moment of the step alike and the peak stays where it was measured.
+struct RankMemory {
+  int ranks = 1;
+  CategoryBytes data_parallel{}, zero{};  // at the peak
+  size_t data_parallel_total = 0, zero_total = 0;
+  size_t optimizer_state = 0, optimizer_state_zero = 0;  // state and master weights together
+};
+RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib, DType wire);
+
 // Text table (by category, then the largest layers), JSON, and HTML page of one or more runs of
-// the same model (e.g. 32-true against 16-true).
-std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers = 12);
-std::string memory_json(const TrainConfig& c, const std::vector<StepMemory>& runs);
+// the same model (e.g. 32-true against 16-true). With `ranks` (one per run), the text and JSON
+// add each run's per-rank memory with and without ZeRO-1.
+std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers = 12,
+                        const std::vector<RankMemory>& ranks = {});
+std::string memory_json(const TrainConfig& c, const std::vector<StepMemory>& runs,
+                        const std::vector<RankMemory>& ranks = {});
 std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& runs);
 
 }  // namespace mantissa::train
