@@ -3,7 +3,7 @@
 # failing rank's message, Ctrl-C on mpirun stops every rank at one step and writes the checkpoint
 # once, checkpoints move between job sizes, and what cannot run over several processes says so.
 #   data_parallel_cli.sh MANTISSA MPIEXEC WORKDIR CASE
-# CASE: mismatch | bad_data | killed | interrupt | resume | refused. Each case prints what it
+# CASE: mismatch | bad_data | oom | killed | interrupt | resume | refused. Each case prints what it
 # checked; a failure prints the job's output and exits 1.
 set -u
 MANTISSA=$1 MPIEXEC=$2 WORK=$3 CASE=$4
@@ -51,6 +51,12 @@ bad_data)
     --data-dir /no/such/dataset
   [ "$STATUS" -ne 0 ] || fail "exit status 0"
   expect_output "mantissa \(rank 1 of 2\): error: data directory /no/such/dataset of fashion-mnist does not exist"
+  ;;
+oom)
+  # Past --memory-budget on the ranks: the out-of-memory report and the job ends.
+  job 30 "${MPIRUN[@]}" -n 2 "$MANTISSA" "${RUN[@]}" --max-steps 2 --memory-budget 300KiB
+  [ "$STATUS" -ne 0 ] || fail "exit status 0"
+  expect_output "mantissa \(rank [01] of 2\): out of memory on cpu: cannot allocate"
   ;;
 killed)
   # Rank 1 is killed (SIGKILL) while the job trains: the job ends within seconds.

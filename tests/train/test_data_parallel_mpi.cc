@@ -36,9 +36,11 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mantissa/comm/communicator.h"
+#include "mantissa/core/parallel.h"
 #include "mantissa/dist/replicas.h"
 #include "mantissa/train/memory_report.h"
 #include "mantissa/train/trainer.h"
@@ -419,6 +421,16 @@ TEST(DataParallel, AStopOnOneRankStopsEveryRankAtTheSameStep) {
   EXPECT_FALSE(train::stop_requested()) << "the run that stopped clears the request";
   world().barrier();
   EXPECT_TRUE(std::filesystem::exists(c.save));
+}
+
+TEST(DataParallel, RanksShareTheHostsCoresByDefault) {
+  if (std::getenv("MANTISSA_NUM_THREADS")) GTEST_SKIP() << "MANTISSA_NUM_THREADS decides";
+  train::TrainConfig c = small("lenet5", 1);
+  c.threads = 0;
+  train::Trainer t(c, {}, &world());
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  EXPECT_EQ(default_num_threads(), std::max(1, cores / world().local_size()));
+  set_num_threads(0);
 }
 
 TEST(DataParallel, RanksThatDisagreeOnAFlagAreRefusedNamingIt) {
