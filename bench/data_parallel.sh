@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
     --rate) RATE=$2; shift 2 ;;
     --no-hosts) HOSTS=0; shift ;;
     --build) BUILD=$2; shift 2 ;;
-    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
