@@ -38,7 +38,7 @@ struct StepOptions {
   // shard, from which the norm, the clipping and the skip follow alike on every shard. A
   // collective when it communicates: every shard's step() must be given it alike. Unset: this
   // optimizer's own figures are the totals.
-  std::function<std::pair<double, bool>(double sum_of_squares, bool nonfinite)> combine;
+  std::function<std::pair<double, bool>(double sum_of_squares, bool nonfinite)> combine = {};
 };
 
 // Elements [begin, end) of a parameter's flattened values.

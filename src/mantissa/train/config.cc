@@ -49,7 +49,7 @@ DType parse_allreduce_dtype(const std::string& name) {
 
 }  // namespace
 
-RunSettings resolve(const TrainConfig& c) {
+RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
   RunSettings r;
   const auto models = nn::model_names();
   MANTISSA_CHECK(std::find(models.begin(), models.end(), c.model) != models.end(),
@@ -90,10 +90,12 @@ RunSettings resolve(const TrainConfig& c) {
       "e.g. --device-iterations 4 --output-mode every --output-return-period 2");
   MANTISSA_CHECK(c.workers >= 1 && c.workers <= 64, "--workers must lie in [1, 64]", "");
   MANTISSA_CHECK(c.prefetch >= 0 && c.prefetch <= 64, "--prefetch must lie in [0, 64]", "");
-  io::check_output_path(c.save, "--save");
-  io::check_output_path(c.metrics_json, "--metrics-json");
-  io::check_output_path(c.report, "--report");
-  io::check_output_path(c.numerics_report, "--numerics-report");
+  if (checks_outputs) {
+    io::check_output_path(c.save, "--save");
+    io::check_output_path(c.metrics_json, "--metrics-json");
+    io::check_output_path(c.report, "--report");
+    io::check_output_path(c.numerics_report, "--numerics-report");
+  }
   MANTISSA_CHECK(c.numerics_every >= 1, "--numerics-every must be at least 1", "");
   MANTISSA_CHECK(c.init_from.empty() || c.resume.empty(),
                  "--init-from and --resume cannot be used together",

@@ -161,8 +161,10 @@ struct RunSettings {
 };
 
 // Checks every setting and resolves it; throws mantissa::Error naming the first bad setting and
-// how to fix it.
-RunSettings resolve(const TrainConfig& c);
+// how to fix it. `checks_outputs` false leaves the output paths (--save, --metrics-json,
+// --report, --numerics-report) unchecked and unlocked: a data-parallel rank other than 0 writes
+// none of them, and checking them would take rank 0's locks.
+RunSettings resolve(const TrainConfig& c, bool checks_outputs = true);
 // The same checks, for a configuration that is not run yet (`mantissa memory`, the CLI).
 void validate(const TrainConfig& c);
 

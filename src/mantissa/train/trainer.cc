@@ -46,12 +46,12 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const TrainConfig& c, const Run
 // A run of a user's model: the built-in-only fields refused, then resolved; it is named after
 // the model's type and the training data.
 RunSettings resolve_user_run(const TrainConfig& c, const nn::Classifier* model,
-                             const data::ExampleSource* train) {
+                             const data::ExampleSource* train, bool checks_outputs) {
   check_user_model_config(c);
   MANTISSA_CHECK(model != nullptr, "the trainer got no model", "pass the nn::Classifier to train");
   MANTISSA_CHECK(train != nullptr, "the trainer got no training data",
                  "pass an ExampleSource (e.g. a data::TensorDataset) to train on");
-  RunSettings r = resolve(c);
+  RunSettings r = resolve(c, checks_outputs);
   r.model = model->type();
   r.dataset = train->name();
   r.image_size.reset();
@@ -61,6 +61,11 @@ RunSettings resolve_user_run(const TrainConfig& c, const nn::Classifier* model,
 // What the loader hands over: 8-bit images (normalized by the model), or the mode's input type.
 DType input_dtype(const TrainConfig& c, const RunSettings& s) {
   return c.eight_bit_io ? DType::u8 : s.precision.mode.input_dtype;
+}
+
+// Rank 0 alone writes the run's files, so it alone checks and locks their paths.
+bool writes_outputs(comm::Communicator* comm) {
+  return (comm ? comm : &comm::world())->rank() == 0;
 }
 
 }  // namespace
@@ -81,7 +86,7 @@ Trainer::BudgetScope::~BudgetScope() {
 
 Trainer::Trainer(const TrainConfig& config, TrainStreams streams, comm::Communicator* comm)
     : config_(config),
-      run_(resolve(config)),
+      run_(resolve(config, writes_outputs(comm))),
       comm_(comm ? comm : &comm::world()),
       streams_(comm_->rank() == 0 ? streams : TrainStreams{}),
       budget_(run_.memory_budget) {
@@ -103,7 +108,7 @@ Trainer::Trainer(const TrainConfig& config, std::shared_ptr<nn::Classifier> mode
                  std::shared_ptr<const data::ExampleSource> test, TrainStreams streams,
                  comm::Communicator* comm)
     : config_(config),
-      run_(resolve_user_run(config, model.get(), train.get())),
+      run_(resolve_user_run(config, model.get(), train.get(), writes_outputs(comm))),
       comm_(comm ? comm : &comm::world()),
       streams_(comm_->rank() == 0 ? streams : TrainStreams{}),
       budget_(run_.memory_budget),
