@@ -141,11 +141,12 @@ const std::vector<Geometry>& geometries() {
       {"lenet_conv1", {2, 1, 32, 32}, {6, 1, 5, 5}, params(1, 0)},
       {"direct_stride2", {2, 1, 20, 20}, {4, 1, 3, 3}, params(2, 1)},
       // ResNet-18 (CIFAR stem) shapes at reduced width: 3x3 pad 1 at 32x32, 16x16, 8x8 and 4x4
-      // (Winograd in FP32; 16-bit operands take the implicit GEMM with dense columns: slivers of
-      // 16 read in place, rows of 8 and 4 packed in runs; weight gradient through the GEMM above
-      // 16 channels, lane-split dot products at 16 or fewer), a stride-2 3x3 (implicit, strided
-      // dense columns packed one by one; backward-input through im2col) and 1x1 stride 2 (direct:
-      // 16 taps; im2col with FP16 partials, the window skipping pixels)
+      // (Winograd with FP32 partials; FP16 partials, and every run with Winograd off, take the
+      // implicit GEMM with dense columns: slivers of 16 read in place, rows of 8 and 4 packed in
+      // runs; weight gradient through the GEMM above 16 channels, lane-split dot products at 16
+      // or fewer), a stride-2 3x3 (implicit, strided dense columns packed one by one;
+      // backward-input through im2col) and 1x1 stride 2 (direct: 16 taps; im2col with FP16
+      // partials, the window skipping pixels)
       {"resnet_3x3_32", {2, 16, 32, 32}, {16, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_32_wide", {2, 16, 32, 32}, {24, 16, 3, 3}, params(1, 1)},
       {"resnet_3x3_16", {2, 16, 16, 16}, {24, 16, 3, 3}, params(1, 1)},
@@ -155,6 +156,9 @@ const std::vector<Geometry>& geometries() {
       // last partial vector), and rows of 8 tiles (read side by side)
       {"winograd_odd_tiles", {3, 17, 6, 10}, {20, 17, 3, 3}, params(1, 1)},
       {"winograd_rows_of_8_tiles", {2, 16, 4, 16}, {16, 16, 3, 3}, params(1, 1)},
+      // Winograd's filters transformed in blocks of output channels (8, 8, 8, 8 and 4 with the
+      // one-image chunks' budget of CTest's conv_one_image_chunks run)
+      {"winograd_output_blocks", {2, 32, 8, 8}, {36, 32, 3, 3}, params(1, 1)},
       // dense columns whose slivers join rows of different images (3 rows of 8 per image)
       {"dense_rows_of_8_across_images", {3, 8, 3, 8}, {12, 8, 3, 3}, params(1, 1)},
       {"resnet_3x3_stride2", {2, 16, 16, 16}, {32, 16, 3, 3}, params(2, 1)},
@@ -173,22 +177,18 @@ const std::vector<Geometry>& geometries() {
   return g;
 }
 
-// The geometries above, over the dtypes and partials of the tests below, take every path of
-// every direction (with the switches on; CTest's runs with them off move the same geometries to
-// other paths).
+// The geometries above, with the partials of the tests below (the storage dtypes choose no path),
+// take every path of every direction (with the switches on; CTest's runs with them off move the
+// same geometries to other paths).
 TEST(Conv2d, SuiteTakesEveryPath) {
   using detail::ConvPath;
   std::set<ConvPath> forward, input, weight;
-  const std::pair<DType, Partials> runs[] = {{DType::f32, Partials::kF32},
-                                             {DType::bf16, Partials::kF32},
-                                             {DType::f16, Partials::kF32},
-                                             {DType::f16, Partials::kF16}};
   for (const Geometry& g : geometries())
-    for (const auto& [t, partials] : runs) {
+    for (const Partials partials : {Partials::kF32, Partials::kF16}) {
       const detail::ConvGeometry cg(g.x, g.w, g.p);
       const detail::ConvSettings on;
-      forward.insert(detail::conv_forward_path(cg, t, t, partials, on));
-      input.insert(detail::conv_backward_input_path(cg, t, t, partials, on));
+      forward.insert(detail::conv_forward_path(cg, partials, on));
+      input.insert(detail::conv_backward_input_path(cg, partials, on));
       weight.insert(detail::conv_weight_grad_path(cg, partials, on));
     }
   EXPECT_EQ(forward,
@@ -219,20 +219,54 @@ TEST(Conv2d, Fp16PartialsMatchFp64Loops) {
   for (const Geometry& g : geometries()) check(g, DType::f16, Partials::kF16, 1.0 / 256);
 }
 
-// Winograd (FP32 operands) adds the bias once per output, after the output transform; a 16-bit
-// output is rounded once from the FP32 result.
+// Winograd adds the bias once per output, after the output transform; a 16-bit output is rounded
+// once from the FP32 result, from operands in any storage.
 TEST(Conv2d, WinogradAddsTheBias) {
   const Geometry g{"winograd_bias", {2, 16, 8, 8}, {16, 16, 3, 3}, params(1, 1)};
   const Shape ys = conv2d_output_shape(g.x, g.w, g.p);
-  const Tensor x = stored(random_values(2 * 16 * 64, 1), g.x, DType::f32),
-               w = stored(random_values(16 * 16 * 9, 2), g.w, DType::f32),
-               b = stored(random_values(16, 4), {16}, DType::f32);
-  Expected e = reference(g, ys, as_stored(x), as_stored(w),
-                         std::vector<double>(static_cast<size_t>(2 * 16 * 64), 0.0));
-  const std::vector<double> b_stored = as_stored(b);
-  for (size_t i = 0; i < e.y.size(); ++i) e.y[i] += b_stored[(i / 64) % 16];
-  expect_close("winograd bias f32", e.y, conv2d(x, w, b, g.p, DType::f32), 2e-6);
-  expect_close("winograd bias, bf16 output", e.y, conv2d(x, w, b, g.p, DType::bf16), 1.0 / 256);
+  for (const DType t : {DType::f32, DType::bf16, DType::f16}) {
+    const Tensor x = stored(random_values(2 * 16 * 64, 1), g.x, t),
+                 w = stored(random_values(16 * 16 * 9, 2), g.w, t),
+                 b = stored(random_values(16, 4), {16}, t);
+    Expected e = reference(g, ys, as_stored(x), as_stored(w),
+                           std::vector<double>(static_cast<size_t>(2 * 16 * 64), 0.0));
+    const std::vector<double> b_stored = as_stored(b);
+    for (size_t i = 0; i < e.y.size(); ++i) e.y[i] += b_stored[(i / 64) % 16];
+    const std::string at = std::string(dtype_name(t)) + " operands";
+    expect_close("winograd bias f32, " + at, e.y, conv2d(x, w, b, g.p, DType::f32), 2e-6);
+    expect_close("winograd bias, bf16 output, " + at, e.y, conv2d(x, w, b, g.p, DType::bf16),
+                 1.0 / 256);
+    expect_close("winograd bias, f16 output, " + at, e.y, conv2d(x, w, b, g.p, DType::f16),
+                 1.0 / 2048);
+    // The 16-bit output is the FP32 result rounded once, bit for bit.
+    const Tensor y32 = conv2d(x, w, b, g.p, DType::f32);
+    for (const DType out : {DType::bf16, DType::f16}) {
+      const Tensor y = conv2d(x, w, b, g.p, out), want = y32.to(out);
+      EXPECT_EQ(0, std::memcmp(y.data_ptr(), want.data_ptr(), static_cast<size_t>(y.numel()) * 2))
+          << at << " into " << dtype_name(out);
+    }
+  }
+}
+
+// Winograd's filters transformed a block of output channels at a time give the bits of the whole
+// layer at once (a block's GEMMs are the layer's restricted to its rows), for every storage.
+TEST(Conv2d, WinogradOutputBlocksGiveTheSameBits) {
+  const Shape xs{2, 20, 8, 6}, ws{23, 20, 3, 3};
+  const detail::ImplicitConv g(xs, 23, 3, 3, 1, 1, 1, 1);
+  for (const DType t : {DType::f32, DType::bf16, DType::f16}) {
+    const Tensor x = stored(random_values(2 * 20 * 48, 5), xs, t),
+                 w = stored(random_values(23 * 20 * 9, 6), ws, t);
+    const std::vector<float> bias(23, 0.25f);
+    const Tensor whole =
+        detail::winograd_forward(x, g, w.data_ptr(), t, bias, t, MemoryCategory::activations, 23);
+    for (const int64_t block : {1, 5, 8, 22}) {
+      const Tensor y = detail::winograd_forward(x, g, w.data_ptr(), t, bias, t,
+                                                MemoryCategory::activations, block);
+      EXPECT_EQ(0, std::memcmp(y.data_ptr(), whole.data_ptr(),
+                               static_cast<size_t>(y.numel()) * dtype_size(t)))
+          << dtype_name(t) << ", blocks of " << block;
+    }
+  }
 }
 
 // The Winograd transforms against their definitions (vector_kernels.h), bit for bit: eight tiles
@@ -270,29 +304,34 @@ TEST(Conv2d, WinogradTransformsMatchTheirDefinitionBitForBit) {
       const std::string at =
           (side_by_side ? "side by side, n " : "gathered, n ") + std::to_string(n);
       EXPECT_EQ(0, std::memcmp(v.data(), want.data(), v.size() * sizeof(float))) << at;
-      // Output: the products of tile l at m[xi * vs + l], results to out[l] and out[l] + ld.
-      std::vector<float> y(src.size(), 0.0f), want_y = y;
-      float* out[8];
-      float* want_out[8];
-      for (int l = 0; l < 8; ++l) {
-        out[l] = y.data() + (side_by_side ? 2 * l : spread[l]);
-        want_out[l] = want_y.data() + (side_by_side ? 2 * l : spread[l]);
-      }
-      const float bias = 0.375f;
-      detail::winograd_output_f32(v.data(), vs, n, bias, out, ld);
-      for (int l = 0; l < n; ++l) {
-        auto m = [&](int xi) { return v[static_cast<size_t>(xi * vs + l)]; };
-        float r[2][4];
-        for (int b = 0; b < 4; ++b) {
-          r[0][b] = (m(b) + m(4 + b)) + m(8 + b);
-          r[1][b] = (m(4 + b) - m(8 + b)) - m(12 + b);
+      // Output: the products of tile l at m[xi * vs + l], results to out[l] and out[l] + ld, in
+      // FP32 or rounded once into 16 bits.
+      for (const DType t : {DType::f32, DType::f16, DType::bf16}) {
+        const size_t es = dtype_size(t);
+        std::vector<char> y(src.size() * es, 0), want_y = y;
+        void* out[8];
+        for (int l = 0; l < 8; ++l)
+          out[l] = y.data() + static_cast<size_t>(side_by_side ? 2 * l : spread[l]) * es;
+        const float bias = 0.375f;
+        detail::winograd_output(v.data(), vs, n, bias, out, ld, t);
+        for (int l = 0; l < n; ++l) {
+          auto m = [&](int xi) { return v[static_cast<size_t>(xi * vs + l)]; };
+          float r[2][4];
+          for (int b = 0; b < 4; ++b) {
+            r[0][b] = (m(b) + m(4 + b)) + m(8 + b);
+            r[1][b] = (m(4 + b) - m(8 + b)) - m(12 + b);
+          }
+          for (int a = 0; a < 2; ++a) {
+            const float res[2] = {((r[a][0] + r[a][1]) + r[a][2]) + bias,
+                                  ((r[a][1] - r[a][2]) - r[a][3]) + bias};
+            for (int k = 0; k < 2; ++k) {
+              const int64_t at_l = (side_by_side ? 2 * l : spread[l]) + a * ld + k;
+              convert(&res[k], DType::f32, want_y.data() + static_cast<size_t>(at_l) * es, t, 1);
+            }
+          }
         }
-        for (int a = 0; a < 2; ++a) {
-          want_out[l][a * ld] = ((r[a][0] + r[a][1]) + r[a][2]) + bias;
-          want_out[l][a * ld + 1] = ((r[a][1] - r[a][2]) - r[a][3]) + bias;
-        }
+        EXPECT_EQ(0, std::memcmp(y.data(), want_y.data(), y.size())) << at << ", " << dtype_name(t);
       }
-      EXPECT_EQ(0, std::memcmp(y.data(), want_y.data(), y.size() * sizeof(float))) << at;
     }
 }
 

@@ -13,7 +13,6 @@
 namespace mantissa::kernels::detail {
 namespace {
 
-constexpr DType f32 = DType::f32, f16 = DType::f16, bf16 = DType::bf16;
 constexpr Partials p32 = Partials::kF32, p16 = Partials::kF16;
 
 Conv2dParams params(int64_t stride, int64_t pad, int64_t dilation = 1, int64_t groups = 1) {
@@ -33,10 +32,10 @@ struct Paths {
   ConvPath forward, input, weight;
 };
 
-Paths paths(const Shape& x, const Shape& w, const Conv2dParams& p, DType t, Partials partials,
+Paths paths(const Shape& x, const Shape& w, const Conv2dParams& p, Partials partials,
             const ConvSettings& s = kAllOn) {
   const ConvGeometry g(x, w, p);
-  return {conv_forward_path(g, t, t, partials, s), conv_backward_input_path(g, t, t, partials, s),
+  return {conv_forward_path(g, partials, s), conv_backward_input_path(g, partials, s),
           conv_weight_grad_path(g, partials, s)};
 }
 
@@ -54,59 +53,48 @@ std::string name(ConvPath p) { return std::string(conv_path_name(p)); }
 // O * taps <= 512. The backward-input has no direct path.
 TEST(ConvPaths, DirectForTinyFilterBanks) {
   // The tutorial CNN's conv1 (5 x 1 x 3 x 3); its backward-input is implicit rows (1 channel).
-  EXPECT_PATHS(paths({3, 1, 128, 128}, {5, 1, 3, 3}, params(1, 0), f32, p32), kDirect,
-               kImplicitRows, kDirect);
-  // Any dtype, padding and stride.
-  EXPECT_PATHS(paths({2, 1, 20, 20}, {4, 1, 3, 3}, params(2, 1), bf16, p32), kDirect, kIm2col,
+  EXPECT_PATHS(paths({3, 1, 128, 128}, {5, 1, 3, 3}, params(1, 0), p32), kDirect, kImplicitRows,
                kDirect);
+  // Any dtype, padding and stride.
+  EXPECT_PATHS(paths({2, 1, 20, 20}, {4, 1, 3, 3}, params(2, 1), p32), kDirect, kIm2col, kDirect);
   // 32 taps (2 x 4 x 4) and O * taps = 512: still direct; 33 taps or 513 are not.
-  EXPECT_EQ(paths({2, 2, 20, 20}, {16, 2, 4, 4}, params(1, 0), f32, p32).forward,
-            ConvPath::kDirect);
-  EXPECT_NE(paths({2, 2, 20, 20}, {17, 2, 4, 4}, params(1, 0), f32, p32).forward,
-            ConvPath::kDirect);
-  EXPECT_NE(paths({2, 3, 20, 20}, {2, 3, 3, 4}, params(1, 0), f32, p32).forward,
+  EXPECT_EQ(paths({2, 2, 20, 20}, {16, 2, 4, 4}, params(1, 0), p32).forward, ConvPath::kDirect);
+  EXPECT_NE(paths({2, 2, 20, 20}, {17, 2, 4, 4}, params(1, 0), p32).forward, ConvPath::kDirect);
+  EXPECT_NE(paths({2, 3, 20, 20}, {2, 3, 3, 4}, params(1, 0), p32).forward,
             ConvPath::kDirect);  // 36 taps
   // FP16 partials, dilation or groups take it off.
-  EXPECT_PATHS(paths({3, 1, 128, 128}, {5, 1, 3, 3}, params(1, 0), f32, p16), kImplicitGemm,
+  EXPECT_PATHS(paths({3, 1, 128, 128}, {5, 1, 3, 3}, params(1, 0), p16), kImplicitGemm,
                kImplicitGemm, kImplicitGemm);
-  EXPECT_NE(paths({1, 2, 40, 40}, {4, 2, 3, 3}, params(1, 2, 2), f32, p32).forward,
-            ConvPath::kDirect);
-  EXPECT_PATHS(paths({2, 2, 20, 20}, {4, 1, 3, 3}, params(1, 1, 1, 2), f32, p32), kIm2col, kIm2col,
+  EXPECT_NE(paths({1, 2, 40, 40}, {4, 2, 3, 3}, params(1, 2, 2), p32).forward, ConvPath::kDirect);
+  EXPECT_PATHS(paths({2, 2, 20, 20}, {4, 1, 3, 3}, params(1, 1, 1, 2), p32), kIm2col, kIm2col,
                kIm2col);
 }
 
-// kWinograd: FP32 operands and partials, 3x3 stride 1 pad 1 dilation 1, even H and W, 16 or
-// more channels each way; forward and backward-input.
-TEST(ConvPaths, WinogradForFp32ThreeByThreeLayers) {
+// kWinograd: FP32 partials, 3x3 stride 1 pad 1 dilation 1, even H and W, 16 or more channels each
+// way; forward and backward-input. The operands' storage does not choose the path (16-bit values
+// widen exactly while the input is padded and the filters transformed).
+TEST(ConvPaths, WinogradForThreeByThreeLayers) {
   const Shape x{2, 16, 8, 8}, w{16, 16, 3, 3};
-  EXPECT_PATHS(paths(x, w, params(1, 1), f32, p32), kWinograd, kWinograd, kImplicitDots);
-  // 16-bit operands or FP16 partials keep the implicit GEMM's arithmetic.
-  EXPECT_PATHS(paths(x, w, params(1, 1), bf16, p32), kImplicitGemm, kImplicitGemm, kImplicitDots);
-  EXPECT_PATHS(paths(x, w, params(1, 1), f32, p16), kImplicitGemm, kImplicitGemm, kImplicitGemm);
-  {  // x FP32, w 16-bit (mixed operands)
-    const ConvGeometry g(x, w, params(1, 1));
-    EXPECT_EQ(conv_forward_path(g, f32, f16, p32, kAllOn), ConvPath::kImplicitGemm);
-    EXPECT_EQ(conv_backward_input_path(g, f32, f16, p32, kAllOn), ConvPath::kImplicitGemm);
-  }
+  EXPECT_PATHS(paths(x, w, params(1, 1), p32), kWinograd, kWinograd, kImplicitDots);
+  // FP16 partials keep the implicit GEMM's arithmetic (the 16-product roundings).
+  EXPECT_PATHS(paths(x, w, params(1, 1), p16), kImplicitGemm, kImplicitGemm, kImplicitGemm);
   // 15 input or output channels, an odd size, stride 2, pad 0, dilation 2, 5x5: not Winograd.
-  EXPECT_EQ(paths({2, 15, 8, 8}, {16, 15, 3, 3}, params(1, 1), f32, p32).forward,
+  EXPECT_EQ(paths({2, 15, 8, 8}, {16, 15, 3, 3}, params(1, 1), p32).forward,
             ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths(x, {15, 16, 3, 3}, params(1, 1), f32, p32).forward, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths(x, {15, 16, 3, 3}, params(1, 1), f32, p32).input, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths({2, 16, 12, 9}, w, params(1, 1), f32, p32).forward, ConvPath::kIm2col);
-  EXPECT_EQ(paths({2, 16, 8, 8}, w, params(2, 1), f32, p32).forward, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths({2, 16, 18, 18}, w, params(1, 0), f32, p32).forward, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths({2, 16, 8, 8}, w, params(1, 2, 2), f32, p32).forward, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths({2, 16, 8, 8}, {16, 16, 5, 5}, params(1, 2), f32, p32).forward,
+  EXPECT_EQ(paths(x, {15, 16, 3, 3}, params(1, 1), p32).forward, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths(x, {15, 16, 3, 3}, params(1, 1), p32).input, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths({2, 16, 12, 9}, w, params(1, 1), p32).forward, ConvPath::kIm2col);
+  EXPECT_EQ(paths({2, 16, 8, 8}, w, params(2, 1), p32).forward, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths({2, 16, 18, 18}, w, params(1, 0), p32).forward, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths({2, 16, 8, 8}, w, params(1, 2, 2), p32).forward, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths({2, 16, 8, 8}, {16, 16, 5, 5}, params(1, 2), p32).forward,
             ConvPath::kImplicitGemm);
   // The switches: Winograd off gives the implicit GEMM; implicit off also takes the
   // backward-input off Winograd (it enters through the flipped convolution), not the forward.
-  EXPECT_PATHS(paths(x, w, params(1, 1), f32, p32, switches(false, true)), kImplicitGemm,
-               kImplicitGemm, kImplicitDots);
-  EXPECT_PATHS(paths(x, w, params(1, 1), f32, p32, switches(true, false)), kWinograd, kIm2col,
-               kIm2col);
-  EXPECT_PATHS(paths(x, w, params(1, 1), f32, p32, switches(false, false)), kIm2col, kIm2col,
-               kIm2col);
+  EXPECT_PATHS(paths(x, w, params(1, 1), p32, switches(false, true)), kImplicitGemm, kImplicitGemm,
+               kImplicitDots);
+  EXPECT_PATHS(paths(x, w, params(1, 1), p32, switches(true, false)), kWinograd, kIm2col, kIm2col);
+  EXPECT_PATHS(paths(x, w, params(1, 1), p32, switches(false, false)), kIm2col, kIm2col, kIm2col);
 }
 
 // kImplicitRows (forward: stride_w 1, FP32 partials, O <= 12; backward-input: C <= 12) and
@@ -114,27 +102,27 @@ TEST(ConvPaths, WinogradForFp32ThreeByThreeLayers) {
 TEST(ConvPaths, ImplicitRowsForFewChannelsElseTheGemm) {
   // The tutorial CNN's conv2: 12 outputs, 5 inputs (its backward-input has 5 outputs).
   const Shape x{3, 5, 63, 63};
-  EXPECT_PATHS(paths(x, {12, 5, 5, 5}, params(1, 0), f32, p32), kImplicitRows, kImplicitRows,
+  EXPECT_PATHS(paths(x, {12, 5, 5, 5}, params(1, 0), p32), kImplicitRows, kImplicitRows,
                kImplicitDots);
-  EXPECT_PATHS(paths(x, {13, 5, 5, 5}, params(1, 0), f32, p32), kImplicitGemm, kImplicitRows,
+  EXPECT_PATHS(paths(x, {13, 5, 5, 5}, params(1, 0), p32), kImplicitGemm, kImplicitRows,
                kImplicitDots);
-  EXPECT_PATHS(paths(x, {12, 5, 5, 5}, params(1, 0), f16, p16), kImplicitGemm, kImplicitGemm,
+  EXPECT_PATHS(paths(x, {12, 5, 5, 5}, params(1, 0), p16), kImplicitGemm, kImplicitGemm,
                kImplicitGemm);
   // 12 and 13 input channels: the backward-input's outputs.
-  EXPECT_EQ(paths({2, 12, 32, 32}, {24, 12, 3, 3}, params(1, 1), bf16, p32).input,
+  EXPECT_EQ(paths({2, 12, 32, 32}, {24, 12, 3, 3}, params(1, 1), p32).input,
             ConvPath::kImplicitRows);
-  EXPECT_EQ(paths({2, 13, 32, 32}, {24, 13, 3, 3}, params(1, 1), bf16, p32).input,
+  EXPECT_EQ(paths({2, 13, 32, 32}, {24, 13, 3, 3}, params(1, 1), p32).input,
             ConvPath::kImplicitGemm);
   // Strided along the rows (stride_w 2): the rows kernel needs unit-stride rows.
-  EXPECT_PATHS(paths({2, 4, 16, 16}, {8, 4, 3, 3}, params(2, 1), f32, p32), kImplicitGemm, kIm2col,
+  EXPECT_PATHS(paths({2, 4, 16, 16}, {8, 4, 3, 3}, params(2, 1), p32), kImplicitGemm, kIm2col,
                kImplicitGemm);
   Conv2dParams tall = params(1, 1);
   tall.stride_h = 2;
-  EXPECT_PATHS(paths({2, 4, 16, 16}, {8, 4, 3, 3}, tall, f32, p32), kImplicitRows, kIm2col,
+  EXPECT_PATHS(paths({2, 4, 16, 16}, {8, 4, 3, 3}, tall, p32), kImplicitRows, kIm2col,
                kImplicitGemm);
   // Implicit off: im2col everywhere.
-  EXPECT_PATHS(paths(x, {12, 5, 5, 5}, params(1, 0), f32, p32, switches(true, false)), kIm2col,
-               kIm2col, kIm2col);
+  EXPECT_PATHS(paths(x, {12, 5, 5, 5}, params(1, 0), p32, switches(true, false)), kIm2col, kIm2col,
+               kIm2col);
 }
 
 // "Implicit fits": dense rows (Wo 16k, 8 or 4), or at least 64 positions with at most 1.15x
@@ -142,46 +130,44 @@ TEST(ConvPaths, ImplicitRowsForFewChannelsElseTheGemm) {
 TEST(ConvPaths, ImplicitFitsDenseRowsOrLittlePadding) {
   const Shape w{24, 8, 3, 3};
   for (int64_t size : {32, 16, 8, 4})  // dense rows
-    EXPECT_EQ(paths({2, 8, size, size}, w, params(1, 1), bf16, p32).forward,
-              ConvPath::kImplicitGemm)
+    EXPECT_EQ(paths({2, 8, size, size}, w, params(1, 1), p32).forward, ConvPath::kImplicitGemm)
         << size;
   // 14x14 planes padded to 16x16: 1.31x, too much. 30x30 to 32x32: 1.14x, fits.
-  EXPECT_PATHS(paths({2, 8, 14, 14}, w, params(1, 1), bf16, p32), kIm2col, kIm2col, kIm2col);
-  EXPECT_PATHS(paths({2, 8, 30, 30}, w, params(1, 1), bf16, p32), kImplicitGemm, kImplicitRows,
+  EXPECT_PATHS(paths({2, 8, 14, 14}, w, params(1, 1), p32), kIm2col, kIm2col, kIm2col);
+  EXPECT_PATHS(paths({2, 8, 30, 30}, w, params(1, 1), p32), kImplicitGemm, kImplicitRows,
                kImplicitGemm);
   // Fewer than 64 positions and not dense: 7x7.
-  EXPECT_EQ(paths({2, 8, 7, 7}, w, params(1, 0), bf16, p32).forward, ConvPath::kIm2col);
+  EXPECT_EQ(paths({2, 8, 7, 7}, w, params(1, 0), p32).forward, ConvPath::kIm2col);
   // Strided: a 3x3 stride-2 window covers the input, a 1x1 stride-2 one does not, nor a 3x3
   // stride 4.
-  EXPECT_PATHS(paths({2, 16, 16, 16}, {32, 16, 3, 3}, params(2, 1), f32, p32), kImplicitGemm,
-               kIm2col, kImplicitGemm);
-  EXPECT_PATHS(paths({2, 32, 16, 16}, {32, 32, 1, 1}, params(2, 0), f32, p32), kIm2col, kIm2col,
+  EXPECT_PATHS(paths({2, 16, 16, 16}, {32, 16, 3, 3}, params(2, 1), p32), kImplicitGemm, kIm2col,
+               kImplicitGemm);
+  EXPECT_PATHS(paths({2, 32, 16, 16}, {32, 32, 1, 1}, params(2, 0), p32), kIm2col, kIm2col,
                kIm2col);
-  EXPECT_EQ(paths({2, 16, 17, 17}, {32, 16, 3, 3}, params(4, 0), f32, p32).forward,
-            ConvPath::kIm2col);
+  EXPECT_EQ(paths({2, 16, 17, 17}, {32, 16, 3, 3}, params(4, 0), p32).forward, ConvPath::kIm2col);
   // A dilated 3x3 stride 2 window spans 5 columns: it covers.
-  EXPECT_EQ(paths({2, 16, 17, 17}, {32, 16, 3, 3}, params(2, 2, 2), f32, p32).forward,
+  EXPECT_EQ(paths({2, 16, 17, 17}, {32, 16, 3, 3}, params(2, 2, 2), p32).forward,
             ConvPath::kImplicitGemm);
 }
 
 // The backward-input's implicit paths need stride 1 and a padding of at most dilation * (K - 1).
 TEST(ConvPaths, BackwardInputNeedsStrideOneAndPaddingWithinTheKernel) {
   const Shape x{2, 6, 32, 32}, w{8, 6, 3, 3};
-  EXPECT_EQ(paths(x, w, params(1, 1), f32, p32).input, ConvPath::kImplicitRows);
-  EXPECT_EQ(paths(x, w, params(1, 2), f32, p32).input, ConvPath::kImplicitRows);
-  EXPECT_EQ(paths(x, w, params(1, 3), f32, p32).input, ConvPath::kIm2col);
-  EXPECT_EQ(paths(x, w, params(1, 3, 2), f32, p32).input, ConvPath::kImplicitRows);
-  EXPECT_EQ(paths(x, w, params(2, 1), f32, p32).input, ConvPath::kIm2col);
+  EXPECT_EQ(paths(x, w, params(1, 1), p32).input, ConvPath::kImplicitRows);
+  EXPECT_EQ(paths(x, w, params(1, 2), p32).input, ConvPath::kImplicitRows);
+  EXPECT_EQ(paths(x, w, params(1, 3), p32).input, ConvPath::kIm2col);
+  EXPECT_EQ(paths(x, w, params(1, 3, 2), p32).input, ConvPath::kImplicitRows);
+  EXPECT_EQ(paths(x, w, params(2, 1), p32).input, ConvPath::kIm2col);
 }
 
 // kImplicitDots: stride 1, FP32 partials, O <= 16; otherwise the implicit GEMM.
 TEST(ConvPaths, WeightGradientDotsForFewOutputChannels) {
   const Shape x{2, 16, 32, 32};
-  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(1, 1), bf16, p32).weight, ConvPath::kImplicitDots);
-  EXPECT_EQ(paths(x, {17, 16, 3, 3}, params(1, 1), bf16, p32).weight, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(1, 1), bf16, p16).weight, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(2, 1), bf16, p32).weight, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(1, 1), bf16, p32, switches(true, false)).weight,
+  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(1, 1), p32).weight, ConvPath::kImplicitDots);
+  EXPECT_EQ(paths(x, {17, 16, 3, 3}, params(1, 1), p32).weight, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(1, 1), p16).weight, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(2, 1), p32).weight, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(1, 1), p32, switches(true, false)).weight,
             ConvPath::kIm2col);
 }
 
@@ -198,10 +184,10 @@ TEST(ConvPaths, EnvironmentSwitchesReachTheChoosers) {
   EXPECT_EQ(conv_settings().implicit, !implicit_off);
   // The choosers' default settings are the environment's.
   const ConvGeometry resnet({2, 16, 8, 8}, {16, 16, 3, 3}, params(1, 1));
-  EXPECT_EQ(name(conv_forward_path(resnet, f32, f32, p32)),
+  EXPECT_EQ(name(conv_forward_path(resnet, p32)),
             name(winograd_off ? (implicit_off ? ConvPath::kIm2col : ConvPath::kImplicitGemm)
                               : ConvPath::kWinograd));
-  EXPECT_EQ(name(conv_backward_input_path(resnet, f32, f32, p32)),
+  EXPECT_EQ(name(conv_backward_input_path(resnet, p32)),
             name(implicit_off   ? ConvPath::kIm2col
                  : winograd_off ? ConvPath::kImplicitGemm
                                 : ConvPath::kWinograd));

@@ -104,9 +104,10 @@ bool direct_fits(const ConvGeometry& g, Partials partials) {
 // Whether Winograd computes a convolution of this geometry: 3x3, stride 1, pad 1, dilation 1,
 // FP32 partials (its sums are not the FP16-partials emulation), even height and width (whole 2x2
 // tiles within the padded image) and at least 16 channels each way (below that the transforms
-// cost more than the products they save). The callers also ask for one group and FP32 operands:
-// its FP32 workspace (the transformed filters, 16/9 of the weights) would undo a 16-bit model's
-// memory savings, and 16-bit operands keep the implicit GEMM's arithmetic.
+// cost more than the products they save). The callers also ask for one group. Operands in any
+// float storage: 16-bit values widen exactly while the input is padded and the filters are
+// transformed, and the transformed filters are made a block of output channels at a time, within
+// the column budget, so that their FP32 workspace does not undo a 16-bit model's memory savings.
 bool winograd_fits(const ImplicitConv& g, Partials partials, const ConvSettings& s) {
   return s.winograd && partials == Partials::kF32 && g.KH == 3 && g.KW == 3 && g.sh == 1 &&
          g.sw == 1 && g.pad_h == 1 && g.pad_w == 1 && g.dil_h == 1 && g.dil_w == 1 &&
@@ -119,11 +120,9 @@ bool implicit_fits(const ConvGeometry& g, const ConvSettings& s) {
 
 }  // namespace
 
-ConvPath conv_forward_path(const ConvGeometry& g, DType x, DType w, Partials partials,
-                           const ConvSettings& s) {
+ConvPath conv_forward_path(const ConvGeometry& g, Partials partials, const ConvSettings& s) {
   if (direct_fits(g, partials)) return ConvPath::kDirect;
-  if (g.G == 1 && x == DType::f32 && w == DType::f32 && winograd_fits(ImplicitConv(g), partials, s))
-    return ConvPath::kWinograd;
+  if (g.G == 1 && winograd_fits(ImplicitConv(g), partials, s)) return ConvPath::kWinograd;
   if (implicit_fits(g, s))
     return g.p.stride_w == 1 && partials == Partials::kF32 && g.O <= kFmaRowsMaxChannels
                ? ConvPath::kImplicitRows
@@ -131,13 +130,11 @@ ConvPath conv_forward_path(const ConvGeometry& g, DType x, DType w, Partials par
   return ConvPath::kIm2col;
 }
 
-ConvPath conv_backward_input_path(const ConvGeometry& g, DType dy, DType w, Partials partials,
-                                  const ConvSettings& s) {
+ConvPath conv_backward_input_path(const ConvGeometry& g, Partials partials, const ConvSettings& s) {
   const ImplicitConv t = flipped_conv(g);
   if (s.implicit && g.G == 1 && g.p.stride_h == 1 && g.p.stride_w == 1 && t.pad_h >= 0 &&
       t.pad_w >= 0 && t.Ho == g.H && t.Wo == g.W) {
-    if (dy == DType::f32 && w == DType::f32 && winograd_fits(t, partials, s))
-      return ConvPath::kWinograd;
+    if (winograd_fits(t, partials, s)) return ConvPath::kWinograd;
     if (t.worthwhile())
       return partials == Partials::kF32 && t.O <= kFmaRowsMaxChannels ? ConvPath::kImplicitRows
                                                                       : ConvPath::kImplicitGemm;
@@ -173,13 +170,13 @@ Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Con
                    "the bias has one value per output channel");
   const Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const std::vector<float> bias = bias_f32(b, g.O);
-  const ConvPath path = detail::conv_forward_path(g, x.dtype(), w.dtype(), partials);
+  const ConvPath path = detail::conv_forward_path(g, partials);
   switch (path) {
     case ConvPath::kDirect:
       return detail::direct_forward(x, w, bias, g, out);
     case ConvPath::kWinograd:
-      return detail::winograd_forward(x, detail::ImplicitConv(g), w.data<float>(), bias, out,
-                                      MemoryCategory::activations);
+      return detail::winograd_forward(x, detail::ImplicitConv(g), w.data_ptr(), w.dtype(), bias,
+                                      out, MemoryCategory::activations);
     case ConvPath::kImplicitRows:
     case ConvPath::kImplicitGemm:
       return detail::implicit_forward(x, detail::ImplicitConv(g),
@@ -200,7 +197,7 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
       "conv2d backward: gradient " + shape_str(dy_in.shape()) + " does not match the output shape",
       "report this as a bug");
   const Tensor dy = dy_in.contiguous(), w = w_in.contiguous();
-  const ConvPath path = detail::conv_backward_input_path(g, dy.dtype(), w.dtype(), partials);
+  const ConvPath path = detail::conv_backward_input_path(g, partials);
   if (path == ConvPath::kIm2col)
     return detail::im2col_backward_input(dy, w, x_shape, g, out, partials);
   // dx is the forward convolution of dy with the weights flipped and their channels swapped,
@@ -234,7 +231,8 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
                       path == ConvPath::kImplicitGemm,
                   "conv2d backward: not a backward-input path");
   if (path == ConvPath::kWinograd)
-    return detail::winograd_forward(dy, t, wt.data<float>(), {}, out, MemoryCategory::gradients);
+    return detail::winograd_forward(dy, t, wt.data_ptr(), wt.dtype(), {}, out,
+                                    MemoryCategory::gradients);
   return detail::implicit_forward(dy, t, {wt.data_ptr(), w.dtype(), g.O * KK, 1}, {}, out, partials,
                                   MemoryCategory::gradients, path == ConvPath::kImplicitRows);
 }

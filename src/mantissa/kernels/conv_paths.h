@@ -10,8 +10,8 @@
 //
 // Forward (conv2d; conv_forward_path):
 //   kDirect        groups 1; dilation 1; FP32 partials; taps <= 32 and O * taps <= 512
-//   kWinograd      Winograd on; groups 1; x and w FP32; FP32 partials; 3x3, stride 1, pad 1,
-//                  dilation 1; H and W even; C >= 16 and O >= 16
+//   kWinograd      Winograd on; groups 1; FP32 partials; 3x3, stride 1, pad 1, dilation 1;
+//                  H and W even; C >= 16 and O >= 16
 //   kImplicitRows  implicit on; groups 1; implicit fits; stride_w 1; FP32 partials; O <= 12
 //   kImplicitGemm  implicit on; groups 1; implicit fits
 //   kIm2col        otherwise
@@ -20,9 +20,9 @@
 // gradient is the forward convolution of dy, padded by dilation * (K - 1) - pad, with the flipped,
 // channel-swapped weights (flipped_conv() below; O input channels, C outputs), which the first
 // three rows run:
-//   kWinograd      implicit on; groups 1; stride 1; padding >= 0; dy and w FP32; and the flipped
-//                  convolution meets the forward kWinograd row: Winograd on, FP32 partials, 3x3,
-//                  pad 1, dilation 1, H and W even, C >= 16 and O >= 16
+//   kWinograd      implicit on; groups 1; stride 1; padding >= 0; and the flipped convolution
+//                  meets the forward kWinograd row: Winograd on, FP32 partials, 3x3, pad 1,
+//                  dilation 1, H and W even, C >= 16 and O >= 16
 //   kImplicitRows  implicit on; groups 1; stride 1; padding >= 0; the flipped convolution fits
 //                  implicitly; FP32 partials; C <= 12
 //   kImplicitGemm  implicit on; groups 1; stride 1; padding >= 0; the flipped convolution fits
@@ -155,10 +155,10 @@ struct ImplicitConv {
 // Its padding is negative where g pads more than its kernel reaches (no such path then).
 ImplicitConv flipped_conv(const ConvGeometry& g);
 
-// The path table above, one function per direction (operand dtypes as stored).
-ConvPath conv_forward_path(const ConvGeometry& g, DType x, DType w, Partials partials,
+// The path table above, one function per direction (the operands' storage dtypes choose none).
+ConvPath conv_forward_path(const ConvGeometry& g, Partials partials,
                            const ConvSettings& s = conv_settings());
-ConvPath conv_backward_input_path(const ConvGeometry& g, DType dy, DType w, Partials partials,
+ConvPath conv_backward_input_path(const ConvGeometry& g, Partials partials,
                                   const ConvSettings& s = conv_settings());
 ConvPath conv_weight_grad_path(const ConvGeometry& g, Partials partials,
                                const ConvSettings& s = conv_settings());
@@ -173,10 +173,13 @@ Tensor direct_forward(const Tensor& x, const Tensor& w, const std::vector<float>
 Tensor direct_weight_grad(const Tensor& dy, const Tensor& x, const Shape& w_shape,
                           const ConvGeometry& g, DType out);
 
-// Winograd F(2x2, 3x3) (conv_winograd.cc): y (N, O, H, W) = x (N, C, H, W) * w + bias, w32
-// (O, C, 3, 3) in FP32; y charged to `cat`.
-Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const float* w32,
-                        const std::vector<float>& bias, DType out, MemoryCategory cat);
+// Winograd F(2x2, 3x3) (conv_winograd.cc): y (N, O, H, W) = x (N, C, H, W) * w + bias, w
+// (O, C, 3, 3) contiguous in dtype wt; x and w in any float dtype; y charged to `cat`.
+// out_block: output channels per block of transformed filters (0: as many as twice the weights'
+// bytes or the column budget hold; any block size gives the same bits).
+Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, DType wt,
+                        const std::vector<float>& bias, DType out, MemoryCategory cat,
+                        int64_t out_block = 0);
 
 // Implicit GEMM (conv_implicit.cc): y (N, O, Ho, Wo) = x (N, C, H, W) * w + bias, w given as an
 // (O, C*KH*KW) matrix in any float dtype, x in any float dtype (converted while padding); y

@@ -1,5 +1,6 @@
 // The Winograd F(2x2, 3x3) path (conv_paths.h): 3x3 stride-1 pad-1 convolutions (ResNet's),
-// FP32 operands and partials. Each 4x4 input tile d gives a 2x2 output tile
+// FP32 partials, operands in any float storage (widened exactly: the input while it is padded, the
+// weights while they are transformed). Each 4x4 input tile d gives a 2x2 output tile
 // Y = A^T [(G g G^T) . (B^T d B)] A (Lavin and Gray, 2015), so the 16 products per tile, per
 // channel pair, replace 36 multiply-adds: 2.25x fewer. The elementwise products over channels are
 // 16 GEMMs, M[xi] (O, tiles) = U[xi] (O, C) V[xi] (C, tiles). The transforms add a few roundings:
@@ -20,107 +21,142 @@
 
 namespace mantissa::kernels::detail {
 
-Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const float* w32,
-                        const std::vector<float>& bias, DType out_dtype, MemoryCategory cat) {
-  Tensor y = Tensor::empty({g.N, g.O, g.H, g.W}, out_dtype, charged_to(cat));
-  const int64_t C = g.C, O = g.O, th = g.H / 2, tw = g.W / 2, P = th * tw;
-  // U[xi] (16, O, C) = G g G^T, xi = 4 * row + column of the 4x4 tile.
-  Tensor u_t = f32_workspace({16, O, C});
-  float* U = u_t.data<float>();
-  parallel_for(static_cast<size_t>(O), 1, O * C >= 4096 ? default_num_threads() : 1,
-               [&](size_t o0, size_t o1) {
-                 for (size_t o = o0; o < o1; ++o)
+namespace {
+
+// U[xi] (16, nO, C) = G g G^T for output channels [o0, o0 + nO) of w (O, C, 3, 3), stored in any
+// float dtype (widened exactly), xi = 4 * row + column of the 4x4 tile.
+void transform_filters(const void* w, DType wt, int64_t o0, int64_t nO, int64_t C, float* U) {
+  const int64_t es = static_cast<int64_t>(dtype_size(wt));
+  parallel_for(static_cast<size_t>(nO), 1, nO * C >= 4096 ? default_num_threads() : 1,
+               [&](size_t b0, size_t b1) {
+                 std::vector<float> row(static_cast<size_t>(C * 9));  // (C, 3, 3) of one output
+                 for (size_t ob = b0; ob < b1; ++ob) {
+                   const int64_t o = o0 + static_cast<int64_t>(ob);
+                   load_f32(static_cast<const char*>(w) + o * C * 9 * es, wt, 1, C * 9, row.data());
                    for (int64_t c = 0; c < C; ++c) {
-                     const float* k = w32 + (static_cast<int64_t>(o) * C + c) * 9;
+                     const float* k9 = row.data() + c * 9;
                      float t[4][3];  // G g
                      for (int j = 0; j < 3; ++j) {
-                       t[0][j] = k[j];
-                       t[1][j] = 0.5f * (k[j] + k[3 + j] + k[6 + j]);
-                       t[2][j] = 0.5f * (k[j] - k[3 + j] + k[6 + j]);
-                       t[3][j] = k[6 + j];
+                       t[0][j] = k9[j];
+                       t[1][j] = 0.5f * (k9[j] + k9[3 + j] + k9[6 + j]);
+                       t[2][j] = 0.5f * (k9[j] - k9[3 + j] + k9[6 + j]);
+                       t[3][j] = k9[6 + j];
                      }
                      for (int i = 0; i < 4; ++i) {
                        const float r[4] = {t[i][0], 0.5f * (t[i][0] + t[i][1] + t[i][2]),
                                            0.5f * (t[i][0] - t[i][1] + t[i][2]), t[i][2]};
                        for (int j = 0; j < 4; ++j)
-                         U[((i * 4 + j) * O + static_cast<int64_t>(o)) * C + c] = r[j];
+                         U[((i * 4 + j) * nO + static_cast<int64_t>(ob)) * C + c] = r[j];
                      }
                    }
+                 }
                });
+}
+
+}  // namespace
+
+Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, DType wt,
+                        const std::vector<float>& bias, DType out_dtype, MemoryCategory cat,
+                        int64_t out_block) {
+  Tensor y = Tensor::empty({g.N, g.O, g.H, g.W}, out_dtype, charged_to(cat));
+  const int64_t C = g.C, O = g.O, th = g.H / 2, tw = g.W / 2, P = th * tw;
+  // Output channels in blocks whose transformed filters U (16, Ob, C) take at most twice the
+  // weights' own bytes, or the column budget for small layers: U is 16/9 of the weights in FP32,
+  // so an FP32 layer's U is made whole, while a 16-bit layer's (3.6 times its weights) is made in
+  // blocks that keep the 16-bit model's memory savings (ResNet's 512-channel layers: two blocks).
+  // Blocks outermost, so each block's U is made once; the input is padded and transformed again
+  // per block. A block's GEMMs are those of the whole layer restricted to its rows: the same bits.
+  const int64_t u_floats =
+      std::max(conv_settings().column_budget, 2 * O * C * 9 * esize(wt) / int64_t{4});
+  const int64_t Ob = std::clamp<int64_t>(
+      out_block > 0 ? out_block : u_floats / std::max<int64_t>(16 * C, 1), 1, O);
+  Tensor u_t = f32_workspace({16, Ob, C});
+  float* U = u_t.data<float>();
   const int64_t nb_max = g.chunk();
   Tensor xpad = f32_workspace({C * nb_max * g.plane});  // (C, nb, H+2, W+2)
-  // Tiles per block: V (16, C, Tb) and M (16, O, Tb) within about 4 MiB, so the transforms and
+  // Tiles per block: V (16, C, Tb) and M (16, Ob, Tb) within about 4 MiB, so the transforms and
   // the GEMMs pass them through the caches; at least 64, at most a chunk's tiles, a multiple of
   // the GEMM's 16-column slivers.
   const int64_t Tb_max =
-      std::min(std::max<int64_t>((int64_t{4} << 20) / (64 * (C + O)) / 16 * 16, 64),
+      std::min(std::max<int64_t>((int64_t{4} << 20) / (64 * (C + Ob)) / 16 * 16, 64),
                (nb_max * P + 15) / 16 * 16);
-  Tensor v_t = f32_workspace({16, C, Tb_max}), m_t = f32_workspace({16, O, Tb_max});
+  Tensor v_t = f32_workspace({16, C, Tb_max}), m_t = f32_workspace({16, Ob, Tb_max});
   float *V = v_t.data<float>(), *M = m_t.data<float>();
-  const bool direct = out_dtype == DType::f32;
+  // f32, f16 and bf16 outputs are written by the output transform; other dtypes are staged.
+  const bool direct =
+      out_dtype == DType::f32 || out_dtype == DType::f16 || out_dtype == DType::bf16;
+  const int64_t es = esize(out_dtype);
   GemmOptions go;
   go.threads = 1;  // the 16 GEMMs of a block are the parallel tasks
-  for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
-    const int64_t nb = std::min(nb_max, g.N - n0), T = nb * P;
-    float* xp = xpad.data<float>();
-    pad_images(x, g, n0, nb, xp);
-    for (int64_t t0 = 0; t0 < T; t0 += Tb_max) {
-      const int64_t Tb = std::min(Tb_max, T - t0);
-      // Where tile t of the chunk starts in a channel's padded planes: image, tile row, column.
-      auto tile_at = [&](int64_t t) {
-        const int64_t img = t / P, p = t % P;
-        return img * g.plane + (p / tw) * 2 * g.Wp + (p % tw) * 2;
-      };
-      // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, kWinoTiles tiles at a time.
-      parallel_for(static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
-        const float* in[kWinoTiles];
-        for (size_t c = c0; c < c1; ++c) {
-          const float* plane = xp + static_cast<int64_t>(c) * nb * g.plane;
-          for (int64_t t = 0; t < Tb; t += kWinoTiles) {
-            const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
-            for (int l = 0; l < n; ++l) in[l] = plane + tile_at(t0 + t + l);
-            winograd_input_f32(in, n, g.Wp, V + static_cast<int64_t>(c) * Tb + t, C * Tb);
-          }
-        }
-      });
-      // M[xi] (O, Tb) = U[xi] (O, C) V[xi] (C, Tb)
-      // V's rows are listed to the GEMM, which then reads its slivers in place when O is small
-      // (no copy of V for a single pass over it).
-      std::vector<int64_t> v_rows(static_cast<size_t>(C));
-      for (int64_t c = 0; c < C; ++c) v_rows[static_cast<size_t>(c)] = c * Tb;
-      parallel_tasks(16, default_num_threads(), [&](size_t xi) {
-        const int64_t i = static_cast<int64_t>(xi);
-        OffsetMatrix Vx;
-        Vx.data = V + i * C * Tb;
-        Vx.row_offset = v_rows.data();
-        gemm(O, Tb, C, 1.0f, {U + i * O * C, DType::f32, C, 1}, Vx, 0.0f,
-             {M + i * O * Tb, DType::f32, Tb, 1}, go);
-      });
-      // Y = A^T M A + bias for each tile, into y (16-bit: staged in FP32, rounded once).
-      parallel_for(static_cast<size_t>(O), 1, threads_for(O * Tb * 16), [&](size_t o0, size_t o1) {
-        float* out[kWinoTiles];
-        float stage[kWinoTiles * 4];  // tile l's 2 x 2 at 4 l, rows 2 apart
-        for (size_t o = o0; o < o1; ++o) {
-          const float bo = bias.empty() ? 0.0f : bias[o];
-          for (int64_t t = 0; t < Tb; t += kWinoTiles) {
-            const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
-            int64_t at[kWinoTiles];  // where tile l's first output is in y
-            for (int l = 0; l < n; ++l) {
-              const int64_t tt = t0 + t + l, img = tt / P, p = tt % P;
-              at[l] = ((n0 + img) * O + static_cast<int64_t>(o)) * g.H * g.W + (p / tw) * 2 * g.W +
-                      (p % tw) * 2;
-              out[l] = direct ? y.data<float>() + at[l] : stage + 4 * l;
-            }
-            winograd_output_f32(M + static_cast<int64_t>(o) * Tb + t, O * Tb, n, bo, out,
-                                direct ? g.W : 2);
-            if (!direct)
-              for (int l = 0; l < n; ++l)
-                for (int r = 0; r < 2; ++r)
-                  store_f32(stage + 4 * l + 2 * r, 2,
-                            bytes(y) + (at[l] + r * g.W) * esize(out_dtype), out_dtype, 1);
-          }
-        }
-      });
+  std::vector<int64_t> v_rows(static_cast<size_t>(C));
+  for (int64_t o0 = 0; o0 < O; o0 += Ob) {
+    const int64_t nO = std::min(Ob, O - o0);
+    transform_filters(w, wt, o0, nO, C, U);
+    for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
+      const int64_t nb = std::min(nb_max, g.N - n0), T = nb * P;
+      float* xp = xpad.data<float>();
+      pad_images(x, g, n0, nb, xp);
+      for (int64_t t0 = 0; t0 < T; t0 += Tb_max) {
+        const int64_t Tb = std::min(Tb_max, T - t0);
+        // Where tile t of the chunk starts in a channel's padded planes: image, tile row, column.
+        auto tile_at = [&](int64_t t) {
+          const int64_t img = t / P, p = t % P;
+          return img * g.plane + (p / tw) * 2 * g.Wp + (p % tw) * 2;
+        };
+        // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, kWinoTiles tiles at a time.
+        parallel_for(
+            static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
+              const float* in[kWinoTiles];
+              for (size_t c = c0; c < c1; ++c) {
+                const float* plane = xp + static_cast<int64_t>(c) * nb * g.plane;
+                for (int64_t t = 0; t < Tb; t += kWinoTiles) {
+                  const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
+                  for (int l = 0; l < n; ++l) in[l] = plane + tile_at(t0 + t + l);
+                  winograd_input_f32(in, n, g.Wp, V + static_cast<int64_t>(c) * Tb + t, C * Tb);
+                }
+              }
+            });
+        // M[xi] (nO, Tb) = U[xi] (nO, C) V[xi] (C, Tb)
+        // V's rows are listed to the GEMM, which then reads its slivers in place when O is small
+        // (no copy of V for a single pass over it).
+        for (int64_t c = 0; c < C; ++c) v_rows[static_cast<size_t>(c)] = c * Tb;
+        parallel_tasks(16, default_num_threads(), [&](size_t xi) {
+          const int64_t i = static_cast<int64_t>(xi);
+          OffsetMatrix Vx;
+          Vx.data = V + i * C * Tb;
+          Vx.row_offset = v_rows.data();
+          gemm(nO, Tb, C, 1.0f, {U + i * nO * C, DType::f32, C, 1}, Vx, 0.0f,
+               {M + i * nO * Tb, DType::f32, Tb, 1}, go);
+        });
+        // Y = A^T M A + bias for each tile, into y (rounded once into y's dtype from the
+        // registers; other dtypes staged in FP32).
+        parallel_for(
+            static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16), [&](size_t b0, size_t b1) {
+              void* out[kWinoTiles];
+              float stage[kWinoTiles * 4];  // tile l's 2 x 2 at 4 l, rows 2 apart
+              for (size_t ob = b0; ob < b1; ++ob) {
+                const int64_t o = o0 + static_cast<int64_t>(ob);
+                const float bo = bias.empty() ? 0.0f : bias[static_cast<size_t>(o)];
+                for (int64_t t = 0; t < Tb; t += kWinoTiles) {
+                  const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
+                  int64_t at[kWinoTiles];  // where tile l's first output is in y
+                  for (int l = 0; l < n; ++l) {
+                    const int64_t tt = t0 + t + l, img = tt / P, p = tt % P;
+                    at[l] = ((n0 + img) * O + o) * g.H * g.W + (p / tw) * 2 * g.W + (p % tw) * 2;
+                    out[l] = direct ? static_cast<void*>(bytes(y) + at[l] * es)
+                                    : static_cast<void*>(stage + 4 * l);
+                  }
+                  winograd_output(M + static_cast<int64_t>(ob) * Tb + t, nO * Tb, n, bo, out,
+                                  direct ? g.W : 2, direct ? out_dtype : DType::f32);
+                  if (!direct)
+                    for (int l = 0; l < n; ++l)
+                      for (int r = 0; r < 2; ++r)
+                        store_f32(stage + 4 * l + 2 * r, 2, bytes(y) + (at[l] + r * g.W) * es,
+                                  out_dtype, 1);
+                }
+              }
+            });
+      }
     }
   }
   return y;

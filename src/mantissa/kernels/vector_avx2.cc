@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
+#include "mantissa/core/convert_simd_internal.h"
 #include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels::detail {
@@ -122,32 +124,48 @@ __attribute__((target("avx2"))) void winograd_input_gather8_avx2(const float* co
   winograd_input_lanes(d, v, vs);
 }
 
-__attribute__((target("avx2"))) void winograd_output_row8_avx2(const float* m, int64_t ms,
-                                                               float bias, float* out, int64_t ld) {
+// The two rows of eight tiles side by side: row a's 16 outputs in column order.
+__attribute__((target("avx2,f16c,fma"))) void winograd_output_row8_avx2(const float* m, int64_t ms,
+                                                                        float bias, void* out,
+                                                                        int64_t ld, DType t) {
   __m256 y[2][2];
   winograd_output_lanes(m, ms, bias, y);
+  const int64_t es = t == DType::f32 ? 4 : 2;
   for (int a = 0; a < 2; ++a) {
     const __m256 lo = _mm256_unpacklo_ps(y[a][0], y[a][1]),
                  hi = _mm256_unpackhi_ps(y[a][0], y[a][1]);
-    _mm256_storeu_ps(out + a * ld, _mm256_permute2f128_ps(lo, hi, 0x20));
-    _mm256_storeu_ps(out + a * ld + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    char* row = static_cast<char*>(out) + a * ld * es;
+    simd::store8(row, t, _mm256_permute2f128_ps(lo, hi, 0x20));
+    simd::store8(row + 8 * es, t, _mm256_permute2f128_ps(lo, hi, 0x31));
   }
 }
 
-__attribute__((target("avx2"))) void winograd_output_gather8_avx2(const float* m, int64_t ms,
-                                                                  float bias, float* const* out,
-                                                                  int64_t ld) {
+__attribute__((target("avx2,f16c,fma"))) void winograd_output_gather8_avx2(const float* m,
+                                                                           int64_t ms, float bias,
+                                                                           void* const* out,
+                                                                           int64_t ld, DType t) {
   __m256 y[2][2];
   winograd_output_lanes(m, ms, bias, y);
   for (int a = 0; a < 2; ++a) {
+    if (t != DType::f32) {
+      // Tile l's pair (y0, y1) as two 16-bit encodings side by side: 32 bits per tile.
+      const __m128i h0 = simd::to_half8(y[a][0], t), h1 = simd::to_half8(y[a][1], t);
+      alignas(16) uint32_t pair[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(pair), _mm_unpacklo_epi16(h0, h1));
+      _mm_store_si128(reinterpret_cast<__m128i*>(pair + 4), _mm_unpackhi_epi16(h0, h1));
+      for (int l = 0; l < 8; ++l)
+        std::memcpy(static_cast<uint16_t*>(out[l]) + a * ld, pair + l, sizeof(uint32_t));
+      continue;
+    }
     // lo: tiles 0, 1 | 4, 5; hi: tiles 2, 3 | 6, 7; each tile's pair (y0, y1) side by side
     const __m256 lo = _mm256_unpacklo_ps(y[a][0], y[a][1]),
                  hi = _mm256_unpackhi_ps(y[a][0], y[a][1]);
     const __m128 part[4] = {_mm256_castps256_ps128(lo), _mm256_castps256_ps128(hi),
                             _mm256_extractf128_ps(lo, 1), _mm256_extractf128_ps(hi, 1)};
     for (int k = 0; k < 4; ++k) {
-      _mm_storel_pi(reinterpret_cast<__m64*>(out[2 * k] + a * ld), part[k]);
-      _mm_storeh_pi(reinterpret_cast<__m64*>(out[2 * k + 1] + a * ld), part[k]);
+      _mm_storel_pi(reinterpret_cast<__m64*>(static_cast<float*>(out[2 * k]) + a * ld), part[k]);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(static_cast<float*>(out[2 * k + 1]) + a * ld),
+                    part[k]);
     }
   }
 }

@@ -6,6 +6,8 @@
 
 #include "mantissa/core/convert.h"
 #include "mantissa/core/cpu_features.h"
+#include "mantissa/core/error.h"
+#include "mantissa/core/float_formats.h"
 #include "mantissa/core/parallel.h"
 
 namespace mantissa::kernels::detail {
@@ -56,12 +58,20 @@ void winograd_input_f32(const float* const* in, int n, int64_t ld, float* v, int
   }
 }
 
-void winograd_output_f32(const float* m, int64_t ms, int n, float bias, float* const* out,
-                         int64_t ld) {
+void winograd_output(const float* m, int64_t ms, int n, float bias, void* const* out, int64_t ld,
+                     DType t) {
+  MANTISSA_ASSERT(t == DType::f32 || t == DType::f16 || t == DType::bf16,
+                  "winograd_output: f32, f16 or bf16 output");
 #if MANTISSA_HAVE_X86_SIMD
-  if (avx2_vectors() && n == kWinoTiles)
-    return side_by_side(out) ? winograd_output_row8_avx2(m, ms, bias, out[0], ld)
-                             : winograd_output_gather8_avx2(m, ms, bias, out, ld);
+  if (avx2_vectors() && n == kWinoTiles) {
+    const int64_t es = static_cast<int64_t>(dtype_size(t));
+    bool row = true;  // tile l at out[0] + 2 l elements
+    for (int l = 1; l < kWinoTiles; ++l)
+      row =
+          row && static_cast<const char*>(out[l]) == static_cast<const char*>(out[0]) + 2 * l * es;
+    return row ? winograd_output_row8_avx2(m, ms, bias, out[0], ld, t)
+               : winograd_output_gather8_avx2(m, ms, bias, out, ld, t);
+  }
 #endif
   for (int l = 0; l < n; ++l) {
     float r[2][4];
@@ -70,8 +80,17 @@ void winograd_output_f32(const float* m, int64_t ms, int n, float bias, float* c
       r[1][b] = (m[(4 + b) * ms + l] - m[(8 + b) * ms + l]) - m[(12 + b) * ms + l];
     }
     for (int a = 0; a < 2; ++a) {
-      out[l][a * ld] = ((r[a][0] + r[a][1]) + r[a][2]) + bias;
-      out[l][a * ld + 1] = ((r[a][1] - r[a][2]) - r[a][3]) + bias;
+      const float y[2] = {((r[a][0] + r[a][1]) + r[a][2]) + bias,
+                          ((r[a][1] - r[a][2]) - r[a][3]) + bias};
+      for (int k = 0; k < 2; ++k) {
+        const int64_t i = a * ld + k;
+        if (t == DType::f32)
+          static_cast<float*>(out[l])[i] = y[k];
+        else if (t == DType::f16)
+          static_cast<uint16_t*>(out[l])[i] = f16(y[k]).bits;
+        else
+          static_cast<uint16_t*>(out[l])[i] = bf16(y[k]).bits;
+      }
     }
   }
 }

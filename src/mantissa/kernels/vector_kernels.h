@@ -71,23 +71,25 @@ void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float
 //   e[0][b] = d[0][b] - d[2][b], e[1][b] = d[1][b] + d[2][b], e[2][b] = d[2][b] - d[1][b],
 //   e[3][b] = d[1][b] - d[3][b]; then the same along each row of e.
 // Output: tile l's 4x4 products at m[xi * ms + l]; its 2x2 result, A^T m A + bias, goes to out[l]
-// and out[l] + ld, computed as r[0][b] = (m[0][b] + m[1][b]) + m[2][b],
-// r[1][b] = (m[1][b] - m[2][b]) - m[3][b], then y[a][0] = ((r[a][0] + r[a][1]) + r[a][2]) + bias,
-// y[a][1] = ((r[a][1] - r[a][2]) - r[a][3]) + bias.
+// and out[l] + ld (elements of dtype t: f32, f16 or bf16), computed as
+// r[0][b] = (m[0][b] + m[1][b]) + m[2][b], r[1][b] = (m[1][b] - m[2][b]) - m[3][b], then
+// y[a][0] = ((r[a][0] + r[a][1]) + r[a][2]) + bias, y[a][1] = ((r[a][1] - r[a][2]) - r[a][3]) +
+// bias, rounded once to nearest even into t (a 16-bit output is written from the FP32 registers).
 // Every path does these operations in this order: identical bits.
 inline constexpr int kWinoTiles = 8;
 void winograd_input_f32(const float* const* in, int n, int64_t ld, float* v, int64_t vs);
-void winograd_output_f32(const float* m, int64_t ms, int n, float bias, float* const* out,
-                         int64_t ld);
+void winograd_output(const float* m, int64_t ms, int n, float bias, void* const* out, int64_t ld,
+                     DType t);
 
 #if MANTISSA_HAVE_X86_SIMD
 // Eight tiles side by side in a row (tile l at in[0] + 2 l, out[0] + 2 l).
 void winograd_input_row8_avx2(const float* in, int64_t ld, float* v, int64_t vs);
-void winograd_output_row8_avx2(const float* m, int64_t ms, float bias, float* out, int64_t ld);
+void winograd_output_row8_avx2(const float* m, int64_t ms, float bias, void* out, int64_t ld,
+                               DType t);
 // Eight tiles anywhere (tile l at in[l], out[l]).
 void winograd_input_gather8_avx2(const float* const* in, int64_t ld, float* v, int64_t vs);
-void winograd_output_gather8_avx2(const float* m, int64_t ms, float bias, float* const* out,
-                                  int64_t ld);
+void winograd_output_gather8_avx2(const float* m, int64_t ms, float bias, void* const* out,
+                                  int64_t ld, DType t);
 // Tiles of up to 3 rows of A by 4 rows of B, columns [k0, k1) (k0 a multiple of 8).
 void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
                          const float* const* b, float* const* P);
