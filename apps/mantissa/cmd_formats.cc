@@ -61,7 +61,7 @@ int run_formats(const std::vector<std::string>& args, std::ostream& out) {
                   format_float(r.epsilon).c_str(), r.specials);
     out << line;
   }
-  out << "\nconversion path: " << simd_path_name(active_simd_path())
+  out << "\nconversion path: " << simd_path_name(simd_path(SimdFamily::kConvert))
       << " (cpu features: " << cpu_features_string() << "; the scalar path is always built; "
       << "MANTISSA_SIMD=scalar forces it)\n"
       << "rounding: nearest-even (default) or stochastic (Philox-4x32-10, unbiased); overflow "

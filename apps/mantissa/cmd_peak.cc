@@ -41,9 +41,10 @@ int run_peak(const std::vector<std::string>& args, std::ostream& out) {
   const double one = fma_peak_gflops(1, seconds);
   const int n = static_cast<int>(threads);
   const double all = n == 1 ? one : fma_peak_gflops(n, seconds);
-  const char* how = simd_path(SimdFamily::kFmaProbe) == SimdPath::kAvx2
-                        ? "avx2+fma, 12 chains x 8 lanes"
-                        : "portable loop";
+  const SimdPath path = simd_path(SimdFamily::kFmaProbe);
+  const char* how = path == SimdPath::kAvx512 ? "avx512, 12 chains x 16 lanes"
+                    : path == SimdPath::kAvx2 ? "avx2+fma, 12 chains x 8 lanes, twice"
+                                              : "portable loop";
   char line[160];
   if (n == 1)
     std::snprintf(line, sizeof line, "fp32 fma peak: %.1f GFLOP/s on 1 thread (%s)\n", one, how);

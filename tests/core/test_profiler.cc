@@ -68,8 +68,9 @@ TEST(FmaPeak, ChainsGiveTheScalarLoopsBitsAndAPositiveRate) {
       EXPECT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want))
           << rounds << " rounds, a = " << a;
     }
-  // 96 lanes from 0.5 in steps of 1/1024, no rounds: their sum.
-  EXPECT_FLOAT_EQ(fma_chains(0, 0.5f, 1.0f / 1024, 1, 0), 96 * 0.5f + 95 * 96 / 2 / 1024.0f);
+  // kFmaProbeLanes (192) lanes from 0.5 in steps of 1/1024, no rounds: their sum.
+  constexpr float n = kFmaProbeLanes;
+  EXPECT_FLOAT_EQ(fma_chains(0, 0.5f, 1.0f / 1024, 1, 0), n * 0.5f + (n - 1) * n / 2 / 1024.0f);
   const double rate = fma_peak_gflops(2, 0.01, 1);
   EXPECT_GT(rate, 0.01);  // any machine does 10 MFLOP/s
   EXPECT_LT(rate, 1e5);   // and no CPU 100 TFLOP/s

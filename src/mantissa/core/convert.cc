@@ -44,7 +44,7 @@ using detail::ConvertKernels;
 
 const ConvertKernels& kernels_for(SimdPath path) {
 #if defined(MANTISSA_HAVE_X86_SIMD)
-  if (path == SimdPath::kAvx2 && simd_path_supported(SimdPath::kAvx2))
+  if (path != SimdPath::kScalar && simd_path_supported(SimdPath::kAvx2))
     return detail::avx2_kernels();
 #endif
   (void)path;

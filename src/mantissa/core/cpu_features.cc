@@ -31,6 +31,9 @@ const CpuFeatures& cpu_features() {
     f.f16c = __builtin_cpu_supports("avx") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) &&
              (ecx & bit_F16C) != 0;
     f.avx512f = __builtin_cpu_supports("avx512f");
+    f.avx512bw = __builtin_cpu_supports("avx512bw");
+    f.avx512dq = __builtin_cpu_supports("avx512dq");
+    f.avx512vl = __builtin_cpu_supports("avx512vl");
 #endif
     return f;
   }();
@@ -49,6 +52,9 @@ std::string cpu_features_string() {
   add(f.fma, "fma");
   add(f.f16c, "f16c");
   add(f.avx512f, "avx512f");
+  add(f.avx512bw, "avx512bw");
+  add(f.avx512dq, "avx512dq");
+  add(f.avx512vl, "avx512vl");
   return s.empty() ? "none" : s;
 }
 
@@ -58,17 +64,29 @@ std::string_view simd_path_name(SimdPath p) {
       return "scalar";
     case SimdPath::kAvx2:
       return "avx2+f16c";
+    case SimdPath::kAvx512:
+      return "avx512";
   }
   return "?";
 }
 
 bool simd_path_supported(SimdPath p) {
+#if defined(MANTISSA_HAVE_X86_SIMD)
+  const CpuFeatures& f = cpu_features();
+  const bool avx2 = f.avx2 && f.f16c && f.fma;
+#endif
   switch (p) {
     case SimdPath::kScalar:
       return true;
     case SimdPath::kAvx2:
 #if defined(MANTISSA_HAVE_X86_SIMD)
-      return cpu_features().avx2 && cpu_features().f16c && cpu_features().fma;
+      return avx2;
+#else
+      return false;
+#endif
+    case SimdPath::kAvx512:
+#if defined(MANTISSA_HAVE_X86_SIMD)
+      return avx2 && f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl;
 #else
       return false;
 #endif
@@ -78,13 +96,15 @@ bool simd_path_supported(SimdPath p) {
 
 SimdPath active_simd_path() {
   static const SimdPath path = [] {
+    SimdPath want = SimdPath::kAvx512;
     if (const char* env = std::getenv("MANTISSA_SIMD")) {
-      const std::string want(env);
-      if (want == "scalar") return SimdPath::kScalar;
-      if (want == "avx2" && simd_path_supported(SimdPath::kAvx2)) return SimdPath::kAvx2;
-      if (want == "avx2") return SimdPath::kScalar;
+      const std::string w(env);
+      if (w == "scalar") want = SimdPath::kScalar;
+      if (w == "avx2") want = SimdPath::kAvx2;
     }
-    return simd_path_supported(SimdPath::kAvx2) ? SimdPath::kAvx2 : SimdPath::kScalar;
+    while (want != SimdPath::kScalar && !simd_path_supported(want))
+      want = static_cast<SimdPath>(static_cast<int>(want) - 1);
+    return want;
   }();
   return path;
 }
@@ -95,8 +115,8 @@ std::atomic<bool> g_dispatched[kSimdFamilyCount];
 
 std::string_view simd_family_name(SimdFamily f) {
   switch (f) {
-#define MANTISSA_SIMD_FAMILY_NAME(e, name, where) \
-  case SimdFamily::e:                             \
+#define MANTISSA_SIMD_FAMILY_NAME(e, name, widest, where) \
+  case SimdFamily::e:                                     \
     return name;
     MANTISSA_SIMD_FAMILIES(MANTISSA_SIMD_FAMILY_NAME)
 #undef MANTISSA_SIMD_FAMILY_NAME
@@ -104,9 +124,20 @@ std::string_view simd_family_name(SimdFamily f) {
   return "?";
 }
 
+SimdPath simd_family_widest(SimdFamily f) {
+  switch (f) {
+#define MANTISSA_SIMD_FAMILY_WIDEST(e, name, widest, where) \
+  case SimdFamily::e:                                       \
+    return SimdPath::widest;
+    MANTISSA_SIMD_FAMILIES(MANTISSA_SIMD_FAMILY_WIDEST)
+#undef MANTISSA_SIMD_FAMILY_WIDEST
+  }
+  return SimdPath::kScalar;
+}
+
 SimdPath simd_path(SimdFamily f) {
   g_dispatched[static_cast<int>(f)].store(true, std::memory_order_relaxed);
-  return active_simd_path();
+  return std::min(active_simd_path(), simd_family_widest(f));
 }
 
 bool simd_family_dispatched(SimdFamily f) {
@@ -126,21 +157,37 @@ float fma_probe_sum(const float* x) {
 }
 
 #if MANTISSA_HAVE_X86_SIMD
-__attribute__((target("avx2,fma"))) float fma_chains_avx2(int64_t rounds, const float* start,
-                                                          float a, float b) {
-  constexpr int kChains = kFmaProbeLanes / 8;
-  __m256 x[kChains];
-#pragma GCC unroll 12
-  for (int c = 0; c < kChains; ++c) x[c] = _mm256_loadu_ps(start + 8 * c);
+// Lanes [0, 96) and then [96, 192): 12 chains of 8 lanes at a time (16 registers hold no more).
+__attribute__((target("avx2,fma"))) void fma_chains_avx2(int64_t rounds, float* x, float a,
+                                                         float b) {
+  constexpr int kChains = 12;
   const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+  for (int half = 0; half < kFmaProbeLanes; half += 8 * kChains) {
+    __m256 v[kChains];
+#pragma GCC unroll 12
+    for (int c = 0; c < kChains; ++c) v[c] = _mm256_loadu_ps(x + half + 8 * c);
+    for (int64_t r = 0; r < rounds; ++r) {
+#pragma GCC unroll 12
+      for (int c = 0; c < kChains; ++c) v[c] = _mm256_fmadd_ps(v[c], va, vb);
+    }
+#pragma GCC unroll 12
+    for (int c = 0; c < kChains; ++c) _mm256_storeu_ps(x + half + 8 * c, v[c]);
+  }
+}
+
+__attribute__((target("avx512f"))) void fma_chains_avx512(int64_t rounds, float* x, float a,
+                                                          float b) {
+  constexpr int kChains = kFmaProbeLanes / 16;
+  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+  __m512 v[kChains];
+#pragma GCC unroll 12
+  for (int c = 0; c < kChains; ++c) v[c] = _mm512_loadu_ps(x + 16 * c);
   for (int64_t r = 0; r < rounds; ++r) {
 #pragma GCC unroll 12
-    for (int c = 0; c < kChains; ++c) x[c] = _mm256_fmadd_ps(x[c], va, vb);
+    for (int c = 0; c < kChains; ++c) v[c] = _mm512_fmadd_ps(v[c], va, vb);
   }
-  float out[kFmaProbeLanes];
 #pragma GCC unroll 12
-  for (int c = 0; c < kChains; ++c) _mm256_storeu_ps(out + 8 * c, x[c]);
-  return fma_probe_sum(out);
+  for (int c = 0; c < kChains; ++c) _mm512_storeu_ps(x + 16 * c, v[c]);
 }
 #endif
 
@@ -156,11 +203,15 @@ float fma_chains_reference(int64_t rounds, float x0, float dx, float a, float b)
 
 float fma_chains(int64_t rounds, float x0, float dx, float a, float b) {
 #if MANTISSA_HAVE_X86_SIMD
-  static const bool avx2 = simd_path(SimdFamily::kFmaProbe) == SimdPath::kAvx2;
-  if (avx2) {
-    float start[kFmaProbeLanes];
-    fma_probe_start(x0, dx, start);
-    return fma_chains_avx2(rounds, start, a, b);
+  static const SimdPath path = simd_path(SimdFamily::kFmaProbe);
+  if (path != SimdPath::kScalar) {
+    float x[kFmaProbeLanes];
+    fma_probe_start(x0, dx, x);
+    if (path == SimdPath::kAvx512)
+      fma_chains_avx512(rounds, x, a, b);
+    else
+      fma_chains_avx2(rounds, x, a, b);
+    return fma_probe_sum(x);
   }
 #endif
   return fma_chains_reference(rounds, x0, dx, a, b);

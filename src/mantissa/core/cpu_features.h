@@ -13,6 +13,9 @@ struct CpuFeatures {
   bool fma = false;
   bool f16c = false;
   bool avx512f = false;
+  bool avx512bw = false;
+  bool avx512dq = false;
+  bool avx512vl = false;
 };
 
 const CpuFeatures& cpu_features();
@@ -25,28 +28,35 @@ std::string cpu_features_string();
 // family's tests compare the two), so MANTISSA_SIMD=scalar runs a whole program on the portable
 // loops.
 
-enum class SimdPath : uint8_t { kScalar, kAvx2 };
+// Ordered: a path includes the instructions of the ones before it.
+enum class SimdPath : uint8_t { kScalar, kAvx2, kAvx512 };
 
 std::string_view simd_path_name(SimdPath p);
-// Whether this build has the path and this processor can run it (AVX2: AVX2, FMA and F16C).
+// Whether this build has the path and this processor can run it (AVX2: AVX2, FMA and F16C;
+// AVX-512: those and AVX-512 F, BW, DQ and VL).
 bool simd_path_supported(SimdPath p);
-// The process's path: the best supported one, chosen once; MANTISSA_SIMD=scalar|avx2 in the
-// environment overrides it (an unsupported request falls back to scalar).
+// The process's path: the best supported one, chosen once; MANTISSA_SIMD=scalar|avx2|avx512 in
+// the environment overrides it (an unsupported request falls back to the best supported path
+// below it).
 SimdPath active_simd_path();
 
-// The kernel families with a SIMD version: (enumerator, name, where).
+// The kernel families with a SIMD version: (enumerator, name, widest path it has, where). A family
+// runs the process's path, or its widest one when that is narrower (a family without AVX-512
+// kernels runs its AVX2 ones on an AVX-512 processor).
 #define MANTISSA_SIMD_FAMILIES(X)                                                            \
-  X(kConvert, "convert", "core/convert.cc: bulk conversion tables")                          \
-  X(kGemm, "gemm", "kernels/gemm.cc: the 6 x 16 micro-kernels and packing transposes")       \
-  X(kVectorRows, "vector rows",                                                              \
+  X(kConvert, "convert", kAvx2, "core/convert.cc: bulk conversion tables")                   \
+  X(kGemm, "gemm", kAvx512,                                                                  \
+    "kernels/gemm.cc: the 6 x 16 and 6 x 32 micro-kernels and packing transposes")           \
+  X(kVectorRows, "vector rows", kAvx2,                                                       \
     "kernels/vector_kernels.cc: convolution rows, FMA rows, lane-split dot products, axpy, " \
     "Winograd transforms")                                                                   \
-  X(kPooling, "pooling", "kernels/vector_kernels.cc: 2x2 stride-2 max pooling rows")         \
-  X(kOptimizer, "optimizer", "optim/optim.cc: the Adam/AdamW update and the sum of squares") \
-  X(kFmaProbe, "fma probe", "core/cpu_features.cc: fma_chains, the FMA ceiling's probe")
+  X(kPooling, "pooling", kAvx2, "kernels/vector_kernels.cc: 2x2 stride-2 max pooling rows")  \
+  X(kOptimizer, "optimizer", kAvx2,                                                          \
+    "optim/optim.cc: the Adam/AdamW update and the sum of squares")                          \
+  X(kFmaProbe, "fma probe", kAvx512, "core/cpu_features.cc: fma_chains, the FMA ceiling's probe")
 
 enum class SimdFamily : uint8_t {
-#define MANTISSA_SIMD_FAMILY_ENUM(e, name, where) e,
+#define MANTISSA_SIMD_FAMILY_ENUM(e, name, widest, where) e,
   MANTISSA_SIMD_FAMILIES(MANTISSA_SIMD_FAMILY_ENUM)
 #undef MANTISSA_SIMD_FAMILY_ENUM
 };
@@ -55,19 +65,22 @@ static_assert(static_cast<int>(SimdFamily::kFmaProbe) + 1 == kSimdFamilyCount,
               "a new SIMD family: update kSimdFamilyCount");
 
 std::string_view simd_family_name(SimdFamily f);
-// The path family f runs: active_simd_path() (every family's AVX2 version needs AVX2, FMA and
-// F16C at most). Records that f asked, so a test can check that every family dispatches here.
+// The widest path family f has kernels for.
+SimdPath simd_family_widest(SimdFamily f);
+// The path family f runs: active_simd_path(), or the family's widest path when that is narrower.
+// Records that f asked, so a test can check that every family dispatches here.
 SimdPath simd_path(SimdFamily f);
 // Whether family f has asked simd_path() in this process (it asks on its first call).
 bool simd_family_dispatched(SimdFamily f);
 
 // ---- FP32 multiply-add throughput: the ceiling that training speed is compared with ----
 
-// Lanes of the probe: 12 independent chains of 8 lanes, enough to hide an FMA's latency on two
-// pipes. Chain c, lane l starts at x0 + (8c + l) * dx and runs x = fma(x, a, b) `rounds` times;
-// the result is the sum of the 96 lanes in order (so the work cannot be skipped, and a scalar
-// loop gives the same bits). AVX2+FMA when the CPU has them, a portable loop otherwise.
-inline constexpr int kFmaProbeLanes = 96;
+// Lanes of the probe: 12 independent chains of 16 lanes (AVX-512), enough to hide an FMA's
+// latency on two pipes; the AVX2 path runs them as two halves of 12 chains of 8 lanes. Lane i
+// starts at x0 + i * dx and runs x = fma(x, a, b) `rounds` times; the result is the sum of the
+// 192 lanes in order (so the work cannot be skipped, and a scalar loop gives the same bits). The
+// widest path the CPU has, a portable loop otherwise.
+inline constexpr int kFmaProbeLanes = 192;
 float fma_chains(int64_t rounds, float x0, float dx, float a, float b);
 // The scalar reference of fma_chains (the tests' oracle).
 float fma_chains_reference(int64_t rounds, float x0, float dx, float a, float b);

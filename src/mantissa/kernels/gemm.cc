@@ -92,12 +92,20 @@ struct Kernels {
   detail::MicroKernel micro;
   detail::RowsMicroKernel rows_micro;
   detail::InterleaveFn interleave;
+  // 6 x 32 tiles from two slivers (AVX-512); null where the path has none.
+  detail::PairMicroKernel pair_micro = nullptr;
+  detail::PairRowsMicroKernel pair_rows_micro = nullptr;
 };
 
 const Kernels& kernels() {
   static const Kernels k = [] {
 #if defined(MANTISSA_HAVE_X86_SIMD)
-    if (simd_path(SimdFamily::kGemm) == SimdPath::kAvx2)
+    const SimdPath path = simd_path(SimdFamily::kGemm);
+    if (path == SimdPath::kAvx512)
+      return Kernels{detail::avx512_micro_kernel(), detail::avx512_rows_micro_kernel(),
+                     detail::avx2_interleave(), detail::avx512_pair_micro_kernel(),
+                     detail::avx512_pair_rows_micro_kernel()};
+    if (path == SimdPath::kAvx2)
       return Kernels{detail::avx2_micro_kernel(), detail::avx2_rows_micro_kernel(),
                      detail::avx2_interleave()};
 #endif
@@ -315,6 +323,8 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
   if (M <= 0 || n1 <= n0) return;
   const detail::MicroKernel micro = kernels().micro;
   const detail::RowsMicroKernel rows_micro = kernels().rows_micro;
+  const detail::PairMicroKernel pair_micro = kernels().pair_micro;
+  const detail::PairRowsMicroKernel pair_rows_micro = kernels().pair_rows_micro;
   // C in FP32 accumulates in place; a 16-bit C is staged in FP32 a block of columns at a time
   // (rounding it to 16 bits between depth panels would not be FP32 accumulation).
   const bool direct = C.dtype == DType::f32;
@@ -393,6 +403,21 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
         else
           micro(kc, as, bp + slot[s] * kc * kNR, c, ldc, load_c, bscale, f16p);
       };
+      // Slivers s and s + 1 as one 6 x 32 tile, where the path has pair kernels: both full and
+      // both packed or both read in place.
+      auto pairable = [&](int64_t s) {
+        return pair_micro && s + 1 < n_slivers && nc - (s + 1) * kNR >= kNR &&
+               (in_place[s] < 0) == (in_place[s + 1] < 0);
+      };
+      auto tile_pair = [&](int64_t s, const float* as, float* c, int64_t ldc, bool load_c,
+                           float bscale) {
+        if (in_place[s] >= 0)
+          pair_rows_micro(kc, as, Bo.data + in_place[s], Bo.data + in_place[s + 1],
+                          Bo.row_offset + pc, c, ldc, load_c, bscale, f16p);
+        else
+          pair_micro(kc, as, bp + slot[s] * kc * kNR, bp + slot[s + 1] * kc * kNR, c, ldc, load_c,
+                     bscale, f16p);
+      };
       // beta applies on the first depth panel only; later panels add to what is there.
       const bool load_c = kb > 0 || beta != 0.0f;
       const float bscale = kb == 0 ? beta : 1.0f;
@@ -407,19 +432,20 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
           for (int64_t i = 0; i < ((mc + kMR - 1) / kMR) * kMR * kc; ++i) ap[i] *= alpha;
         // Deep panels: a B sliver stays in L1 while the A slivers stream from L2 (BLIS's order).
         // Shallow panels (the cost is writing C): walk along C's rows, so its stores stream.
-        const bool rows_outer = kc < kShallowK;
-        const int64_t outer = rows_outer ? (mc + kMR - 1) / kMR : n_slivers;
-        const int64_t inner = rows_outer ? n_slivers : (mc + kMR - 1) / kMR;
         float edge[kMR * kNR];
-        for (int64_t o = 0; o < outer; ++o) {
-          for (int64_t q = 0; q < inner; ++q) {
-            const int64_t s = rows_outer ? q : o, i = (rows_outer ? o : q) * kMR;
-            const int64_t j = s * kNR, nr = std::min<int64_t>(kNR, nc - j);
-            const int64_t mr = std::min<int64_t>(kMR, mc - i);
-            const float* as = ap + (i / kMR) * kc * kMR;
+        // The tile of A sliver i (rows ic + i on) by B sliver s, or by slivers s and s + 1.
+        auto run = [&](int64_t s, int64_t i, bool pair) {
+          const int64_t mr = std::min<int64_t>(kMR, mc - i);
+          const float* as = ap + (i / kMR) * kc * kMR;
+          if (pair && mr == kMR && c_cs == 1) {
+            tile_pair(s, as, c_base + (ic + i) * c_rs + s * kNR, c_rs, load_c, bscale);
+            return;
+          }
+          for (int64_t q = s; q < s + (pair ? 2 : 1); ++q) {
+            const int64_t j = q * kNR, nr = std::min<int64_t>(kNR, nc - j);
             float* c = c_base + (ic + i) * c_rs + j * c_cs;
             if (mr == kMR && nr == kNR && c_cs == 1) {
-              tile(s, as, c, c_rs, load_c, bscale);
+              tile(q, as, c, c_rs, load_c, bscale);
               continue;
             }
             // An edge or strided tile goes through a local 6 x 16 tile.
@@ -427,9 +453,23 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
               for (int64_t col = 0; col < kNR; ++col)
                 edge[r * kNR + col] =
                     (r < mr && col < nr && load_c) ? c[r * c_rs + col * c_cs] : 0.0f;
-            tile(s, as, edge, kNR, load_c, bscale);
+            tile(q, as, edge, kNR, load_c, bscale);
             for (int64_t r = 0; r < mr; ++r)
               for (int64_t col = 0; col < nr; ++col) c[r * c_rs + col * c_cs] = edge[r * kNR + col];
+          }
+        };
+        if (kc < kShallowK) {
+          for (int64_t i = 0; i < mc; i += kMR)
+            for (int64_t s = 0; s < n_slivers;) {
+              const bool pair = pairable(s);
+              run(s, i, pair);
+              s += pair ? 2 : 1;
+            }
+        } else {
+          for (int64_t s = 0; s < n_slivers;) {
+            const bool pair = pairable(s);
+            for (int64_t i = 0; i < mc; i += kMR) run(s, i, pair);
+            s += pair ? 2 : 1;
           }
         }
       }

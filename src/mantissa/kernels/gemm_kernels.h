@@ -1,4 +1,5 @@
-// Internal: the GEMM micro-kernels (6 x 16 tiles of C over packed panels). Not a public API.
+// Internal: the GEMM micro-kernels (6 x 16 tiles of C over packed panels, and 6 x 32 pairs of them
+// on AVX-512). Not a public API.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,15 @@ using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* 
 using RowsMicroKernel = void (*)(int64_t kc, const float* a, const float* b, const int64_t* b_off,
                                  float* c, int64_t ldc, bool load_c, float beta, bool f16_partials);
 
+// Two slivers side by side (AVX-512): C[0:6][0:32], columns 0-15 from sliver b0 and 16-31 from
+// b1, each element the same FMA chain as the single tile's.
+using PairMicroKernel = void (*)(int64_t kc, const float* a, const float* b0, const float* b1,
+                                 float* c, int64_t ldc, bool load_c, float beta, bool f16_partials);
+// The same with both slivers read in place: row k of each at b0 + b_off[k], b1 + b_off[k].
+using PairRowsMicroKernel = void (*)(int64_t kc, const float* a, const float* b0, const float* b1,
+                                     const int64_t* b_off, float* c, int64_t ldc, bool load_c,
+                                     float beta, bool f16_partials);
+
 // dst[k * dst_stride + r] = line[r][k] for r < rows (rows <= 8), k < kc: the transposition
 // that packing needs when the packed direction is the strided one (lines at a fixed stride, or
 // listed one by one as an implicit convolution's taps are). May write up to 8 floats past
@@ -33,6 +43,10 @@ InterleaveFn portable_interleave();
 MicroKernel avx2_micro_kernel();
 RowsMicroKernel avx2_rows_micro_kernel();
 InterleaveFn avx2_interleave();
+MicroKernel avx512_micro_kernel();
+RowsMicroKernel avx512_rows_micro_kernel();
+PairMicroKernel avx512_pair_micro_kernel();
+PairRowsMicroKernel avx512_pair_rows_micro_kernel();
 #endif
 
 }  // namespace mantissa::kernels::detail

@@ -1,0 +1,182 @@
+// The AVX-512 micro-kernels: a 6 x 32 tile of C in 12 zmm accumulators from two 16-column slivers
+// of B (per k, two loads of B and six broadcasts of A feed 12 FMAs, twice the AVX2 tile's work
+// per instruction), and a 6 x 16 tile in 6 zmm for a sliver without a partner. B is packed, or
+// (kRows) read in place from the rows that b_off lists. Each element of C is the same FMA chain
+// over k as on the other paths, so the bits are the same.
+#include <immintrin.h>
+
+#include "mantissa/kernels/gemm_kernels.h"
+
+#define MANTISSA_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+
+namespace mantissa::kernels::detail {
+namespace {
+
+// The zero-masking forms with every lane selected: the plain intrinsics pass GCC 12 an undefined
+// source that -Wmaybe-uninitialized reports.
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 round_f16(__m512 v) {
+  return _mm512_maskz_cvtph_ps(
+      0xffff, _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// The accumulators are named variables (as in the AVX2 kernel), so GCC keeps them in registers.
+#define MANTISSA_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+
+// 6 x 32: columns 0-15 from b0, 16-31 from b1 (packed slivers of kc x 16, 64-byte aligned, or
+// row k at b0 + b_off[k] and b1 + b_off[k] with kRows).
+template <bool kF16Partials, bool kRows>
+MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const float* b0, const float* b1,
+                                const int64_t* b_off, float* c, int64_t ldc, bool load_c,
+                                float beta) {
+#define MANTISSA_DECL(i) __m512 c##i##0, c##i##1;
+  MANTISSA_ROWS(MANTISSA_DECL)
+#undef MANTISSA_DECL
+  if (load_c) {
+    const __m512 vb = _mm512_set1_ps(beta);
+    const bool scale = beta != 1.0f;
+#define MANTISSA_LOAD(i)                       \
+  c##i##0 = _mm512_loadu_ps(c + (i)*ldc);      \
+  c##i##1 = _mm512_loadu_ps(c + (i)*ldc + 16); \
+  if (scale) {                                 \
+    c##i##0 = _mm512_mul_ps(c##i##0, vb);      \
+    c##i##1 = _mm512_mul_ps(c##i##1, vb);      \
+  }
+    MANTISSA_ROWS(MANTISSA_LOAD)
+#undef MANTISSA_LOAD
+  } else {
+#define MANTISSA_ZERO(i) c##i##0 = c##i##1 = _mm512_setzero_ps();
+    MANTISSA_ROWS(MANTISSA_ZERO)
+#undef MANTISSA_ZERO
+  }
+#define MANTISSA_FMA(i)                      \
+  x = _mm512_set1_ps(a[i]);                  \
+  c##i##0 = _mm512_fmadd_ps(x, v0, c##i##0); \
+  c##i##1 = _mm512_fmadd_ps(x, v1, c##i##1);
+#define MANTISSA_ROUND(i)       \
+  c##i##0 = round_f16(c##i##0); \
+  c##i##1 = round_f16(c##i##1);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 v0, v1;
+    if constexpr (kRows) {
+      v0 = _mm512_loadu_ps(b0 + b_off[k]);
+      v1 = _mm512_loadu_ps(b1 + b_off[k]);
+    } else {
+      v0 = _mm512_load_ps(b0);
+      v1 = _mm512_load_ps(b1);
+      b0 += kNR;
+      b1 += kNR;
+    }
+    __m512 x;
+    MANTISSA_ROWS(MANTISSA_FMA)
+    a += kMR;
+    if constexpr (kF16Partials) {
+      if ((k + 1) % 16 == 0) {
+        MANTISSA_ROWS(MANTISSA_ROUND)
+      }
+    }
+  }
+  if constexpr (kF16Partials) {
+    MANTISSA_ROWS(MANTISSA_ROUND)
+  }
+#define MANTISSA_STORE(i)                 \
+  _mm512_storeu_ps(c + (i)*ldc, c##i##0); \
+  _mm512_storeu_ps(c + (i)*ldc + 16, c##i##1);
+  MANTISSA_ROWS(MANTISSA_STORE)
+#undef MANTISSA_STORE
+#undef MANTISSA_ROUND
+#undef MANTISSA_FMA
+}
+
+// 6 x 16: one sliver, one zmm per row.
+template <bool kF16Partials, bool kRows>
+MANTISSA_AVX512 void micro_6x16(int64_t kc, const float* a, const float* b, const int64_t* b_off,
+                                float* c, int64_t ldc, bool load_c, float beta) {
+#define MANTISSA_DECL(i) __m512 c##i;
+  MANTISSA_ROWS(MANTISSA_DECL)
+#undef MANTISSA_DECL
+  if (load_c) {
+    const __m512 vb = _mm512_set1_ps(beta);
+    const bool scale = beta != 1.0f;
+#define MANTISSA_LOAD(i)               \
+  c##i = _mm512_loadu_ps(c + (i)*ldc); \
+  if (scale) c##i = _mm512_mul_ps(c##i, vb);
+    MANTISSA_ROWS(MANTISSA_LOAD)
+#undef MANTISSA_LOAD
+  } else {
+#define MANTISSA_ZERO(i) c##i = _mm512_setzero_ps();
+    MANTISSA_ROWS(MANTISSA_ZERO)
+#undef MANTISSA_ZERO
+  }
+#define MANTISSA_FMA(i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), v, c##i);
+#define MANTISSA_ROUND(i) c##i = round_f16(c##i);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 v;
+    if constexpr (kRows) {
+      v = _mm512_loadu_ps(b + b_off[k]);
+    } else {
+      v = _mm512_load_ps(b);
+      b += kNR;
+    }
+    MANTISSA_ROWS(MANTISSA_FMA)
+    a += kMR;
+    if constexpr (kF16Partials) {
+      if ((k + 1) % 16 == 0) {
+        MANTISSA_ROWS(MANTISSA_ROUND)
+      }
+    }
+  }
+  if constexpr (kF16Partials) {
+    MANTISSA_ROWS(MANTISSA_ROUND)
+  }
+#define MANTISSA_STORE(i) _mm512_storeu_ps(c + (i)*ldc, c##i);
+  MANTISSA_ROWS(MANTISSA_STORE)
+#undef MANTISSA_STORE
+#undef MANTISSA_ROUND
+#undef MANTISSA_FMA
+}
+#undef MANTISSA_ROWS
+
+MANTISSA_AVX512 void micro_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
+                                  bool load_c, float beta, bool f16_partials) {
+  if (f16_partials)
+    micro_6x16<true, false>(kc, a, b, nullptr, c, ldc, load_c, beta);
+  else
+    micro_6x16<false, false>(kc, a, b, nullptr, c, ldc, load_c, beta);
+}
+
+MANTISSA_AVX512 void rows_micro_kernel(int64_t kc, const float* a, const float* b,
+                                       const int64_t* b_off, float* c, int64_t ldc, bool load_c,
+                                       float beta, bool f16_partials) {
+  if (f16_partials)
+    micro_6x16<true, true>(kc, a, b, b_off, c, ldc, load_c, beta);
+  else
+    micro_6x16<false, true>(kc, a, b, b_off, c, ldc, load_c, beta);
+}
+
+MANTISSA_AVX512 void pair_micro_kernel(int64_t kc, const float* a, const float* b0, const float* b1,
+                                       float* c, int64_t ldc, bool load_c, float beta,
+                                       bool f16_partials) {
+  if (f16_partials)
+    micro_6x32<true, false>(kc, a, b0, b1, nullptr, c, ldc, load_c, beta);
+  else
+    micro_6x32<false, false>(kc, a, b0, b1, nullptr, c, ldc, load_c, beta);
+}
+
+MANTISSA_AVX512 void pair_rows_micro_kernel(int64_t kc, const float* a, const float* b0,
+                                            const float* b1, const int64_t* b_off, float* c,
+                                            int64_t ldc, bool load_c, float beta,
+                                            bool f16_partials) {
+  if (f16_partials)
+    micro_6x32<true, true>(kc, a, b0, b1, b_off, c, ldc, load_c, beta);
+  else
+    micro_6x32<false, true>(kc, a, b0, b1, b_off, c, ldc, load_c, beta);
+}
+
+}  // namespace
+
+MicroKernel avx512_micro_kernel() { return micro_kernel; }
+RowsMicroKernel avx512_rows_micro_kernel() { return rows_micro_kernel; }
+PairMicroKernel avx512_pair_micro_kernel() { return pair_micro_kernel; }
+PairRowsMicroKernel avx512_pair_rows_micro_kernel() { return pair_rows_micro_kernel; }
+
+}  // namespace mantissa::kernels::detail
