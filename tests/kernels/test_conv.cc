@@ -444,5 +444,48 @@ TEST(Pool, MaxPool2x2MatchesItsDefinition) {
   }
 }
 
+// The same pooling on 16-bit storage, read and written in place by the row kernel: for every
+// input and output type among f32, f16 and bf16, the window's winner (taken on the input's values)
+// rounded into the output type, bit for bit as convert() rounds it (NaN payloads included), and
+// its index. Values that 16 bits round (1.1, 70000: FP16 infinity) and tails of every width.
+TEST(Pool, MaxPool2x2ReadsAndWrites16BitStorage) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = INFINITY;
+  const float pick[] = {-1.0f, 0.0f, 1.1f, 2.0f, 70000.0f, -inf, inf, nan};
+  const DType types[] = {DType::f32, DType::f16, DType::bf16};
+  std::mt19937 gen(11);
+  for (const DType tx : types)
+    for (const DType ty : types)
+      for (const int64_t wo : {int64_t{1}, int64_t{8}, int64_t{13}, int64_t{24}})
+        for (const int64_t extra : {int64_t{0}, int64_t{1}}) {
+          const int64_t H = 4 + extra, W = 2 * wo + extra;
+          std::vector<float> v(static_cast<size_t>(2 * H * W));
+          for (float& e : v) e = pick[gen() % 8];
+          const Tensor x = Tensor::from_floats(v, {1, 2, H, W}).to(tx);
+          const std::vector<float> xv = x.to_float_vector();  // the values as stored in tx
+          auto [y, idx] = max_pool2d(x, Pool2dParams{}, ty);
+          ASSERT_EQ(y.dtype(), ty);
+          std::vector<float> want(static_cast<size_t>(2 * 2 * wo));
+          for (int64_t pl = 0; pl < 2; ++pl)
+            for (int64_t oh = 0; oh < 2; ++oh)
+              for (int64_t ow = 0; ow < wo; ++ow) {
+                const int64_t at0 = 2 * oh * W + 2 * ow;
+                const int64_t cand[4] = {at0, at0 + 1, at0 + W, at0 + W + 1};
+                int64_t at = cand[0];
+                for (int k = 1; k < 4; ++k) {
+                  const float b = xv[static_cast<size_t>(pl * H * W + at)],
+                              c = xv[static_cast<size_t>(pl * H * W + cand[k])];
+                  if (!std::isnan(b) && (c > b || std::isnan(c))) at = cand[k];
+                }
+                const size_t o = static_cast<size_t>((pl * 2 + oh) * wo + ow);
+                want[o] = xv[static_cast<size_t>(pl * H * W + at)];
+                ASSERT_EQ(idx.data<int32_t>()[o], at) << dtype_name(tx) << " -> " << dtype_name(ty);
+              }
+          // The winners as FP32, rounded into ty by convert(): the bits of the staged loop.
+          const Tensor w = Tensor::from_floats(want, y.shape()).to(ty);
+          ASSERT_EQ(0, std::memcmp(y.data_ptr(), w.data_ptr(), y.nbytes()))
+              << dtype_name(tx) << " -> " << dtype_name(ty) << ", width " << W;
+        }
+}
+
 }  // namespace
 }  // namespace mantissa::kernels

@@ -1,5 +1,6 @@
-// Pooling (pool.h): max pooling (2x2/2 by a vector row kernel, any other window by the portable
-// loop), and average and adaptive-average pooling through one window template.
+// Pooling (pool.h): max pooling (2x2/2 by a vector row kernel reading and writing f32, f16 or bf16
+// in place, any other window by the portable loop), and average and adaptive-average pooling
+// through one window template.
 #include "mantissa/kernels/pool.h"
 
 #include <algorithm>
@@ -101,18 +102,30 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
   const bool two_by_two = p.kernel_h == 2 && p.kernel_w == 2 && p.stride_h == 2 &&
                           p.stride_w == 2 && p.pad_h == 0 && p.pad_w == 0 && 2 * Ho <= H &&
                           2 * Wo <= W;
+  const auto row_kernel_reads = [](DType t) {
+    return t == DType::f32 || t == DType::f16 || t == DType::bf16;
+  };
+  if (two_by_two && row_kernel_reads(x.dtype()) && row_kernel_reads(out)) {
+    // The row kernel reads x and writes y in their own storage: a 16-bit plane is widened in
+    // registers and its outputs rounded from them, with no FP32 copy of either plane.
+    const int64_t planes = ys[0] * ys[1], sx = esize(x.dtype()), sy = esize(out);
+    const char* xb = bytes(x);
+    char* yb = bytes(y);
+    parallel_for(static_cast<size_t>(planes), 1, threads_for(planes * H * W),
+                 [&](size_t p0, size_t p1) {
+                   for (int64_t pl = static_cast<int64_t>(p0); pl < static_cast<int64_t>(p1); ++pl)
+                     for (int64_t oh = 0; oh < Ho; ++oh)
+                       detail::max_pool_2x2_row(
+                           xb + (pl * H + 2 * oh) * W * sx, xb + (pl * H + 2 * oh + 1) * W * sx,
+                           x.dtype(), Wo, static_cast<int32_t>(2 * oh * W), static_cast<int32_t>(W),
+                           yb + (pl * Ho + oh) * Wo * sy, out, ib + (pl * Ho + oh) * Wo);
+                 });
+    return {y, idx};
+  }
+  // Any other window (or storage): the plane in FP32, the first NaN found propagating.
   for_each_plane(x, ys[0] * ys[1], H * W, [&](int64_t pl, const float* in) {
     OutPlane plane(y, pl, Ho * Wo);
     float* row = plane.data();
-    if (two_by_two) {
-      int32_t* ip = ib + pl * Ho * Wo;
-      for (int64_t oh = 0; oh < Ho; ++oh)
-        detail::max_pool_2x2_row_f32(in + 2 * oh * W, in + (2 * oh + 1) * W, Wo,
-                                     static_cast<int32_t>(2 * oh * W), static_cast<int32_t>(W),
-                                     row + oh * Wo, ip + oh * Wo);
-      plane.flush();
-      return;
-    }
     for (int64_t oh = 0; oh < Ho; ++oh)
       for (int64_t ow = 0; ow < Wo; ++ow) {
         const int64_t h0 = oh * p.stride_h - p.pad_h, w0 = ow * p.stride_w - p.pad_w;

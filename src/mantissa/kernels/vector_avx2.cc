@@ -179,15 +179,22 @@ __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, flo
   for (; j < n; ++j) a[j] += w * x[j];
 }
 
-__attribute__((target("avx2"))) void max_pool_2x2_row_avx2(const float* r0, const float* r1,
-                                                           int64_t n, int32_t base, int32_t ld,
-                                                           float* out, int32_t* idx) {
+__attribute__((target("avx2,f16c,fma"))) void max_pool_2x2_row_avx2(const void* r0, const void* r1,
+                                                                    DType tx, int64_t n,
+                                                                    int32_t base, int32_t ld,
+                                                                    void* out, DType ty,
+                                                                    int32_t* idx) {
+  const int64_t sx = static_cast<int64_t>(dtype_size(tx)),
+                sy = static_cast<int64_t>(dtype_size(ty));
+  const char* p0 = static_cast<const char*>(r0);
+  const char* p1 = static_cast<const char*>(r1);
   const __m256i step = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
   const __m256i off1 = _mm256_set1_epi32(1), offw = _mm256_set1_epi32(ld),
                 offw1 = _mm256_set1_epi32(ld + 1);
   for (int64_t j = 0; j < n; j += 8) {
-    const __m256 a0 = _mm256_loadu_ps(r0 + 2 * j), a1 = _mm256_loadu_ps(r0 + 2 * j + 8),
-                 b0 = _mm256_loadu_ps(r1 + 2 * j), b1 = _mm256_loadu_ps(r1 + 2 * j + 8);
+    // 16-bit inputs widen exactly in registers (no FP32 staging of the plane).
+    const __m256 a0 = simd::load8(p0 + 2 * j * sx, tx), a1 = simd::load8(p0 + (2 * j + 8) * sx, tx),
+                 b0 = simd::load8(p1 + 2 * j * sx, tx), b1 = simd::load8(p1 + (2 * j + 8) * sx, tx);
     // The window's four values in window order: top-left, top-right, bottom-left, bottom-right.
     const __m256 c[4] = {even_lanes(a0, a1), odd_lanes(a0, a1), even_lanes(b0, b1),
                          odd_lanes(b0, b1)};
@@ -206,7 +213,7 @@ __attribute__((target("avx2"))) void max_pool_2x2_row_avx2(const float* r0, cons
       best = _mm256_blendv_ps(best, cand, take);
       at = _mm256_blendv_ps(at, _mm256_castsi256_ps(pos[k]), take);
     }
-    _mm256_storeu_ps(out + j, best);
+    simd::store8(static_cast<char*>(out) + j * sy, ty, best);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + j), _mm256_castps_si256(at));
   }
 }

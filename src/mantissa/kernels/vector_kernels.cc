@@ -102,27 +102,49 @@ void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n) {
   for (int64_t j = 0; j < n; ++j) a[j] += w * x[j * stride];
 }
 
-void max_pool_2x2_row_f32(const float* r0, const float* r1, int64_t n, int32_t base, int32_t ld,
-                          float* out, int32_t* idx) {
+namespace {
+// Element i of a row stored in t (f32, f16 or bf16), as FP32 (exact).
+float load_value(const void* row, DType t, int64_t i) {
+  if (t == DType::f32) return static_cast<const float*>(row)[i];
+  const uint16_t b = static_cast<const uint16_t*>(row)[i];
+  return t == DType::f16 ? static_cast<float>(f16::from_bits(b))
+                         : static_cast<float>(bf16::from_bits(b));
+}
+// v into element i of a row stored in t, rounded to nearest even.
+void store_value(void* row, DType t, int64_t i, float v) {
+  if (t == DType::f32)
+    static_cast<float*>(row)[i] = v;
+  else
+    static_cast<uint16_t*>(row)[i] = t == DType::f16 ? f16(v).bits : bf16(v).bits;
+}
+}  // namespace
+
+void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, int32_t base, int32_t ld,
+                      void* out, DType ty, int32_t* idx) {
+  const auto supported = [](DType t) {
+    return t == DType::f32 || t == DType::f16 || t == DType::bf16;
+  };
+  MANTISSA_ASSERT(supported(tx) && supported(ty), "max_pool_2x2_row: f32, f16 or bf16 rows");
   int64_t j = 0;
 #if MANTISSA_HAVE_X86_SIMD
   if (avx2_pooling() && n >= 8) {
     j = n / 8 * 8;
-    max_pool_2x2_row_avx2(r0, r1, j, base, ld, out, idx);
+    max_pool_2x2_row_avx2(r0, r1, tx, j, base, ld, out, ty, idx);
   }
 #endif
   for (; j < n; ++j) {
     const int64_t c = 2 * j;
-    float best = r0[c];
+    float best = load_value(r0, tx, c);
     int32_t at = base + static_cast<int32_t>(c);
-    const float cand[3] = {r0[c + 1], r1[c], r1[c + 1]};
+    const float cand[3] = {load_value(r0, tx, c + 1), load_value(r1, tx, c),
+                           load_value(r1, tx, c + 1)};
     const int32_t pos[3] = {at + 1, at + ld, at + ld + 1};
     for (int k = 0; k < 3; ++k) {
       const bool take = !std::isnan(best) && (cand[k] > best || std::isnan(cand[k]));
       best = take ? cand[k] : best;
       at = take ? pos[k] : at;
     }
-    out[j] = best;
+    store_value(out, ty, j, best);
     idx[j] = at;
   }
 }
