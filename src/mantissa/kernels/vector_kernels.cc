@@ -128,8 +128,17 @@ void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, int32
   int64_t j = 0;
 #if MANTISSA_HAVE_X86_SIMD
   if (avx2_pooling() && n >= 8) {
-    j = n / 8 * 8;
-    max_pool_2x2_row_avx2(r0, r1, tx, j, base, ld, out, ty, idx);
+    max_pool_2x2_row_avx2(r0, r1, tx, n / 8 * 8, base, ld, out, ty, idx);
+    if (n % 8 != 0) {
+      // The last 1-7 outputs as one block of 8 ending at the row's end: the outputs it repeats
+      // get the same bits again (each is a function of its window alone).
+      const int64_t k = n - 8, sx = static_cast<int64_t>(dtype_size(tx)),
+                    sy = static_cast<int64_t>(dtype_size(ty));
+      max_pool_2x2_row_avx2(
+          static_cast<const char*>(r0) + 2 * k * sx, static_cast<const char*>(r1) + 2 * k * sx, tx,
+          8, base + static_cast<int32_t>(2 * k), ld, static_cast<char*>(out) + k * sy, ty, idx + k);
+    }
+    return;
   }
 #endif
   for (; j < n; ++j) {
