@@ -82,7 +82,7 @@ for cfg in "${configs[@]}"; do
     read -r a_rate a_mem < <(run "$model" "$batch" 32-true)
     declare -A round_rate=() round_mem=()
     for m in $modes; do
-      read -r round_rate[$m] round_mem[$m] < <(run "$model" "$batch" "$m")
+      read -r "round_rate[$m]" "round_mem[$m]" < <(run "$model" "$batch" "$m")
     done
     read -r b_rate _ < <(run "$model" "$batch" 32-true)
     ref=$(awk -v a="$a_rate" -v b="$b_rate" 'BEGIN {printf "%.3f", (a + b) / 2}')
