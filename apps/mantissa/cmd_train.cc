@@ -80,6 +80,8 @@ constexpr const char* kTrainUsage =
     "  --loss-scale-growth-interval N (default 2000)   --loss-scale-hysteresis N (default 1)\n"
     "  --stochastic-rounding optimizer writes 16-bit parameters and state stochastically\n"
     "  --stochastic-outputs  every 16-bit op output is rounded stochastically too\n"
+    "  --kahan               Kahan-compensated updates of 16-bit parameters (2 bytes each;\n"
+    "                        bf16-true, 16-true, 16.16, O3)\n"
     "  --partials T          accumulation type of matmul and convolution: fp32 (default), fp16\n"
     "  --accum-type T        gradient type (default: the parameter's)\n"
     "  --first-moment-type T --second-moment-type T   optimizer state: fp32, fp16, bf16\n"
@@ -294,6 +296,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--loss-scale-hysteresis", i64("--loss-scale-hysteresis", c.loss_scale_hysteresis, 1)},
       {"--stochastic-rounding", on(c.stochastic_rounding, true)},
       {"--stochastic-outputs", on(c.stochastic_outputs, true)},
+      {"--kahan", on(c.kahan, true)},
       {"--partials", str(c.partials)},
       {"--accum-type", str(c.accum_type)},
       {"--first-moment-type", str(c.first_moment_type)},

@@ -307,10 +307,11 @@ TEST(DataParallel, OverflowOnOneRankSkipsTheStepOnEveryRank) {
 
 TEST(DataParallel, ZeroOneTrainsAsPlainDataParallelWithTheStateSplit) {
   const int n = world().size();
-  for (const std::string precision : {"32-true", "16-mixed", "16-true"}) {
+  for (const std::string precision : {"32-true", "16-mixed", "16-true", "bf16-true"}) {
     train::TrainConfig c = small("lenet5", 4);
     c.precision = precision;
     if (precision == "16-true") c.stochastic_rounding = true;
+    if (precision == "bf16-true") c.kahan = true;  // the compensation sharded like the state
     const Trained plain = train_on(c, false);
     c.zero = 1;
     const Trained zero = train_on(c, false);
@@ -341,52 +342,57 @@ TEST(DataParallel, ZeroOneTrainsAsPlainDataParallelWithTheStateSplit) {
 TEST(DataParallel, CheckpointsResumeOnAnyNumberOfRanks) {
   const int n = world().size();
   SharedDir dir;
-  train::TrainConfig c = small("lenet5", 6);
-  c.precision = "16-mixed";  // loss scaler state too
-  const Trained whole = train_on(c, false);
+  // 16-mixed: loss scaler state too; bf16-true with Kahan compensation, gathered from the shards.
+  for (const bool kahan : {false, true}) {
+    train::TrainConfig c = small("lenet5", 6);
+    c.precision = kahan ? "bf16-true" : "16-mixed";
+    c.kahan = kahan;
+    const std::string tag = kahan ? "kahan-" : "";
+    const Trained whole = train_on(c, false);
 
-  // n ranks (ZeRO's shards gathered) stop at step 3; one process resumes with the same global
-  // batch and finishes: the uninterrupted run's losses.
-  train::TrainConfig first = c;
-  first.max_steps = 3;
-  first.zero = 1;
-  first.save = dir.file("ranks.safetensors");
-  train_on(first, false);
-  world().barrier();  // rank 0 has written it
-  train::TrainConfig rest = as_accumulation(c, n);
-  rest.resume = first.save;
-  const Trained resumed = train_on(rest, true);
-  if (n == 2) {
-    EXPECT_EQ(resumed.result.step_losses, whole.result.step_losses);
-  } else {
-    expect_close(resumed.result.step_losses, whole.result.step_losses, 1e-3);
+    // n ranks (ZeRO's shards gathered) stop at step 3; one process resumes with the same global
+    // batch and finishes: the uninterrupted run's losses.
+    train::TrainConfig first = c;
+    first.max_steps = 3;
+    first.zero = 1;
+    first.save = dir.file(tag + "ranks.safetensors");
+    train_on(first, false);
+    world().barrier();  // rank 0 has written it
+    train::TrainConfig rest = as_accumulation(c, n);
+    rest.resume = first.save;
+    const Trained resumed = train_on(rest, true);
+    if (n == 2) {
+      EXPECT_EQ(resumed.result.step_losses, whole.result.step_losses);
+    } else {
+      expect_close(resumed.result.step_losses, whole.result.step_losses, 1e-3);
+    }
+
+    // One process's checkpoint resumed on n ranks.
+    world().barrier();
+    train::TrainConfig alone = as_accumulation(c, n);
+    alone.max_steps = 3;
+    alone.save = dir.file(tag + "one.safetensors");
+    if (world().rank() == 0) train_on(alone, true);
+    world().barrier();
+    train::TrainConfig on_ranks = c;
+    on_ranks.resume = alone.save;
+    on_ranks.zero = 1;
+    const Trained continued = train_on(on_ranks, false);
+    if (n == 2) {
+      EXPECT_EQ(continued.result.step_losses, whole.result.step_losses);
+    } else {
+      expect_close(continued.result.step_losses, whole.result.step_losses, 1e-3);
+    }
+
+    // Another global batch is refused, naming what to change.
+    train::TrainConfig other = c;
+    other.batch_size = 4;
+    other.resume = first.save;
+    EXPECT_NE(testing::error_of([&] {
+                train_on(other, false);
+              }).find("global batch of " + std::to_string(n * 8)),
+              std::string::npos);
   }
-
-  // One process's checkpoint resumed on n ranks.
-  world().barrier();
-  train::TrainConfig alone = as_accumulation(c, n);
-  alone.max_steps = 3;
-  alone.save = dir.file("one.safetensors");
-  if (world().rank() == 0) train_on(alone, true);
-  world().barrier();
-  train::TrainConfig on_ranks = c;
-  on_ranks.resume = alone.save;
-  on_ranks.zero = 1;
-  const Trained continued = train_on(on_ranks, false);
-  if (n == 2) {
-    EXPECT_EQ(continued.result.step_losses, whole.result.step_losses);
-  } else {
-    expect_close(continued.result.step_losses, whole.result.step_losses, 1e-3);
-  }
-
-  // Another global batch is refused, naming what to change.
-  train::TrainConfig other = c;
-  other.batch_size = 4;
-  other.resume = first.save;
-  EXPECT_NE(testing::error_of([&] {
-              train_on(other, false);
-            }).find("global batch of " + std::to_string(n * 8)),
-            std::string::npos);
 }
 
 // A user model that asks for a stop on rank 1 in its forward pass of step 3 (as a signal arriving

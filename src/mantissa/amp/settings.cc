@@ -69,6 +69,18 @@ PrecisionSettings resolve_precision(const PrecisionChoices& c, uint64_t seed) {
   // Streams of their own: the seed also keys initialisation, shuffling and dropout.
   if (c.stochastic_rounding) s.stochastic_rounding_seed = seed ^ 0x5352u;
   if (c.stochastic_outputs) s.stochastic_outputs_seed = seed ^ 0x4f5554u;
+  if (c.kahan) {
+    MANTISSA_CHECK(s.mode.param_dtype != DType::f32,
+                   "--kahan with --precision " + c.precision + ", whose parameters are FP32",
+                   "use it where parameters are 16-bit: bf16-true, 16-true, 16.16, O3");
+    MANTISSA_CHECK(!s.mode.master_weights,
+                   "--kahan with --precision " + c.precision + ", which keeps FP32 master weights",
+                   "the masters keep every update already: drop --kahan, or use a mode without "
+                   "them (bf16-true, 16-true, 16.16, O3)");
+    MANTISSA_CHECK(!c.stochastic_rounding, "--kahan together with --stochastic-rounding",
+                   "use one of them: each keeps the updates below half an ulp");
+  }
+  s.kahan = c.kahan;
   s.policy = policy_of(c);  // the op-list files: readable, known ops, no op in both
   for (const auto& k : c.keep_fp32)
     MANTISSA_CHECK(
@@ -86,6 +98,7 @@ std::string PrecisionSettings::describe() const {
   shown.second_moment = state_types.second_moment;
   return shown.describe() + ", partials " + partials_name(partials) +
          (stochastic_rounding_seed ? ", stochastic rounding" : "") +
+         (kahan ? ", Kahan-compensated parameters" : "") +
          (stochastic_outputs_seed ? ", stochastic op outputs" : "");
 }
 
@@ -113,6 +126,7 @@ void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optim
   optimizer.set_state_types(s.state_types);
   if (mode.master_weights) optimizer.enable_master_weights();
   if (s.stochastic_rounding_seed) optimizer.set_stochastic_rounding(s.stochastic_rounding_seed);
+  if (s.kahan) optimizer.enable_kahan();
 }
 
 ForwardPrecision::ForwardPrecision(const PrecisionSettings& s, ops::AutocastLog* log,

@@ -36,7 +36,10 @@ struct PrecisionChoices {
   int64_t loss_scale_hysteresis = 1;
   bool stochastic_rounding = false;  // optimizer writes of 16-bit parameters and state
   bool stochastic_outputs = false;   // every 16-bit op output (forward)
-  std::string partials = "fp32";     // accumulation of matmul and convolution: fp32 | fp16
+  // Kahan-compensated updates of the 16-bit parameters (Optimizer::enable_kahan): modes whose
+  // parameters are 16-bit and that keep no FP32 master weights; not with stochastic_rounding.
+  bool kahan = false;
+  std::string partials = "fp32";  // accumulation of matmul and convolution: fp32 | fp16
   std::string accum_type, first_moment_type, second_moment_type;  // "": the mode's default
 };
 
@@ -51,6 +54,7 @@ struct PrecisionSettings {
   std::optional<LossScalerOptions> loss_scaling;  // nullopt: no loss scaling
   // Seeds of stochastic rounding: of the optimizer's 16-bit writes, and of 16-bit op outputs.
   std::optional<uint64_t> stochastic_rounding_seed, stochastic_outputs_seed;
+  bool kahan = false;                                // Kahan-compensated 16-bit parameters
   std::vector<std::string> keep_fp32, half_modules;  // module paths
   ops::AutocastPolicy policy;                        // the op lists of automatic casting
 
@@ -71,7 +75,8 @@ PrecisionSettings resolve_precision(const PrecisionChoices& choices, uint64_t se
 // the parameters are cast to the mode's type (O2: normalization layers keep FP32 weights and the
 // log-softmax runs in FP32), the per-module overrides set (keep_fp32 last: it wins), gradients
 // held in grad_dtype, then the optimizer's state types, its FP32 master copies (made from the
-// parameters' current values, so after any initial weights are loaded) and stochastic rounding.
+// parameters' current values, so after any initial weights are loaded), stochastic rounding and
+// Kahan compensation.
 // Throws naming an unknown module path.
 void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optimizer& optimizer);
 

@@ -110,12 +110,13 @@ std::vector<std::pair<std::string, Tensor>> Zero1::gathered_state() const {
   std::map<std::string, Tensor> local;
   for (auto& [name, t] : optimizer_.state_tensors())
     if (t.numel() > 0) local.emplace(name, t);
-  // Which tensors exist on some rank: per parameter, each state buffer, then the master (the
-  // order of an unsharded optimizer's state_tensors()).
-  const size_t per = layout.size() + 1;
+  // Which tensors exist on some rank: per parameter, each state buffer, the master, then the
+  // Kahan compensation (the order of an unsharded optimizer's state_tensors()).
+  const size_t kMaster = layout.size(), kComp = layout.size() + 1, per = layout.size() + 2;
   std::vector<uint8_t> present(ops.size() * per, 0);
   auto key = [&](size_t i, size_t k) {
-    return ops[i].name + "." + (k < layout.size() ? layout[k].first : std::string("master"));
+    return ops[i].name + "." +
+           (k < kMaster ? layout[k].first : std::string(k == kMaster ? "master" : "kahan"));
   };
   for (size_t i = 0; i < ops.size(); ++i)
     for (size_t k = 0; k < per; ++k) present[i * per + k] = local.count(key(i, k)) ? 1 : 0;
@@ -126,9 +127,12 @@ std::vector<std::pair<std::string, Tensor>> Zero1::gathered_state() const {
     for (size_t k = 0; k < per; ++k) {
       if (!present[i * per + k]) continue;
       const std::string name = key(i, k);
-      const DType dtype = k < layout.size() ? layout[k].second : DType::f32;
-      TensorOptions o = charged_to(k < layout.size() ? MemoryCategory::optimizer_state
-                                                     : MemoryCategory::master_weights);
+      // The compensation has its parameter's 16-bit type.
+      const DType dtype = k < kMaster  ? layout[k].second
+                          : k == kComp ? ops[i].tensor->dtype()
+                                       : DType::f32;
+      TensorOptions o = charged_to(k == kMaster ? MemoryCategory::master_weights
+                                                : MemoryCategory::optimizer_state);
       o.owner = name;
       Tensor whole = Tensor::zeros(ops[i].tensor->shape(), dtype, o);
       auto it = local.find(name);

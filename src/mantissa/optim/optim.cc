@@ -111,7 +111,11 @@ std::pair<double, bool> sum_of_squares(const Tensor& g, float scale, int64_t fir
 }  // namespace
 
 Optimizer::Optimizer(ParamList params, double lr, StateTypes types)
-    : params_(std::move(params)), lr_(lr), state_(params_.size()), masters_(params_.size()) {
+    : params_(std::move(params)),
+      lr_(lr),
+      state_(params_.size()),
+      masters_(params_.size()),
+      comps_(params_.size()) {
   MANTISSA_CHECK(std::isfinite(lr) && lr >= 0,
                  "learning rate " + std::to_string(lr) + " is not valid",
                  "use a finite, non-negative --lr");
@@ -131,6 +135,8 @@ void Optimizer::set_state_types(StateTypes types) {
 }
 
 void Optimizer::enable_master_weights() {
+  MANTISSA_CHECK(!kahan_, "Kahan compensation and FP32 master weights together",
+                 "master weights keep the exact values already: use one of them");
   masters_enabled_ = true;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = *params_[i].tensor;
@@ -142,6 +148,22 @@ void Optimizer::enable_master_weights() {
   }
 }
 
+void Optimizer::set_stochastic_rounding(std::optional<uint64_t> seed) {
+  MANTISSA_CHECK(!seed || !kahan_, "stochastic rounding together with Kahan compensation",
+                 "use one of them: each keeps the updates below half an ulp");
+  sr_seed_ = seed;
+}
+
+void Optimizer::enable_kahan() {
+  MANTISSA_CHECK(!masters_enabled_, "Kahan compensation and FP32 master weights together",
+                 "master weights keep the exact values already: use one of them");
+  MANTISSA_CHECK(!sr_seed_, "stochastic rounding together with Kahan compensation",
+                 "use one of them: each keeps the updates below half an ulp");
+  MANTISSA_CHECK(steps_ == 0, "Kahan compensation enabled after the optimizer's first step",
+                 "enable it before training (amp::apply_precision does)");
+  kahan_ = true;
+}
+
 void Optimizer::set_shards(std::vector<ElementRange> ranges) {
   MANTISSA_CHECK(ranges.size() == params_.size(),
                  "optimizer shards: " + std::to_string(ranges.size()) + " ranges for " +
@@ -151,6 +173,9 @@ void Optimizer::set_shards(std::vector<ElementRange> ranges) {
     for (const Tensor& b : buffers)
       MANTISSA_CHECK(!b.defined(), "the optimizer's shards cannot change after its first step",
                      "shard the optimizer before training");
+  for (const Tensor& c : comps_)
+    MANTISSA_CHECK(!c.defined(), "the optimizer's shards cannot change after its first step",
+                   "shard the optimizer before training");
   MANTISSA_CHECK(!backward_step_, "optimizer shards set during a step begun in the backward pass",
                  "shard the optimizer before training");
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -261,6 +286,12 @@ std::vector<Tensor*> Optimizer::state_buffers(size_t i, bool* fresh) {
     *fresh = *fresh || !has_state(i, k);
     bufs[k] = &state(i, k);
   }
+  const Tensor& p = *params_[i].tensor;
+  if (kahan_ && is_16bit_float(p.dtype()) && !comps_[i].defined()) {
+    TensorOptions o = charged_to(MemoryCategory::optimizer_state);
+    o.owner = params_[i].name + ".kahan";
+    comps_[i] = Tensor::zeros(state_shape(i), p.dtype(), o);
+  }
   return bufs;
 }
 
@@ -271,6 +302,7 @@ void Optimizer::update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t
   const size_t nb = buffers_used();
   const Tensor* master = masters_[i].defined() ? &masters_[i] : nullptr;
   const Tensor& target = master ? *master : p;
+  const Tensor* comp = comps_[i].defined() ? &comps_[i] : nullptr;
   constexpr size_t kParamBuffer = 15;
   // Elements [b, b + n) of the parameter (and of its gradient, g) are elements [s, s + n) of its
   // state and master: the same unless the state holds a shard.
@@ -279,7 +311,7 @@ void Optimizer::update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t
     return static_cast<char*>(const_cast<void*>(t.data_ptr())) +
            e * static_cast<int64_t>(dtype_size(t.dtype()));
   };
-  if (!sr_seed_ && nb == 2) {
+  if (!sr_seed_ && nb == 2 && !comp) {
     const detail::DirectChunk dc{at(p, b),
                                  p.dtype(),
                                  const_cast<char*>(g),
@@ -292,6 +324,8 @@ void Optimizer::update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t
     if (update_chunk_direct(a, dc, n)) return;
   }
   Staged ps(target, master ? s : b, n);
+  float w0[kChunk];  // the 16-bit values before the update, for the compensation
+  if (comp) std::copy_n(ps.data(), n, w0);
   float gbuf[kChunk];
   const float* gp = reinterpret_cast<const float*>(g);
   if (gt != DType::f32) {
@@ -310,9 +344,28 @@ void Optimizer::update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t
     // The 16-bit working copy, rounded from the master while the chunk is in cache.
     convert(ps.data(), DType::f32, static_cast<char*>(p.data_ptr()) + b * dtype_size(p.dtype()),
             p.dtype(), static_cast<size_t>(n), rounding(i, kParamBuffer, b));
+  } else if (comp) {
+    kahan_store(i, *comp, b, s, n, w0, ps.data());
   } else {
     ps.store(rounding(i, kParamBuffer, b));
   }
+}
+
+void Optimizer::kahan_store(size_t i, const Tensor& comp, int64_t b, int64_t s, int64_t n,
+                            const float* w, float* w1) const {
+  Tensor& p = *params_[i].tensor;
+  Staged c(comp, s, n);  // the compensation in FP32 (exact)
+  float u[kChunk];
+  for (int64_t j = 0; j < n; ++j) {
+    u[j] = c[j] + (w1[j] - w[j]);  // the change the optimizer computed, plus what was left out
+    w1[j] = w[j] + u[j];
+  }
+  char* dst = static_cast<char*>(p.data_ptr()) + b * static_cast<int64_t>(dtype_size(p.dtype()));
+  kernels::store_f32(w1, n, dst, p.dtype(), 1);  // w' = round(w + u)
+  kernels::load_f32(dst, p.dtype(), 1, n, w1);   // and its exact value
+  // What w' left out of u (w' - w is exact: two nearby 16-bit values), rounded into c's type.
+  for (int64_t j = 0; j < n; ++j) c[j] = u[j] - (w1[j] - w[j]);
+  c.store();
 }
 
 void Optimizer::update_param(size_t i, const Tensor& g, float unscale, float clip) {
@@ -419,6 +472,7 @@ std::vector<std::pair<std::string, Tensor>> Optimizer::state_tensors() const {
     for (size_t k = 0; k < state_[i].size(); ++k)
       if (state_[i][k].defined()) out.emplace_back(params_[i].name + "." + names[k], state_[i][k]);
     if (masters_[i].defined()) out.emplace_back(params_[i].name + ".master", masters_[i]);
+    if (comps_[i].defined()) out.emplace_back(params_[i].name + ".kahan", comps_[i]);
   }
   return out;
 }
@@ -428,7 +482,7 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, int64_t
   MANTISSA_CHECK(steps >= 0, source + ": negative optimizer step count", "");
   const auto names = state_names();
   std::vector<std::vector<Tensor>> loaded(params_.size());
-  std::vector<Tensor> masters(params_.size());
+  std::vector<Tensor> masters(params_.size()), comps(params_.size());
   size_t used = 0;
   size_t param = 0;  // the parameter `load` reads for
   auto load = [&](const std::string& key, const Shape& shape, DType dtype, MemoryCategory cat,
@@ -466,7 +520,23 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, int64_t
     MANTISSA_CHECK(!masters_[i].defined() || masters[i].defined() || steps == 0,
                    source + ": no master weights for '" + params_[i].name + "'",
                    "resume with the --precision the checkpoint was made with");
+    const std::string comp_key = params_[i].name + ".kahan";
+    MANTISSA_CHECK(kahan_ || !tensors.count(comp_key),
+                   source + ": Kahan compensation '" + comp_key + "' in a run without it",
+                   "resume with --kahan, as the checkpoint was made");
+    if (kahan_ && is_16bit_float(params_[i].tensor->dtype()))
+      load(comp_key, shape, params_[i].tensor->dtype(), MemoryCategory::optimizer_state, comps[i]);
   }
+  // A checkpoint made without compensation would restart it from zero: the run it continues
+  // lost those updates, so a resume with --kahan would not continue it.
+  bool has_16bit = false, has_comp = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    has_16bit = has_16bit || is_16bit_float(params_[i].tensor->dtype());
+    has_comp = has_comp || tensors.count(params_[i].name + ".kahan") > 0;
+  }
+  MANTISSA_CHECK(!kahan_ || !has_16bit || has_comp || steps == 0,
+                 source + ": no Kahan compensation after " + std::to_string(steps) + " steps",
+                 "resume without --kahan, as the checkpoint was made");
   MANTISSA_CHECK(used == tensors.size(),
                  source + ": " + std::to_string(tensors.size() - used) +
                      " optimizer state tensors match no parameter of this " + name() + " optimizer",
@@ -476,6 +546,7 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, int64_t
       source + ": " + name() + " state missing after " + std::to_string(steps) + " steps",
       "resume with the optimizer the checkpoint was made with");
   state_ = std::move(loaded);
+  comps_ = std::move(comps);
   for (size_t i = 0; i < params_.size(); ++i)
     if (masters[i].defined()) {
       masters_[i] = std::move(masters[i]);
@@ -494,6 +565,8 @@ size_t Optimizer::state_bytes() const {
   for (auto& s : state_)
     for (auto& t : s)
       if (t.defined()) b += t.nbytes();
+  for (const Tensor& c : comps_)
+    if (c.defined()) b += c.nbytes();
   return b;
 }
 

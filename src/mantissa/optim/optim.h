@@ -97,8 +97,22 @@ class Optimizer {
   // even when nullopt). The random bits of an element are a function of (seed, step, parameter,
   // buffer, element index): reproducible, independent of the thread count, and resumed exactly
   // from the step count a checkpoint holds.
-  void set_stochastic_rounding(std::optional<uint64_t> seed) { sr_seed_ = seed; }
+  void set_stochastic_rounding(std::optional<uint64_t> seed);
   std::optional<uint64_t> stochastic_rounding() const { return sr_seed_; }
+  // Kahan-compensated 16-bit parameters (optimi's kahan_summation): each f16/bf16 parameter gets
+  // a compensation buffer c of its own type (1-D over its shard when sharded; made as zeros with
+  // the first update, charged to MemoryCategory::optimizer_state, named "<parameter>.kahan" in
+  // state_tensors()), which holds what rounding the weight to 16 bits left out. With w the stored
+  // weight and d the change the optimizer computes for it in FP32 (d = w1 - w, w1 the FP32 result
+  // of the update from w: the whole change, weight decay, momentum and Adam's step included),
+  // each update is
+  //   u = c + d;  w' = round(w + u);  c' = round(u - (w' - w))     (FP32 arithmetic, round to
+  // nearest even into the parameter's type), so changes far below half an ulp of w add up in c
+  // until they move w, at 2 bytes per parameter. FP32 parameters update as before. Not with
+  // master weights (they keep the exact value already) nor stochastic rounding (which rounds the
+  // same errors away in expectation instead): both refused. Before the first step.
+  void enable_kahan();
+  bool kahan() const { return kahan_; }
 
   // The state for a checkpoint: tensors named "<parameter>.<buffer>" (e.g. "fc1.weight.exp_avg",
   // "fc1.weight.master") and the step count. load_state() checks names, shapes and that nothing
@@ -109,7 +123,7 @@ class Optimizer {
   // The state buffers each parameter gets (names as in state_tensors(), e.g. "exp_avg") and their
   // storage types, in order.
   std::vector<std::pair<std::string, DType>> state_layout() const;
-  // Bytes of optimizer state (master weights not included).
+  // Bytes of optimizer state, Kahan compensation included (master weights not included).
   size_t state_bytes() const;
   // Bytes of FP32 master weights.
   size_t master_bytes() const;
@@ -165,8 +179,13 @@ class Optimizer {
   Tensor& state(size_t i, size_t k);
   bool has_state(size_t i, size_t k) const;
   void update_param(size_t i, const Tensor& g, float unscale, float clip);
-  // The state buffers of parameter i (created on first use) and whether any was created now.
+  // The state buffers of parameter i (created on first use) and whether any was created now;
+  // with Kahan compensation, parameter i's compensation buffer too (when 16-bit).
   std::vector<Tensor*> state_buffers(size_t i, bool* fresh);
+  // Writes a staged chunk's updated FP32 values `w1` (from the 16-bit values `w`) into parameter
+  // i's elements [b, b + n) with the compensation `comp`'s elements [s, s + n).
+  void kahan_store(size_t i, const Tensor& comp, int64_t b, int64_t s, int64_t n, const float* w,
+                   float* w1) const;
   // Updates elements [b, b + n) (n <= the chunk size) of parameter i from its gradient's values
   // there, `g` (dtype gt, contiguous).
   void update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t b, int64_t n, const char* g,
@@ -178,8 +197,10 @@ class Optimizer {
 
   std::vector<std::vector<Tensor>> state_;  // [param][buffer]
   std::vector<Tensor> masters_;             // [param]: undefined where there is none
+  std::vector<Tensor> comps_;               // [param]: Kahan compensation, made on first use
   std::vector<ElementRange> shards_;        // [param] when sharded, else empty
   bool masters_enabled_ = false;
+  bool kahan_ = false;
   std::optional<uint64_t> sr_seed_;
   bool backward_step_ = false;  // begin_backward_step() ran; step() has not yet
 };

@@ -16,8 +16,8 @@
 namespace mantissa::train {
 
 // The precision fields (precision, half_type, keep_fp32, half_modules, the autocast op-list files,
-// loss_scaling and the loss_scale_* options, stochastic_rounding, stochastic_outputs, partials,
-// accum_type, first_moment_type, second_moment_type) come from amp::PrecisionChoices
+// loss_scaling and the loss_scale_* options, stochastic_rounding, stochastic_outputs, kahan,
+// partials, accum_type, first_moment_type, second_moment_type) come from amp::PrecisionChoices
 // (amp/settings.h; docs/mixed_precision.md).
 struct TrainConfig : amp::PrecisionChoices {
   // ---- Model and data: the built-in ones by name. A user's own model and dataset are passed

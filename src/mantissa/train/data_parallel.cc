@@ -93,6 +93,7 @@ dist::ConfigFields agreement_fields(const TrainConfig& c) {
       {"loss-scale-hysteresis", i(c.loss_scale_hysteresis)},
       {"stochastic-rounding", b(c.stochastic_rounding)},
       {"stochastic-outputs", b(c.stochastic_outputs)},
+      {"kahan", b(c.kahan)},
       {"partials", c.partials},
       {"accum-type", c.accum_type},
       {"first-moment-type", c.first_moment_type},

@@ -62,7 +62,10 @@ StepMemory profile_step(TrainConfig c) {
     for (const auto& [name, dtype] : opt.state_layout()) state_per_element += dtype_size(dtype);
     for (const auto& p : opt.params())
       m.params.push_back({p.tensor->numel(), p.tensor->dtype(), p.tensor->requires_grad(),
-                          state_per_element,
+                          // Kahan compensation: optimizer state in the parameter's 16-bit type.
+                          state_per_element + (opt.kahan() && is_16bit_float(p.tensor->dtype())
+                                                   ? dtype_size(p.tensor->dtype())
+                                                   : 0),
                           opt.has_master_weights() && p.tensor->dtype() != DType::f32});
   } catch (const OutOfMemoryError& e) {
     m.fits = false;

@@ -39,7 +39,7 @@ struct ParamMemory {
   int64_t numel = 0;
   DType dtype = DType::f32;
   bool trained = true;                 // requires grad: in the gradient reducer's buckets
-  size_t state_bytes_per_element = 0;  // the optimizer state's buffers together
+  size_t state_bytes_per_element = 0;  // the optimizer state's buffers (and Kahan's) together
   bool master = false;                 // an FP32 master copy (4 bytes an element)
 };
 

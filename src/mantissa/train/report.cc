@@ -216,6 +216,7 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
                  {"loss_scaling", c.loss_scaling},
                  {"stochastic_rounding", c.stochastic_rounding},
                  {"stochastic_outputs", c.stochastic_outputs},
+                 {"kahan", c.kahan},
                  {"partials", c.partials},
                  {"accum_type", c.accum_type},
                  {"first_moment_type", c.first_moment_type},
