@@ -3,7 +3,7 @@
 
   python3 bench/weight_distance.py REFERENCE.safetensors OTHER.safetensors [OTHER ...]
 
-For each model parameter (the tensors named "model.*"; optimizer state is left out) prints the
+For each model tensor (the checkpoint's tensors not named "optimizer.*") prints the
 relative L2 distance ||w - w_ref|| / ||w_ref||, computed in FP64 from the stored values (F32, F16
 and BF16 read exactly), and the same over all parameters together. Standard library only.
 """
@@ -45,7 +45,7 @@ def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     ref = read_safetensors(sys.argv[1])
-    params = sorted(k for k in ref if k.startswith("model."))
+    params = [k for k in ref if not k.startswith("optimizer.")]
     others = [(p, read_safetensors(p)) for p in sys.argv[2:]]
     print("parameter\t" + "\t".join(p for p, _ in others))
     totals = [[0.0, 0.0] for _ in others]
