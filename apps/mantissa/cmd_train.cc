@@ -406,6 +406,7 @@ constexpr const char* kMemoryUsage =
     "  --model NAME --batch-size N --image-size N --imagenet-stem --optimizer NAME\n"
     "  --precision P         repeatable (default 32-true)   --half-type fp16|bf16\n"
     "  --gradient-accumulation N  --device-iterations K  --eight-bit-io  --recompute\n"
+    "  --kahan               Kahan compensation (optimizer state; every --precision 16-bit)\n"
     "  --memory-budget SIZE  say whether each precision fits (exit status 3 if one does not)\n"
     "  --ranks N             also what each rank of an N-rank data-parallel job holds, with and\n"
     "                        without --zero 1 (computed from this step and the layout of the\n"
@@ -435,6 +436,7 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
       {"--device-iterations", i64("--device-iterations", c.device_iterations, 1)},
       {"--eight-bit-io", switch_flag(c.eight_bit_io)},
       {"--recompute", switch_flag(c.recompute)},
+      {"--kahan", switch_flag(c.kahan)},
       {"--memory-budget", str(c.memory_budget)},
       {"--json", str(json_path)},
       {"--html", str(html_path)},
@@ -453,7 +455,11 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   c.threads = static_cast<int>(std::min<int64_t>(threads, 1024));
   // With several ranks every update waits for the reduced gradients: measured that way.
   if (ranks > 1) c.update_in_backward = false;
-  const train::RunSettings settings = train::resolve(c);
+  // Checked with the first precision (each is checked again when measured): the settings that
+  // hold for one precision only (--kahan) then see it.
+  train::TrainConfig first = c;
+  first.precision = precisions.front();
+  const train::RunSettings settings = train::resolve(first);
   io::check_output_path(json_path, "--json");
   io::check_output_path(html_path, "--html");
   std::vector<train::StepMemory> runs;

@@ -175,6 +175,9 @@ if(NOT mem_html MATCHES "<svg.*<svg.*<svg" OR NOT mem_json MATCHES "\"timeline\"
   message(SEND_ERROR "FAILED memory_files")
   math(EXPR failures "${failures} + 1")
 endif()
+# Kahan compensation: optimizer state grows by 2 bytes a parameter (AdamW's BF16 state: 4).
+expect(memory_kahan 0 "optimizer_state +91\\.43 KiB" "" ${MEM} --precision bf16-true --kahan)
+expect(memory_kahan_fp32 2 "" "--kahan with --precision 32-true, whose parameters are FP32" ${MEM} --kahan)
 expect(memory_over_budget 3 "32-true: does NOT fit in the budget of 100.00 KiB" "" ${MEM} --memory-budget 100KiB)
 expect(memory_bad_precision 2 "" "unknown precision '17-true'" ${MEM} --precision 17-true)
 expect(memory_bad_html 2 "" "--html /nonexistent-dir/m.html: directory /nonexistent-dir does not exist" ${MEM} --html /nonexistent-dir/m.html)
