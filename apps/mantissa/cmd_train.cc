@@ -405,6 +405,7 @@ constexpr const char* kMemoryUsage =
     "options:\n"
     "  --model NAME --batch-size N --image-size N --imagenet-stem --optimizer NAME\n"
     "  --precision P         repeatable (default 32-true)   --half-type fp16|bf16\n"
+    "  --loss-scaling none|dynamic|S  instead of the mode's (every precision)\n"
     "  --gradient-accumulation N  --device-iterations K  --eight-bit-io  --recompute\n"
     "  --kahan               Kahan compensation (optimizer state; every --precision 16-bit)\n"
     "  --memory-budget SIZE  say whether each precision fits (exit status 3 if one does not)\n"
@@ -432,6 +433,7 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
       {"--optimizer", str(c.optimizer)},
       {"--precision", Flag{true, [&](const std::string& v) { precisions.push_back(v); }}},
       {"--half-type", str(c.half_type)},
+      {"--loss-scaling", str(c.loss_scaling)},
       {"--gradient-accumulation", i64("--gradient-accumulation", c.gradient_accumulation, 1)},
       {"--device-iterations", i64("--device-iterations", c.device_iterations, 1)},
       {"--eight-bit-io", switch_flag(c.eight_bit_io)},

@@ -174,6 +174,17 @@ GradPartConsumer take_grad_part_consumer(const Node& node, size_t i) {
   return consume;
 }
 
+std::function<void(GradPartProducer)> take_grad_part_deferral(const Node& node, size_t i) {
+  if (i >= node.inputs().size() || t_anomaly) return {};
+  const Node::Input& in = node.inputs()[i];
+  if (in.fn || !in.leaf) return {};
+  AutogradMeta& meta = *in.leaf;
+  if (!meta.defer_grad_parts || meta.grad) return {};
+  std::function<void(GradPartProducer)> defer = std::move(meta.defer_grad_parts);
+  meta.defer_grad_parts = nullptr;
+  return defer;
+}
+
 void backward(const Tensor& root, const Tensor& grad_root) {
   MANTISSA_CHECK(root.defined(), "backward: the root tensor is undefined",
                  "call backward on a computed tensor");
@@ -207,6 +218,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
   if (!root.grad_fn()) {  // the root is itself a leaf
     AutogradMeta& meta = *root.autograd_meta();
     if (meta.on_grad_ready) meta.consume_grad = nullptr, meta.consume_grad_parts = nullptr;
+    meta.defer_grad_parts = nullptr;  // a root's gradient is the seed: stored
     accumulate_leaf(meta, seed, root.dtype());
     if (meta.on_grad_ready && outermost) meta.on_grad_ready();
     return;
@@ -236,12 +248,14 @@ void backward(const Tensor& root, const Tensor& grad_root) {
   std::unordered_map<AutogradMeta*, int> edges_left;
   for (Node* node : order)
     for (const Node::Input& in : node->inputs()) {
-      if (in.leaf && in.leaf->consume_grad) ++uses[in.leaf.get()];
+      if (in.leaf && (in.leaf->consume_grad || in.leaf->defer_grad_parts)) ++uses[in.leaf.get()];
       if (in.leaf && in.leaf->on_grad_ready && outermost) ++edges_left[in.leaf.get()];
     }
   for (auto& [meta, count] : uses)
-    if (count > 1 || meta->grad || meta->on_grad_ready)
+    if (count > 1 || meta->grad || meta->on_grad_ready) {
       meta->consume_grad = nullptr, meta->consume_grad_parts = nullptr;
+      meta->defer_grad_parts = nullptr;
+    }
   // After a node's gradients have gone out (or it got none): the hooks of leaves it completed.
   auto edges_done = [&edges_left](const Node& node) {
     if (edges_left.empty()) return;

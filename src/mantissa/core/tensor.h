@@ -88,6 +88,9 @@ inline TensorOptions charged_to(MemoryCategory category) {
 // would have returned the gradient in) contiguous at g. It may be called from several threads at
 // once for disjoint parts; each element must be given exactly once.
 using GradPartConsumer = std::function<void(int64_t begin, int64_t n, const void* g, DType dtype)>;
+// Gives every part of a gradient to a consumer, computing the parts anew on each call (the same
+// bits each time): a gradient kept as what computes it instead of as its values.
+using GradPartProducer = std::function<void(const GradPartConsumer& consume)>;
 
 // Autograd state of a tensor, shared by every copy of the Tensor handle (not by views, which are
 // new tensors). A leaf that requires grad accumulates into `grad`; a computed tensor points to the
@@ -115,6 +118,13 @@ struct AutogradMeta {
   // backward thread (see autograd::take_grad_part_consumer), it prepares the update and returns the
   // part consumer.
   std::function<GradPartConsumer()> consume_grad_parts;
+  // Set on a leaf by an optimizer that keeps the step's gradients as what computes them
+  // (optim::Optimizer::defer_gradients): an op that can compute the leaf's gradient in parts
+  // (a linear layer's weight gradient) hands this function a producer of those parts (holding
+  // the small operands it needs) instead of storing the gradient; the optimizer's step then
+  // computes the parts twice, once to check them and once to apply them. Cleared as
+  // consume_grad is: where the leaf would get more than one gradient or already has one.
+  std::function<void(GradPartProducer produce)> defer_grad_parts;
   // Set on a leaf by code that needs the leaf's gradient as soon as a backward pass has finished
   // computing it (dist::Reducer starts the gradient's all-reduce from here, while the pass goes
   // on with the layers below). Called once per backward pass whose graph reaches the leaf, on the

@@ -212,11 +212,20 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
           // After dx, which read the weights: an update in the backward pass may take dw in
           // parts, changing the weights as each part is handed over.
           const Tensor x2 = xd.reshape({rows, in});
+          // Or the optimizer keeps the gradient as its producer (g and x, small at such a
+          // batch) and computes the parts at its step.
           GradPartConsumer parts;
-          if (p == Partials::kF32 && kernels::linear_weight_grad_parts_fit(rows))
+          std::function<void(GradPartProducer)> defer;
+          if (p == Partials::kF32 && kernels::linear_weight_grad_parts_fit(rows)) {
             parts = autograd::take_grad_part_consumer(n, 1);
+            if (!parts) defer = autograd::take_grad_part_deferral(n, 1);
+          }
           if (parts)
             kernels::linear_weight_grad_parts(g2, x2, n.input_dtype(1), parts);
+          else if (defer)
+            defer([g2, x2, dt = n.input_dtype(1)](const GradPartConsumer& consume) {
+              kernels::linear_weight_grad_parts(g2, x2, dt, consume);
+            });
           else
             out[1] = kernels::matmul(g2.transpose(0, 1), x2, n.input_dtype(1), p,
                                      MemoryCategory::gradients);

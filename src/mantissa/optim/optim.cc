@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <numbers>
 
 #include "mantissa/autograd/autograd.h"
@@ -76,6 +78,19 @@ Tensor checked_grad(const nn::Module::NamedTensor& p) {
   return g.contiguous();
 }
 
+// Adds the squares of (x[j] * scale) over len <= kChunk values to *s (eight FP32 lanes, added
+// in FP64) and clears *ok when one of the products is not finite.
+void chunk_squares(const float* x, int64_t len, float scale, double* s, bool* ok) {
+  float acc[8] = {};
+  detail::sum_squares(x, len, scale, acc);
+  float total = 0;
+  for (float v : acc) total += v;
+  // inf/NaN show in the sum; a finite value whose square overflows is checked one by one.
+  if (!std::isfinite(total))
+    for (int64_t j = 0; j < len; ++j) *ok = *ok && std::isfinite(x[j] * scale);
+  for (float v : acc) *s += v;
+}
+
 // Sum of squares of (g * scale) over elements [first, first + n) of a gradient (FP64 across
 // chunks), and whether every value is finite.
 std::pair<double, bool> sum_of_squares(const Tensor& g, float scale, int64_t first, int64_t n) {
@@ -87,14 +102,7 @@ std::pair<double, bool> sum_of_squares(const Tensor& g, float scale, int64_t fir
     for (size_t c = b; c < e; c += kChunk) {
       const int64_t len = static_cast<int64_t>(std::min<size_t>(kChunk, e - c));
       Staged gs(g, first + static_cast<int64_t>(c), len);
-      float acc[8] = {};
-      detail::sum_squares(gs.data(), len, scale, acc);
-      float total = 0;
-      for (float x : acc) total += x;
-      // inf/NaN show in the sum; a finite value whose square overflows is checked one by one.
-      if (!std::isfinite(total))
-        for (int64_t j = 0; j < len; ++j) ok = ok && std::isfinite(gs[j] * scale);
-      for (float x : acc) s += x;
+      chunk_squares(gs.data(), len, scale, &s, &ok);
     }
     partial[b >> 15] = s;
     finite[b >> 15] = ok;
@@ -105,6 +113,37 @@ std::pair<double, bool> sum_of_squares(const Tensor& g, float scale, int64_t fir
     total += partial[k];
     ok = ok && finite[k];
   }
+  return {total, ok};
+}
+
+// The same over a gradient kept as its producer (Optimizer::defer_gradients): the parts,
+// converted to gt as `grad` would hold them, each summed as chunks are above; the parts' sums
+// are added in the order of their offsets (the parts arrive from several threads).
+std::pair<double, bool> sum_of_squares(const GradPartProducer& produce, DType gt, float scale) {
+  std::mutex mutex;
+  std::map<int64_t, double> sums;  // by the part's first element
+  bool ok = true;
+  produce([&](int64_t begin, int64_t n, const void* g, DType dt) {
+    double s = 0;
+    bool part_ok = true;
+    float values[kChunk];
+    alignas(32) char converted[kChunk * 8];
+    for (int64_t b = 0; b < n; b += kChunk) {
+      const int64_t len = std::min(kChunk, n - b);
+      const char* part = static_cast<const char*>(g) + b * static_cast<int64_t>(dtype_size(dt));
+      if (dt != gt) {
+        convert(part, dt, converted, gt, static_cast<size_t>(len));
+        part = converted;
+      }
+      kernels::load_f32(part, gt, 1, len, values);
+      chunk_squares(values, len, scale, &s, &part_ok);
+    }
+    const std::lock_guard<std::mutex> lock(mutex);
+    sums[begin] += s;
+    ok = ok && part_ok;
+  });
+  double total = 0;
+  for (const auto& [begin, s] : sums) total += s;
   return {total, ok};
 }
 
@@ -223,16 +262,25 @@ StepReport Optimizer::step(const StepOptions& so) {
   autograd::NoGradGuard no_grad;
   ops::AutocastDisabled no_autocast;
   StepReport report;
+  // Gradients kept as their producers (defer_gradients), taken for this step: dropped with it.
+  std::vector<GradPartProducer> deferred = std::move(deferred_);
+  clear_deferrals();
+  deferred.resize(params_.size());
   std::vector<Tensor> grads(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) grads[i] = checked_grad(params_[i]);
+  for (size_t i = 0; i < params_.size(); ++i)
+    MANTISSA_ASSERT(!(grads[i].defined() && deferred[i]),
+                    "a parameter with a stored gradient and a deferred one");
   float clip = 1;
   // Pass 1 (read only): inf/NaN and the global norm of the unscaled gradients.
   if (so.skip_nonfinite || so.max_grad_norm > 0) {
     double total = 0;
     for (size_t i = 0; i < params_.size(); ++i) {
       const ElementRange r = shard(i);
-      if (!grads[i].defined() || r.size() == 0) continue;
-      const auto [sq, finite] = sum_of_squares(grads[i], so.grad_scale, r.begin, r.size());
+      if ((!grads[i].defined() && !deferred[i]) || r.size() == 0) continue;
+      const auto [sq, finite] = grads[i].defined()
+                                    ? sum_of_squares(grads[i], so.grad_scale, r.begin, r.size())
+                                    : sum_of_squares(deferred[i], grad_type(i), so.grad_scale);
       total += sq;
       if (!finite) report.nonfinite.push_back(params_[i].name);
     }
@@ -270,6 +318,17 @@ StepReport Optimizer::step(const StepOptions& so) {
     begin_step();
   }
   const std::string op = name();
+  // The deferred gradients first: their producers read the inputs of the ops that made them,
+  // which (a parameter used as an input) the other updates could change.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!deferred[i]) continue;
+    ProfileTimer timed("optimizer", params_[i].name, op);
+    ChunkArgs a;
+    a.param = i;
+    a.unscale = so.grad_scale;
+    a.clip = clip;
+    deferred[i](part_updater(a, state_buffers(i, &a.fresh_state), grad_type(i)));
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!grads[i].defined() || shard(i).size() == 0) continue;
     ProfileTimer timed("optimizer", params_[i].name, op);
@@ -424,20 +483,10 @@ size_t Optimizer::begin_backward_step() {
       auto timed = std::make_shared<Timed>(name(), params_[i].name);
       ChunkArgs a;
       a.param = i;
-      const std::vector<Tensor*> bufs = state_buffers(i, &a.fresh_state);
+      GradPartConsumer update = part_updater(a, state_buffers(i, &a.fresh_state), gt);
       return GradPartConsumer(
-          [this, a, bufs, gt, timed](int64_t begin, int64_t n, const void* g, DType dt) {
-            const size_t in_size = dtype_size(dt);
-            alignas(32) char converted[kChunk * 8];
-            for (int64_t b = 0; b < n; b += kChunk) {
-              const int64_t len = std::min(kChunk, n - b);
-              const char* part = static_cast<const char*>(g) + b * static_cast<int64_t>(in_size);
-              if (dt != gt) {
-                convert(part, dt, converted, gt, static_cast<size_t>(len));
-                part = converted;
-              }
-              update_elements(a, bufs.data(), begin + b, len, part, gt);
-            }
+          [update = std::move(update), timed](int64_t begin, int64_t n, const void* g, DType dt) {
+            update(begin, n, g, dt);
           });
     };
     ++installed;
@@ -445,7 +494,64 @@ size_t Optimizer::begin_backward_step() {
   return installed;
 }
 
+GradPartConsumer Optimizer::part_updater(const ChunkArgs& a, std::vector<Tensor*> bufs,
+                                         DType gt) const {
+  return [this, a, bufs = std::move(bufs), gt](int64_t begin, int64_t n, const void* g, DType dt) {
+    const size_t in_size = dtype_size(dt);
+    alignas(32) char converted[kChunk * 8];
+    for (int64_t b = 0; b < n; b += kChunk) {
+      const int64_t len = std::min(kChunk, n - b);
+      const char* part = static_cast<const char*>(g) + b * static_cast<int64_t>(in_size);
+      if (dt != gt) {
+        convert(part, dt, converted, gt, static_cast<size_t>(len));
+        part = converted;
+      }
+      update_elements(a, bufs.data(), begin + b, len, part, gt);
+    }
+  };
+}
+
+DType Optimizer::grad_type(size_t i) const {
+  const Tensor& p = *params_[i].tensor;
+  const AutogradMeta* meta = p.autograd_meta().get();
+  return meta && meta->grad_dtype ? *meta->grad_dtype : p.dtype();
+}
+
+size_t Optimizer::defer_gradients() {
+  MANTISSA_CHECK(shards_.empty(), "deferred gradients with a sharded optimizer",
+                 "a shard's check needs the gradients reduced over every shard: use step()");
+  MANTISSA_ASSERT(!backward_step_, "defer_gradients during a step begun in the backward pass");
+  clear_deferrals();
+  deferred_.resize(params_.size());
+  size_t installed = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = *params_[i].tensor;
+    AutogradMeta* meta = p.autograd_meta().get();
+    if (!meta || !p.requires_grad() || !p.is_contiguous() || meta->grad) continue;
+    meta->defer_grad_parts = [this, i](GradPartProducer produce) {
+      deferred_[i] = std::move(produce);
+    };
+    ++installed;
+  }
+  return installed;
+}
+
+size_t Optimizer::deferred_gradients() const {
+  size_t n = 0;
+  for (const GradPartProducer& p : deferred_) n += p ? 1 : 0;
+  return n;
+}
+
+void Optimizer::clear_deferrals() {
+  deferred_.clear();
+  for (auto& p : params_) {
+    AutogradMeta* meta = p.tensor->autograd_meta().get();
+    if (meta) meta->defer_grad_parts = nullptr;
+  }
+}
+
 void Optimizer::zero_grad() {
+  clear_deferrals();
   for (auto& p : params_) p.tensor->zero_grad();
 }
 

@@ -88,6 +88,24 @@ class Optimizer {
   // many parameters got a consumer.
   size_t begin_backward_step();
 
+  // Gradients kept as what computes them, for a step that needs every gradient before it may
+  // change anything (the inf/NaN skip of loss scaling): each eligible parameter gets a deferral
+  // (AutogradMeta::defer_grad_parts), through which an op that computes its gradient in parts
+  // (a linear layer's weight gradient at a small batch) leaves a producer of the parts (its
+  // small operands, g and x) instead of the gradient; other ops store theirs as usual. step()
+  // then computes each deferred gradient twice in parts: in the read-only pass (inf/NaN and the
+  // sum of squares, in the parts' order) and, unless the step is skipped, in the update pass,
+  // where each part is applied while in cache, before the stored gradients. The parts are the
+  // bits the stored gradient would hold, so the step (and its skip) is the ordinary step's, bit
+  // for bit, clipping aside (the norm sums the parts in another order: the trainer defers only
+  // without clipping). An overflow anywhere, also in the last gradient the backward pass
+  // produces, skips the step before any parameter or state changes. The deferrals live until
+  // step() or zero_grad(). Eligible: contiguous parameters that require grad and have no
+  // gradient; not with shards or a step begun in the backward pass. Returns how many got one.
+  size_t defer_gradients();
+  // Parameters whose gradient is now kept as its producer.
+  size_t deferred_gradients() const;
+
   // FP32 master copies of the 16-bit parameters, made now from their current values (charged to
   // MemoryCategory::master_weights): the update runs on the masters and rounds each into its
   // 16-bit parameter in the same pass.
@@ -191,6 +209,12 @@ class Optimizer {
   void update_elements(const ChunkArgs& a, Tensor* const* bufs, int64_t b, int64_t n, const char* g,
                        DType gt) const;
   CastOptions rounding(size_t i, size_t buffer, int64_t begin) const;
+  // A consumer applying the update `a` to parts of parameter i's gradient (converted to the
+  // gradient's type gt first, as `grad` would hold them).
+  GradPartConsumer part_updater(const ChunkArgs& a, std::vector<Tensor*> bufs, DType gt) const;
+  // The type parameter i's gradient is held in.
+  DType grad_type(size_t i) const;
+  void clear_deferrals();
 
   // The shape of parameter i's state and master: the parameter's, or (sharded) its range's.
   Shape state_shape(size_t i) const;
@@ -202,7 +226,8 @@ class Optimizer {
   bool masters_enabled_ = false;
   bool kahan_ = false;
   std::optional<uint64_t> sr_seed_;
-  bool backward_step_ = false;  // begin_backward_step() ran; step() has not yet
+  bool backward_step_ = false;              // begin_backward_step() ran; step() has not yet
+  std::vector<GradPartProducer> deferred_;  // [param] when defer_gradients() ran, else empty
 };
 
 struct SgdOptions {

@@ -105,7 +105,10 @@ struct TrainConfig : amp::PrecisionChoices {
   // (optim::Optimizer::begin_backward_step), when a step needs nothing global (no clipping, no
   // loss scaling, no gradient accumulation, no anomaly detection, numerics report or
   // recomputation): the same arithmetic, bit for bit, and the gradients are not kept (lower peak
-  // memory). false: always the ordinary step after the backward pass.
+  // memory). Under loss scaling (otherwise the same conditions) the gradients that a linear
+  // layer computes in parts are kept as what computes them instead (optim::Optimizer::
+  // defer_gradients): the step's arithmetic and skips are the same, bit for bit, and those
+  // gradients are not held whole either. false: always the ordinary step after the backward pass.
   bool update_in_backward = true;
 
   // Time every layer's forward, every autograd node's backward and every parameter's update, and

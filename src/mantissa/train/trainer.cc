@@ -447,6 +447,10 @@ int64_t Trainer::micro_batches_per_step() const {
 // of step 1: each parameter is updated as soon as its gradient is complete
 // (Optimizer::begin_backward_step), so gradients do not pile up over the backward pass (a lower
 // peak) and each is read while it is still in cache; the arithmetic is the same, bit for bit.
+// Under loss scaling the same steps keep the gradients that an op computes in parts (a linear
+// layer's weight gradient at a small batch) as what computes them (Optimizer::defer_gradients):
+// the step computes them twice, to check and to apply, so no update is applied before every
+// gradient is known to be finite, and the largest gradients are never held whole.
 // With several ranks an update must wait for the gradient summed over the ranks, so every step
 // updates after the backward pass.
 double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
@@ -457,9 +461,11 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   if (config_.detect_anomaly) anomaly.emplace(/*inf_in_backward=*/!scaler_.has_value());
   nn::NumericsRecorder* numerics =
       numerics_ && step_ % config_.numerics_every == 0 ? numerics_.get() : nullptr;
-  const bool update_in_backward = config_.update_in_backward && N == 1 && !dp_ && !scaler_ &&
-                                  config_.max_grad_norm <= 0 && !numerics &&
-                                  !config_.detect_anomaly && !config_.recompute;
+  const bool local_step = config_.update_in_backward && N == 1 && !dp_ &&
+                          config_.max_grad_norm <= 0 && !numerics && !config_.detect_anomaly &&
+                          !config_.recompute;
+  const bool update_in_backward = local_step && !scaler_;
+  const bool defer_gradients = local_step && scaler_;
   double loss_sum = 0;
   for (int64_t f = 0; f < N; ++f) {
     // "running" keeps the mean so far, s = f/(f+1) s + g/(f+1): micro-batch f's loss is weighted
@@ -473,6 +479,7 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
     if (weight != 1.0) optim::scale_grads(optimizer_->params(), static_cast<float>(1.0 - weight));
     default_memory_tracker().set_phase("backward");
     if (update_in_backward) optimizer_->begin_backward_step();
+    if (defer_gradients) optimizer_->defer_gradients();
     {
       ProfileTimer timed("step", "", "backward");
       std::optional<dist::Reducer::NoSync> local;  // communication on the last micro-batch only
