@@ -12,6 +12,7 @@
 
 #include "mantissa/kernels/gemm.h"
 #include "mantissa/kernels/pool.h"
+#include "mantissa/kernels/quantize.h"
 #include "mantissa/kernels/vector_kernels.h"
 #include "mantissa/mantissa.h"
 #include "mantissa/optim/optim_kernels.h"
@@ -44,6 +45,11 @@ void call_every_family() {
   EXPECT_LT(p, 1.0f);
   // the FMA probe
   EXPECT_EQ(fma_chains(1, 1.0f, 0.0f, 1.0f, 0.0f), static_cast<float>(kFmaProbeLanes));
+  // quantize: 64 values to E4M3 with a scale
+  std::vector<uint8_t> q(x.size());
+  EXPECT_EQ(kernels::quantize_fp8(x.data(), DType::f32, q.data(), DType::e4m3, x.size(), 2.0f).amax,
+            1.5f);
+  EXPECT_EQ(q[0], 0x44);  // 3.0 = 1.1b x 2^1: exponent 1 + 7, mantissa 100
 }
 
 TEST(SimdDispatch, EveryFamilyAsksForThePathOfTheProcess) {

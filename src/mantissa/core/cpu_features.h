@@ -43,25 +43,26 @@ SimdPath active_simd_path();
 // The kernel families with a SIMD version: (enumerator, name, widest path it has, where). A family
 // runs the process's path, or its widest one when that is narrower (a family without AVX-512
 // kernels runs its AVX2 ones on an AVX-512 processor).
-#define MANTISSA_SIMD_FAMILIES(X)                                                            \
-  X(kConvert, "convert", kAvx2, "core/convert.cc: bulk conversion tables")                   \
-  X(kGemm, "gemm", kAvx512,                                                                  \
-    "kernels/gemm.cc: the 6 x 16 and 6 x 32 micro-kernels and packing transposes")           \
-  X(kVectorRows, "vector rows", kAvx2,                                                       \
-    "kernels/vector_kernels.cc: convolution rows, FMA rows, lane-split dot products, axpy, " \
-    "Winograd transforms")                                                                   \
-  X(kPooling, "pooling", kAvx2, "kernels/vector_kernels.cc: 2x2 stride-2 max pooling rows")  \
-  X(kOptimizer, "optimizer", kAvx2,                                                          \
-    "optim/optim.cc: the Adam/AdamW update and the sum of squares")                          \
-  X(kFmaProbe, "fma probe", kAvx512, "core/cpu_features.cc: fma_chains, the FMA ceiling's probe")
+#define MANTISSA_SIMD_FAMILIES(X)                                                                 \
+  X(kConvert, "convert", kAvx2, "core/convert.cc: bulk conversion tables")                        \
+  X(kGemm, "gemm", kAvx512,                                                                       \
+    "kernels/gemm.cc: the 6 x 16 and 6 x 32 micro-kernels and packing transposes")                \
+  X(kVectorRows, "vector rows", kAvx2,                                                            \
+    "kernels/vector_kernels.cc: convolution rows, FMA rows, lane-split dot products, axpy, "      \
+    "Winograd transforms")                                                                        \
+  X(kPooling, "pooling", kAvx2, "kernels/vector_kernels.cc: 2x2 stride-2 max pooling rows")       \
+  X(kOptimizer, "optimizer", kAvx2,                                                               \
+    "optim/optim.cc: the Adam/AdamW update and the sum of squares")                               \
+  X(kFmaProbe, "fma probe", kAvx512, "core/cpu_features.cc: fma_chains, the FMA ceiling's probe") \
+  X(kQuantize, "quantize", kAvx2, "kernels/quantize.cc: FP8 quantization with a scale, and amax")
 
 enum class SimdFamily : uint8_t {
 #define MANTISSA_SIMD_FAMILY_ENUM(e, name, widest, where) e,
   MANTISSA_SIMD_FAMILIES(MANTISSA_SIMD_FAMILY_ENUM)
 #undef MANTISSA_SIMD_FAMILY_ENUM
 };
-inline constexpr int kSimdFamilyCount = 6;
-static_assert(static_cast<int>(SimdFamily::kFmaProbe) + 1 == kSimdFamilyCount,
+inline constexpr int kSimdFamilyCount = 7;
+static_assert(static_cast<int>(SimdFamily::kQuantize) + 1 == kSimdFamilyCount,
               "a new SIMD family: update kSimdFamilyCount");
 
 std::string_view simd_family_name(SimdFamily f);
