@@ -68,7 +68,7 @@ constexpr const char* kTrainUsage =
     "  --prefetch N          batches the workers make ahead at most (default 2)\n"
     "precision (docs/mixed_precision.md):\n"
     "  --precision NAME      32-true (default), 16-mixed, bf16-mixed, 16-true, bf16-true, O0, O1,\n"
-    "                        O2, O3, 32.32, 16.32, 16.16\n"
+    "                        O2, O3, 32.32, 16.32, 16.16, fp8-hybrid, fp8-e4m3\n"
     "  --half-type T         fp16 (default) or bf16 for O1-O3, 16.32, 16.16\n"
     "  --keep-fp32 A,B       run these modules in FP32 (e.g. norm,fc2)\n"
     "  --half-modules A,B    run these modules in the 16-bit type\n"
@@ -85,6 +85,13 @@ constexpr const char* kTrainUsage =
     "  --partials T          accumulation type of matmul and convolution: fp32 (default), fp16\n"
     "  --accum-type T        gradient type (default: the parameter's)\n"
     "  --first-moment-type T --second-moment-type T   optimizer state: fp32, fp16, bf16\n"
+    "FP8 (fp8-hybrid: E4M3 inputs and weights, E5M2 gradients; fp8-e4m3: E4M3 for all):\n"
+    "  --fp8-scaling S       delayed (default: scale from the amax history) or current\n"
+    "  --fp8-amax-history N  steps of amax kept (default 1024)\n"
+    "  --fp8-amax-algo A     max (default) or most-recent\n"
+    "  --fp8-margin M        scale = (format max / amax) / 2^M (default 0)\n"
+    "  --fp8-keep-layers L   layers left in bf16: first, last, module paths, or none\n"
+    "                        (default first,last: the first and last conv/linear layers)\n"
     "debugging:\n"
     "  --detect-anomaly      check every op's output and gradient for inf/NaN; stop at the\n"
     "                        first with the op, module, dtype and input statistics (exit 4)\n"
@@ -222,6 +229,7 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
   const auto list = list_flag;
   const auto on = switch_flag;
   int64_t threads = 0, prefetch = 2, workers = 1;
+  bool fp8_keep_given = false;
   int64_t seed = 0;
   double wd = 0;
   bool wd_given = false;
@@ -298,6 +306,17 @@ int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostr
       {"--stochastic-outputs", on(c.stochastic_outputs, true)},
       {"--kahan", on(c.kahan, true)},
       {"--partials", str(c.partials)},
+      {"--fp8-scaling", str(c.fp8_scaling)},
+      {"--fp8-amax-history", i64("--fp8-amax-history", c.fp8_amax_history, 1)},
+      {"--fp8-amax-algo", str(c.fp8_amax_algo)},
+      {"--fp8-margin", i64("--fp8-margin", c.fp8_margin, 0)},
+      {"--fp8-keep-layers", Flag{true,
+                                 [&](const std::string& v) {
+                                   // The first use replaces the default (first,last).
+                                   if (!fp8_keep_given) c.fp8_keep_layers.clear();
+                                   fp8_keep_given = true;
+                                   list(c.fp8_keep_layers).apply(v);
+                                 }}},
       {"--accum-type", str(c.accum_type)},
       {"--first-moment-type", str(c.first_moment_type)},
       {"--second-moment-type", str(c.second_moment_type)},

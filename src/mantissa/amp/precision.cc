@@ -7,7 +7,7 @@
 namespace mantissa::amp {
 namespace {
 
-enum class Kind { kFp32, kMixed, kO2, kTrue, kHalfInput };
+enum class Kind { kFp32, kMixed, kO2, kTrue, kHalfInput, kFp8Hybrid, kFp8E4m3 };
 
 struct Entry {
   const char* name;
@@ -16,12 +16,20 @@ struct Entry {
 };
 
 const Entry kModes[] = {
-    {"32-true", Kind::kFp32, std::nullopt},    {"O0", Kind::kFp32, std::nullopt},
-    {"32.32", Kind::kFp32, std::nullopt},      {"16-mixed", Kind::kMixed, DType::f16},
-    {"bf16-mixed", Kind::kMixed, DType::bf16}, {"O1", Kind::kMixed, std::nullopt},
-    {"O2", Kind::kO2, std::nullopt},           {"16-true", Kind::kTrue, DType::f16},
-    {"bf16-true", Kind::kTrue, DType::bf16},   {"O3", Kind::kTrue, std::nullopt},
-    {"16.16", Kind::kTrue, std::nullopt},      {"16.32", Kind::kHalfInput, std::nullopt},
+    {"32-true", Kind::kFp32, std::nullopt},
+    {"O0", Kind::kFp32, std::nullopt},
+    {"32.32", Kind::kFp32, std::nullopt},
+    {"16-mixed", Kind::kMixed, DType::f16},
+    {"bf16-mixed", Kind::kMixed, DType::bf16},
+    {"O1", Kind::kMixed, std::nullopt},
+    {"O2", Kind::kO2, std::nullopt},
+    {"16-true", Kind::kTrue, DType::f16},
+    {"bf16-true", Kind::kTrue, DType::bf16},
+    {"O3", Kind::kTrue, std::nullopt},
+    {"16.16", Kind::kTrue, std::nullopt},
+    {"16.32", Kind::kHalfInput, std::nullopt},
+    {"fp8-hybrid", Kind::kFp8Hybrid, DType::bf16},
+    {"fp8-e4m3", Kind::kFp8E4m3, DType::bf16},
 };
 
 std::string scaling_str(const std::optional<LossScalerOptions>& s) {
@@ -63,7 +71,9 @@ PrecisionMode precision_mode(const std::string& name, std::optional<DType> half)
       !half || !entry->fixed_half || *half == *entry->fixed_half,
       "--precision " + name + " fixes the 16-bit type to " +
           std::string(dtype_name(*entry->fixed_half)),
-      "drop --half-type, or use the other name (16-mixed/bf16-mixed, 16-true/bf16-true)");
+      entry->kind == Kind::kFp8Hybrid || entry->kind == Kind::kFp8E4m3
+          ? "drop --half-type: the FP8 modes need no loss scaling, which FP16 would"
+          : "drop --half-type, or use the other name (16-mixed/bf16-mixed, 16-true/bf16-true)");
   MANTISSA_CHECK(!half || entry->kind != Kind::kFp32,
                  "--precision " + name + " uses no 16-bit type", "drop --half-type");
   PrecisionMode m;
@@ -94,6 +104,14 @@ PrecisionMode precision_mode(const std::string& name, std::optional<DType> half)
       break;
     case Kind::kHalfInput:  // the IPU guide's 16.32: 16-bit data, FP32 model
       m.input_dtype = m.half;
+      break;
+    // FP8 matrix ops in a bf16-mixed model. BF16 (fixed by the name) has FP32's range, so no
+    // loss scaling: the FP8 tensors have scales of their own, and a dynamic loss scale's overflow
+    // steps would put inf into their amax histories, freezing the scales for a history's length.
+    case Kind::kFp8Hybrid:
+    case Kind::kFp8E4m3:
+      m.autocast = true;
+      m.fp8_gradients = entry->kind == Kind::kFp8Hybrid ? DType::e5m2 : DType::e4m3;
       break;
   }
   return m;

@@ -1,7 +1,8 @@
 // Precision modes: every name users know (PyTorch Lightning's 32-true / 16-mixed / bf16-mixed /
 // 16-true / bf16-true, the Apex and MindSpore levels O0-O3, the IPU guide's input.model forms
-// 32.32 / 16.32 / 16.16) maps to one explicit set of settings, which the trainer applies and
-// prints. docs/mixed_precision.md has the table.
+// 32.32 / 16.32 / 16.16), and the FP8 modes of Transformer Engine's recipes (fp8-hybrid,
+// fp8-e4m3), maps to one explicit set of settings, which the trainer applies and prints.
+// docs/mixed_precision.md has the table.
 #pragma once
 
 #include <optional>
@@ -25,6 +26,9 @@ struct PrecisionMode {
   std::optional<LossScalerOptions> loss_scaling;  // the mode's default
   DType first_moment = DType::f32;   // optimizer state defaults (SGD momentum, Adam exp_avg)
   DType second_moment = DType::f32;  // Adam exp_avg_sq
+  // The FP8 modes (fp8-hybrid, fp8-e4m3): linear and conv2d take E4M3 inputs and weights and
+  // gradients in this format (amp/fp8.h); everything else as bf16-mixed.
+  std::optional<DType> fp8_gradients;
 
   // One line per setting, printed when training starts.
   std::string describe() const;

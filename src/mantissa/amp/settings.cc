@@ -47,6 +47,24 @@ ops::AutocastPolicy policy_of(const PrecisionChoices& c) {
   return policy;
 }
 
+// The FP8 modes' recipe from the --fp8-* flags, which only they take.
+std::optional<Fp8Recipe> fp8_recipe_of(const PrecisionChoices& c, const PrecisionMode& mode) {
+  if (!mode.fp8_gradients) {
+    const PrecisionChoices d;
+    MANTISSA_CHECK(c.fp8_scaling == d.fp8_scaling && c.fp8_amax_history == d.fp8_amax_history &&
+                       c.fp8_amax_algo == d.fp8_amax_algo && c.fp8_margin == d.fp8_margin &&
+                       c.fp8_keep_layers == d.fp8_keep_layers,
+                   "the --fp8-* options apply to the FP8 modes, not --precision " + mode.name,
+                   "use --precision fp8-hybrid or fp8-e4m3, or drop them");
+    return std::nullopt;
+  }
+  MANTISSA_CHECK(!c.stochastic_outputs,
+                 "--stochastic-outputs does not combine with --precision " + mode.name,
+                 "drop it: FP8 matrix ops round their outputs to nearest");
+  return make_fp8_recipe(*mode.fp8_gradients, c.fp8_scaling, c.fp8_amax_history, c.fp8_amax_algo,
+                         c.fp8_margin, c.fp8_keep_layers);
+}
+
 }  // namespace
 
 PrecisionSettings resolve_precision(const PrecisionChoices& c, uint64_t seed) {
@@ -63,6 +81,11 @@ PrecisionSettings resolve_precision(const PrecisionChoices& c, uint64_t seed) {
   if (!c.second_moment_type.empty())
     s.state_types.second_moment = parse_float_type(c.second_moment_type, "--second-moment-type");
   s.loss_scaling = loss_scaling_of(c, s.mode);
+  s.fp8 = fp8_recipe_of(c, s.mode);
+  MANTISSA_CHECK(!s.fp8 || !s.loss_scaling || !s.loss_scaling->dynamic,
+                 "--loss-scaling dynamic does not combine with --precision " + c.precision,
+                 "drop it: BF16 needs no loss scaling, and an overflow step's inf would stay in "
+                 "the FP8 amax histories, freezing their scales");
   MANTISSA_CHECK(!c.stochastic_outputs || s.mode.param_dtype != DType::f32 || s.mode.autocast,
                  "--stochastic-outputs needs 16-bit op outputs",
                  "use it with a 16-bit --precision (16-true, bf16-true, 16-mixed, ...)");
@@ -99,7 +122,8 @@ std::string PrecisionSettings::describe() const {
   return shown.describe() + ", partials " + partials_name(partials) +
          (stochastic_rounding_seed ? ", stochastic rounding" : "") +
          (kahan ? ", Kahan-compensated parameters" : "") +
-         (stochastic_outputs_seed ? ", stochastic op outputs" : "");
+         (stochastic_outputs_seed ? ", stochastic op outputs" : "") +
+         (fp8 ? ", fp8 linear and conv2d: " + fp8->describe() + ", fp32 accumulation" : "");
 }
 
 Tensor PrecisionSettings::loss_input(const Tensor& output) const {
@@ -130,10 +154,13 @@ void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optim
 }
 
 ForwardPrecision::ForwardPrecision(const PrecisionSettings& s, ops::AutocastLog* log,
-                                   uint64_t stochastic_stream)
+                                   uint64_t stochastic_stream, Fp8State* fp8)
     : partials_(s.partials) {
+  MANTISSA_CHECK(!s.fp8 || fp8, "--precision " + s.mode.name + " runs without its FP8 state",
+                 "make an amp::Fp8State(*settings.fp8, model) and pass it to ForwardPrecision");
   if (s.mode.autocast) autocast_.emplace(s.mode.half, s.policy, log);
   if (s.stochastic_outputs_seed) stochastic_.emplace(*s.stochastic_outputs_seed, stochastic_stream);
+  if (s.fp8) fp8_.emplace(*fp8);
 }
 
 }  // namespace mantissa::amp

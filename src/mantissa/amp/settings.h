@@ -7,7 +7,7 @@
 //                       and gradients, per-module precision, master weights, state types,
 //                       stochastic rounding);
 //   ForwardPrecision    the op context of each forward pass (automatic casting, partials,
-//                       stochastic op outputs).
+//                       stochastic op outputs, FP8 matrix ops).
 // docs/mixed_precision.md describes every setting.
 #pragma once
 
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "mantissa/amp/fp8.h"
 #include "mantissa/amp/loss_scaler.h"
 #include "mantissa/amp/precision.h"
 #include "mantissa/nn/module.h"
@@ -41,6 +42,12 @@ struct PrecisionChoices {
   bool kahan = false;
   std::string partials = "fp32";  // accumulation of matmul and convolution: fp32 | fp16
   std::string accum_type, first_moment_type, second_moment_type;  // "": the mode's default
+  // The FP8 modes' recipe (amp/fp8.h; Transformer Engine's DelayedScaling defaults).
+  std::string fp8_scaling = "delayed";  // delayed | current
+  int64_t fp8_amax_history = 1024;
+  std::string fp8_amax_algo = "max";  // max | most-recent
+  int64_t fp8_margin = 0;
+  std::vector<std::string> fp8_keep_layers = {"first", "last"};  // first, last, none, paths
 };
 
 struct PrecisionSettings {
@@ -57,6 +64,7 @@ struct PrecisionSettings {
   bool kahan = false;                                // Kahan-compensated 16-bit parameters
   std::vector<std::string> keep_fp32, half_modules;  // module paths
   ops::AutocastPolicy policy;                        // the op lists of automatic casting
+  std::optional<Fp8Recipe> fp8;                      // the FP8 modes' recipe
 
   // The line the trainer prints when it starts: the mode's settings with the overrides, e.g.
   // "precision 16-mixed: parameters f32, ..., optimizer state f32/f32, partials fp32".
@@ -81,11 +89,14 @@ PrecisionSettings resolve_precision(const PrecisionChoices& choices, uint64_t se
 void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optimizer& optimizer);
 
 // The op context of one forward pass under the settings, while alive: the partials, automatic
-// casting to the mode's 16-bit type (when the mode casts; `log` may be null), and stochastic
-// rounding of 16-bit op outputs (when on) from stream `stochastic_stream` of its seed.
+// casting to the mode's 16-bit type (when the mode casts; `log` may be null), stochastic
+// rounding of 16-bit op outputs (when on) from stream `stochastic_stream` of its seed, and the
+// FP8 matrix ops of an FP8 mode, scaled by `fp8` (required then; made by the run after
+// apply_precision: Fp8State(*s.fp8, model)).
 class ForwardPrecision {
  public:
-  ForwardPrecision(const PrecisionSettings& s, ops::AutocastLog* log, uint64_t stochastic_stream);
+  ForwardPrecision(const PrecisionSettings& s, ops::AutocastLog* log, uint64_t stochastic_stream,
+                   Fp8State* fp8 = nullptr);
   ForwardPrecision(const ForwardPrecision&) = delete;
   ForwardPrecision& operator=(const ForwardPrecision&) = delete;
 
@@ -93,6 +104,7 @@ class ForwardPrecision {
   ops::PartialsScope partials_;
   std::optional<ops::AutocastScope> autocast_;
   std::optional<ops::StochasticOutputsScope> stochastic_;
+  std::optional<ops::Fp8Scope> fp8_;
 };
 
 }  // namespace mantissa::amp

@@ -9,6 +9,7 @@
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
 #include "mantissa/io/html.h"
+#include "mantissa/kernels/quantize.h"
 #include "mantissa/nn/module.h"
 
 namespace mantissa::nn {
@@ -99,6 +100,13 @@ void NumericsRecorder::record_parameter_gradients(Module& model, double loss_sca
   }
 }
 
+void NumericsRecorder::record_fp8(const std::string& tensor, DType format, const Fp8Sample& s) {
+  Fp8Series& series = fp8_[tensor];
+  series.tensor = tensor;
+  series.format = format;
+  series.samples.push_back(s);
+}
+
 Log2Histogram NumericsRecorder::merged(const std::string& kind) const {
   Log2Histogram h;
   for (auto& [key, e] : entries_)
@@ -147,6 +155,32 @@ std::string NumericsRecorder::json() const {
           {"overflow", r.overflow}, {"underflow", r.underflow}, {"subnormal", r.subnormal}};
     }
     j["entries"].push_back(entry);
+  }
+  if (!fp8_.empty()) {
+    // FP32 values that may be infinite (an amax) as JSON numbers or null.
+    auto num = [](float v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
+    j["fp8"] = Json::array();
+    for (auto& [name, series] : fp8_) {
+      Json steps = Json::array(), amax = Json::array(), scale = Json::array(), next = Json::array(),
+           sat = Json::array(), flushed = Json::array();
+      for (const Fp8Sample& x : series.samples) {
+        steps.push_back(x.step);
+        amax.push_back(num(x.amax));
+        scale.push_back(num(x.scale));
+        next.push_back(num(x.next_scale));
+        sat.push_back(x.saturated);
+        flushed.push_back(x.flushed);
+      }
+      j["fp8"].push_back({{"tensor", name},
+                          {"format", std::string(dtype_name(series.format))},
+                          {"format_max", kernels::fp8_max(series.format)},
+                          {"step", steps},
+                          {"amax", amax},
+                          {"scale", scale},
+                          {"next_scale", next},
+                          {"saturated", sat},
+                          {"flushed", flushed}});
+    }
   }
   const ScaleAdvice a = suggested_loss_scale();
   j["suggested_loss_scale"] = {{"scale", a.scale},
@@ -228,7 +262,47 @@ std::string NumericsRecorder::html(const std::string& title) const {
         << pct(b16.underflow) << "</td></tr>\n";
     }
   }
-  h << "</table>" << io::html::kPageEnd;
+  h << "</table>\n" << fp8_html() << io::html::kPageEnd;
+  return h.str();
+}
+
+std::string NumericsRecorder::fp8_html() const {
+  if (fp8_.empty()) return {};
+  std::ostringstream h;
+  h << "<h2>FP8 scaling</h2>\n<p>Each tensor quantized to FP8 at the recorded steps: "
+       "<span style=\"color:#4e79a7\">its amax</span> and <span style=\"color:#e15759\">the "
+       "largest magnitude its scale lets through</span> (format max / scale), in powers of two. "
+       "Where the amax passes the limit, values saturate; the gap below it is range left unused "
+       "at the bottom, where small values flush to zero.</p>\n<table><tr><th>tensor</th><th>format"
+       "</th><th>last amax</th><th>last scale</th><th>saturated (max)</th><th>flushed (max)</th>"
+       "<th>amax and limit by step</th></tr>\n";
+  char buf[64];
+  for (auto& [name, series] : fp8_) {
+    const double fmax = kernels::fp8_max(series.format);
+    io::html::LineSeries amax{"amax", "#4e79a7", {}, {}, false},
+        limit{"format max / scale", "#e15759", {}, {}, true};
+    double sat = 0, flushed = 0;
+    for (const Fp8Sample& x : series.samples) {
+      amax.x.push_back(static_cast<double>(x.step));
+      amax.y.push_back(x.amax);  // an amax of zero or inf is left out of the chart
+      limit.x.push_back(static_cast<double>(x.step));
+      limit.y.push_back(fmax / x.scale);
+      sat = std::max(sat, x.saturated);
+      flushed = std::max(flushed, x.flushed);
+    }
+    io::html::LineChart chart;
+    chart.log2_y = true;
+    chart.series = {limit, amax};
+    const Fp8Sample& last = series.samples.back();
+    h << "<tr><td>" << io::html::escape(name) << "</td><td>" << dtype_name(series.format)
+      << "</td>";
+    std::snprintf(buf, sizeof buf, "%.4g", last.amax);
+    h << "<td>" << buf << "</td>";
+    std::snprintf(buf, sizeof buf, "%.4g", last.next_scale);
+    h << "<td>" << buf << "</td><td>" << pct(sat) << "</td><td>" << pct(flushed) << "</td><td>"
+      << io::html::line_chart(chart) << "</td></tr>\n";
+  }
+  h << "</table>\n";
   return h.str();
 }
 

@@ -58,6 +58,20 @@ struct NumericsEntry {
   Log2Histogram histogram;
 };
 
+// One FP8-scaled tensor at a recorded step (the FP8 modes, amp/fp8.h): its amax, the scale it was
+// quantized with and the one the next step uses, and the fractions of its values that saturated
+// or flushed to zero.
+struct Fp8Sample {
+  int64_t step = 0;
+  float amax = 0, scale = 1, next_scale = 1;
+  double saturated = 0, flushed = 0;
+};
+struct Fp8Series {
+  std::string tensor;  // "conv2.input"
+  DType format = DType::e4m3;
+  std::vector<Fp8Sample> samples;
+};
+
 class NumericsRecorder {
  public:
   void record(const std::string& layer, const std::string& kind, const Tensor& t,
@@ -65,6 +79,10 @@ class NumericsRecorder {
   // Every parameter's gradient, unscaled by 1/loss_scale.
   void record_parameter_gradients(Module& model, double loss_scale);
   void count_step() { ++steps_; }
+  // A recorded step of an FP8 tensor; the report charts each tensor's amax against the largest
+  // value its scale lets through (format max / scale).
+  void record_fp8(const std::string& tensor, DType format, const Fp8Sample& s);
+  const std::map<std::string, Fp8Series>& fp8() const { return fp8_; }
   int64_t steps() const { return steps_; }
   const std::map<std::pair<std::string, std::string>, NumericsEntry>& entries() const {
     return entries_;
@@ -82,10 +100,12 @@ class NumericsRecorder {
 
   std::string json() const;
   std::string html(const std::string& title) const;
+  std::string fp8_html() const;  // the FP8 section of the page ("" without FP8 tensors)
   double gradient_scale() const { return gradient_scale_; }
 
  private:
   std::map<std::pair<std::string, std::string>, NumericsEntry> entries_;
+  std::map<std::string, Fp8Series> fp8_;
   int64_t steps_ = 0;
   // Loss-scaled gradients are recorded unscaled: the scale of the step being recorded.
   friend class NumericsScope;

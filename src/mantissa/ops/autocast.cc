@@ -30,6 +30,7 @@ struct Context {
   bool stochastic = false;
   uint64_t sr_seed = 0, sr_stream = 0;
   bool in_op = false;  // an OpCall is active: nested ops run as called
+  Fp8Provider* fp8 = nullptr;
 };
 
 thread_local Context ctx;
@@ -205,6 +206,9 @@ StochasticOutputsScope::~StochasticOutputsScope() {
   ctx.sr_stream = previous_stream_;
 }
 
+Fp8Scope::Fp8Scope(Fp8Provider& provider) : previous_(ctx.fp8) { ctx.fp8 = &provider; }
+Fp8Scope::~Fp8Scope() { ctx.fp8 = previous_; }
+
 // ---- Snapshots (recomputation) ----
 
 struct OpContextSnapshot::Data {
@@ -239,6 +243,7 @@ OpContextRestore::OpContextRestore(const OpContextSnapshot& s) : saved_(std::mak
   ctx.sr_seed = want.sr_seed;
   ctx.sr_stream = want.sr_stream;
   ctx.in_op = false;
+  ctx.fp8 = want.fp8;
   if (ctx.autocast && !ctx.cache) {
     saved_->cache = std::make_unique<CastCache>();
     ctx.cache = saved_->cache.get();
@@ -363,26 +368,31 @@ Tensor OpCall::finish(Tensor y) {
   return y;
 }
 
-void OpCall::check_output(const Tensor& y) const {
+namespace {
+
+// Anomaly detection's forward check: `inputs` as the op ran on them, `originals` as its caller
+// passed them (automatic casting may have cast them).
+void check_output_of(OpId op, const Tensor& y, const std::vector<Tensor>& inputs,
+                     const std::vector<Tensor>& originals) {
   const int64_t bad = autograd::count_nonfinite(y);
   if (bad == 0) return;
   const std::string& path = current_module_path();
-  std::string msg = "anomaly in forward: " + std::string(op_info(op_).name) +
+  std::string msg = "anomaly in forward: " + std::string(op_info(op).name) +
                     (path.empty() ? " outside any module" : " in module '" + path + "'") +
                     " produced " + std::to_string(bad) + " inf/nan values (" +
                     autograd::describe_values(y) + ")";
   int64_t bad_inputs = 0, bad_originals = 0;
-  for (size_t i = 0; i < inputs_.size(); ++i) {
-    if (!inputs_[i].defined()) continue;
-    msg += "\n  input " + std::to_string(i) + ": " + autograd::describe_values(inputs_[i]);
-    if (originals_[i].dtype() != inputs_[i].dtype())
-      msg += " (cast by autocast from " + autograd::describe_values(originals_[i]) + ")";
-    bad_inputs += autograd::count_nonfinite(inputs_[i]);
-    bad_originals += autograd::count_nonfinite(originals_[i]);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) continue;
+    msg += "\n  input " + std::to_string(i) + ": " + autograd::describe_values(inputs[i]);
+    if (originals[i].dtype() != inputs[i].dtype())
+      msg += " (cast by autocast from " + autograd::describe_values(originals[i]) + ")";
+    bad_inputs += autograd::count_nonfinite(inputs[i]);
+    bad_originals += autograd::count_nonfinite(originals[i]);
   }
   std::string hint;
   if (bad_inputs > 0 && bad_originals == 0)
-    hint = "automatic casting overflowed an input: put " + std::string(op_info(op_).name) +
+    hint = "automatic casting overflowed an input: put " + std::string(op_info(op).name) +
            " on the FP32 list (--autocast-fp32-list), or keep this module in FP32";
   else if (bad_inputs > 0)
     hint = "its inputs were already inf/nan, from outside any op (the data, or the parameters)";
@@ -394,6 +404,19 @@ void OpCall::check_output(const Tensor& y) const {
   else
     hint = "lower the learning rate, or clip gradients (--max-grad-norm)";
   throw autograd::AnomalyError(msg, hint);
+}
+
+}  // namespace
+
+void OpCall::check_output(const Tensor& y) const { check_output_of(op_, y, inputs_, originals_); }
+
+void check_output(OpId op, const Tensor& y, const std::vector<Tensor>& inputs) {
+  check_output_of(op, y, inputs, inputs);
+}
+
+std::optional<Fp8OpScaling> fp8_scaling() {
+  if (!ctx.fp8 || !ctx.autocast || ctx.in_op) return std::nullopt;
+  return ctx.fp8->scaling(current_module_path());
 }
 
 }  // namespace detail

@@ -27,6 +27,7 @@
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/tensor.h"
 #include "mantissa/kernels/gemm.h"
+#include "mantissa/kernels/quantize.h"
 #include "mantissa/ops/op_table.h"
 
 namespace mantissa::ops {
@@ -149,6 +150,52 @@ class StochasticOutputsScope {
   uint64_t previous_seed_, previous_stream_;
 };
 
+// ---- FP8 matrix ops ----
+// While an Fp8Scope is alive on a thread and automatic casting is on, linear and conv2d run in FP8
+// in every module the scope's provider names (ops.cc, "the FP8 path"): their input and weight
+// are quantized, each with its own scale, to an FP8 format, multiplied exactly and accumulated in
+// FP32, and the product scaled back by the inverse scales; in the backward pass the gradient of
+// their output is quantized too. amp/fp8.h provides the scales and keeps their history
+// (docs/mixed_precision.md, "FP8 training").
+
+// One quantized tensor of one module's matrix op (its input, weight or output gradient): the
+// format, the scale to quantize with, and where the quantization's statistics go.
+class Fp8Tensor {
+ public:
+  virtual ~Fp8Tensor() = default;
+  virtual DType format() const = 0;  // e4m3 or e5m2
+  // Whether scale() needs the tensor's own amax (current scaling: one more read of the tensor).
+  virtual bool needs_amax() const = 0;
+  // The scale (finite, positive) to quantize a tensor whose amax is `amax` with.
+  virtual float scale(float amax) const = 0;
+  // What quantizing with `scale` saw (amax, saturated and flushed values).
+  virtual void record(const kernels::QuantizeStats& stats, float scale) = 0;
+};
+
+struct Fp8OpScaling {
+  std::shared_ptr<Fp8Tensor> input, weight, grad_output;
+};
+
+class Fp8Provider {
+ public:
+  virtual ~Fp8Provider() = default;
+  // The scaling of the matrix op running in the module at `module_path`, or nullopt when that
+  // module keeps its matrix ops in the 16-bit type.
+  virtual std::optional<Fp8OpScaling> scaling(const std::string& module_path) = 0;
+};
+
+// FP8 matrix ops from `provider` (which must outlive the scope) on this thread while alive.
+class Fp8Scope {
+ public:
+  explicit Fp8Scope(Fp8Provider& provider);
+  ~Fp8Scope();
+  Fp8Scope(const Fp8Scope&) = delete;
+  Fp8Scope& operator=(const Fp8Scope&) = delete;
+
+ private:
+  Fp8Provider* previous_;
+};
+
 // The op context of this thread (autocast type and policy, partials, stochastic outputs and
 // their stream counter), saved when a block's forward starts and put back to run it again for
 // recomputation: the same ops then make the same values. The log is not kept (each decision was
@@ -175,6 +222,15 @@ class OpContextRestore {
 };
 
 namespace detail {
+
+// The FP8 scaling of a matrix op called now: an Fp8Scope is alive, automatic casting is on (a
+// module with a precision of its own runs without either), no other op's call is active, and the
+// provider names the running module. nullopt: the op runs as usual.
+std::optional<Fp8OpScaling> fp8_scaling();
+
+// Anomaly detection of an op's output computed outside OpCall (the FP8 path): throws
+// autograd::AnomalyError naming the op, the module and the inputs when `y` holds inf or NaN.
+void check_output(OpId op, const Tensor& y, const std::vector<Tensor>& inputs);
 
 // What an op does at its entry: the inputs it should use (cast where the policy says), the
 // options (output dtype and partials resolved), and at its exit the output it should return.

@@ -186,11 +186,126 @@ Tensor loss_output(Tensor y, const OpOptions& opt) {
   return opt.out && *opt.out != y.dtype() ? kernels::cast(y, *opt.out) : y;
 }
 
+// ---- The FP8 path of linear and conv2d (ops::Fp8Scope, amp/fp8.h) ----
+//
+// An FP8 matrix product with FP32 accumulation, as FP8 hardware computes it: each operand is
+// quantized with its tensor's scale (kernels/quantize.h), the FP8 values are multiplied exactly
+// (a product of two FP8 values has at most 8 significant bits) and summed in FP32, and the sum is
+// multiplied by the product of the operands' inverse scales (the GEMM's alpha), then the bias
+// added (the epilogue). Emulated with the 16-bit kernels: the FP8 copies are widened exactly to
+// BF16, whose products are exact in FP32 too, and the kernels accumulate in FP32 (no path
+// converts BF16 operands further: Winograd takes FP32 operands only). The backward pass
+// quantizes the output's gradient and multiplies it with the FP8 copies the forward pass kept
+// (one byte an element); the bias's gradient is the sum of the unquantized gradient.
+
+// An operand in FP8 and the inverse of the scale it was quantized with.
+struct Fp8Operand {
+  Tensor q;
+  float scale_inv = 1;
+};
+
+Fp8Operand quantized(const Tensor& t, Fp8Tensor& s) {
+  const float scale = s.scale(s.needs_amax() ? kernels::amax(t) : 0.0f);
+  kernels::QuantizeStats stats;
+  Fp8Operand o{kernels::quantize(t, s.format(), scale, &stats), 1.0f / scale};
+  s.record(stats, scale);
+  return o;
+}
+
+// The FP8 values in BF16, exactly: what the kernels multiply.
+Tensor widened(const Fp8Operand& o) {
+  return kernels::cast(o.q, DType::bf16, {}, MemoryCategory::workspace);
+}
+
+Tensor fp8_linear(const Tensor& x, const Tensor& w, const Tensor& b, const Fp8OpScaling& sc,
+                  const OpOptions& opt) {
+  const Tensor bd = b.defined() ? b.detach() : Tensor();
+  const Fp8Operand qx = quantized(x.detach(), *sc.input), qw = quantized(w.detach(), *sc.weight);
+  const int64_t in = w.size(1), outf = w.size(0), rows = x.numel() / std::max<int64_t>(in, 1);
+  const Tensor acc = kernels::linear(widened(qx).reshape({rows, in}), widened(qw), Tensor(),
+                                     DType::f32, Partials::kF32);  // (rows, out)
+  Shape ys = x.shape();
+  ys.back() = outf;
+  Tensor y = kernels::fp8_epilogue(acc, qx.scale_inv * qw.scale_inv, bd, 1,
+                                   opt.out.value_or(autocast_dtype()))
+                 .view(ys);
+  count_macs(y.numel() * in);
+  if (autograd::detect_anomaly()) detail::check_output(OpId::linear, y, {x, w, b});
+  const Shape xs = x.shape();
+  std::shared_ptr<Fp8Tensor> gs = sc.grad_output;
+  return recorded(
+      y, OpId::linear, {&x, &w, &b},
+      [qx, qw, gs, xs, rows, in, outf](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        std::vector<Tensor> out(3);
+        const Tensor g2 = g.reshape({rows, outf});
+        if (n.needs_input_grad(0) || n.needs_input_grad(1)) {
+          const Fp8Operand qg = quantized(g2, *gs);
+          const Tensor gd = widened(qg);
+          if (n.needs_input_grad(0)) {  // dx = g w
+            const Tensor acc = kernels::matmul(gd, widened(qw), DType::f32, Partials::kF32,
+                                               MemoryCategory::gradients);
+            out[0] = kernels::fp8_epilogue(acc, qg.scale_inv * qw.scale_inv, Tensor(), -1,
+                                           n.input_dtype(0), MemoryCategory::gradients)
+                         .view(xs);
+          }
+          if (n.needs_input_grad(1)) {  // dw = g^T x
+            const Tensor acc =
+                kernels::matmul(gd.transpose(0, 1), widened(qx).reshape({rows, in}), DType::f32,
+                                Partials::kF32, MemoryCategory::gradients);
+            out[1] = kernels::fp8_epilogue(acc, qg.scale_inv * qx.scale_inv, Tensor(), -1,
+                                           n.input_dtype(1), MemoryCategory::gradients);
+          }
+        }
+        if (n.needs_input_grad(2))
+          out[2] = kernels::sum(g2, {0}, false, n.input_dtype(2), MemoryCategory::gradients);
+        return out;
+      });
+}
+
+Tensor fp8_conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dParams& prm,
+                  const Fp8OpScaling& sc, const OpOptions& opt) {
+  const Tensor bd = b.defined() ? b.detach() : Tensor();
+  const Fp8Operand qx = quantized(x.detach(), *sc.input), qw = quantized(w.detach(), *sc.weight);
+  const Tensor acc =
+      kernels::conv2d(widened(qx), widened(qw), Tensor(), prm, DType::f32, Partials::kF32);
+  Tensor y = kernels::fp8_epilogue(acc, qx.scale_inv * qw.scale_inv, bd, 1,
+                                   opt.out.value_or(autocast_dtype()));
+  count_macs(y.numel() * w.size(1) * w.size(2) * w.size(3));
+  if (autograd::detect_anomaly()) detail::check_output(OpId::conv2d, y, {x, w, b});
+  const Shape xs = x.shape(), wsh = w.shape();
+  std::shared_ptr<Fp8Tensor> gs = sc.grad_output;
+  return recorded(
+      y, OpId::conv2d, {&x, &w, &b},
+      [qx, qw, gs, xs, wsh, prm](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+        std::vector<Tensor> out(3);
+        if (n.needs_input_grad(0) || n.needs_input_grad(1)) {
+          const Fp8Operand qg = quantized(g, *gs);
+          const Tensor gd = widened(qg);
+          if (n.needs_input_grad(0)) {
+            const Tensor acc = kernels::conv2d_backward_input(gd, widened(qw), xs, prm, DType::f32,
+                                                              Partials::kF32);
+            out[0] = kernels::fp8_epilogue(acc, qg.scale_inv * qw.scale_inv, Tensor(), -1,
+                                           n.input_dtype(0), MemoryCategory::gradients);
+          }
+          if (n.needs_input_grad(1)) {
+            const Tensor acc = kernels::conv2d_backward_weight(gd, widened(qx), wsh, prm,
+                                                               DType::f32, Partials::kF32);
+            out[1] = kernels::fp8_epilogue(acc, qg.scale_inv * qx.scale_inv, Tensor(), -1,
+                                           n.input_dtype(1), MemoryCategory::gradients);
+          }
+        }
+        if (n.needs_input_grad(2))
+          out[2] = kernels::sum(g, {0, 2, 3}, false, n.input_dtype(2), MemoryCategory::gradients);
+        return out;
+      });
+}
+
 }  // namespace
 
 // ---- Matrix ops ----
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions& opt) {
+  if (const auto fp8 = detail::fp8_scaling()) return fp8_linear(x, w, b, *fp8, opt);
   detail::OpCall call(OpId::linear, opt, {&x, &w, &b});
   if (call.active()) return call.finish(linear(call.in(0), call.in(1), call.in(2), call.options()));
   const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
@@ -267,6 +382,7 @@ Tensor matmul(const Tensor& a, const Tensor& b, const OpOptions& opt) {
 
 Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dParams& prm,
               const OpOptions& opt) {
+  if (const auto fp8 = detail::fp8_scaling()) return fp8_conv2d(x, w, b, prm, *fp8, opt);
   detail::OpCall call(OpId::conv2d, opt, {&x, &w, &b});
   if (call.active())
     return call.finish(conv2d(call.in(0), call.in(1), call.in(2), prm, call.options()));

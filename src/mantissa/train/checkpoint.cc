@@ -96,7 +96,8 @@ void check_model(const io::SafetensorsFile& f, const std::string& path, const Ch
 void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                      const optim::Optimizer& optimizer, const amp::LossScaler* scaler, int64_t step,
                      const std::vector<float>& step_losses,
-                     const std::vector<std::pair<std::string, Tensor>>* optimizer_state) {
+                     const std::vector<std::pair<std::string, Tensor>>* optimizer_state,
+                     const amp::Fp8State* fp8) {
   std::vector<std::pair<std::string, Tensor>> tensors = model.state_dict();
   for (auto& [name, t] : optimizer_state ? *optimizer_state : optimizer.state_tensors())
     tensors.emplace_back(kOptimizerPrefix + name, t);
@@ -128,13 +129,14 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
   }
   if (run.world_size > 1) m["world_size"] = std::to_string(run.world_size);
   if (scaler) m["loss_scaler"] = scaler->to_json();
+  if (fp8) m["fp8"] = fp8->to_json();
   if (optimizer.stochastic_rounding())
     m["stochastic_rounding_seed"] = std::to_string(*optimizer.stochastic_rounding());
   io::save_safetensors(path, tensors, m);
 }
 
 Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
-                        optim::Optimizer& optimizer, amp::LossScaler* scaler) {
+                        optim::Optimizer& optimizer, amp::LossScaler* scaler, amp::Fp8State* fp8) {
   const io::SafetensorsFile f = io::load_safetensors(path);
   MANTISSA_CHECK(meta(f, "format", path) == kFormat,
                  path + " has checkpoint format '" + meta(f, "format", path) + "'",
@@ -179,6 +181,10 @@ Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::C
                  path + (scaler ? " holds no loss-scaler state" : " holds loss-scaler state"),
                  "resume with the --loss-scaling of the original run");
   if (scaler) scaler->load_json(f.metadata.at("loss_scaler"), path);
+  MANTISSA_CHECK(f.metadata.count("fp8") == (fp8 ? 1u : 0u),
+                 path + (fp8 ? " holds no FP8 state" : " holds FP8 state"),
+                 "resume with the --precision of the original run");
+  if (fp8) fp8->load_json(f.metadata.at("fp8"), path);
   try {
     model.load_state_dict(model_tensors(f), path);
   } catch (const OutOfMemoryError&) {

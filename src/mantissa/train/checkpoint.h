@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "mantissa/amp/fp8.h"
 #include "mantissa/amp/loss_scaler.h"
 #include "mantissa/nn/models.h"
 #include "mantissa/optim/optim.h"
@@ -36,25 +37,28 @@ struct CheckpointRun {
   int64_t synthetic_size = 0;  // the synthetic dataset is made from the seed and its size
 };
 
-// The training state a checkpoint holds. `scaler` is null when the run has no loss scaling.
+// The training state a checkpoint holds. `scaler` is null when the run has no loss scaling, `fp8`
+// when it has no FP8 state (the FP8 modes' scales and amax histories, in the metadata).
 // `optimizer_state`: the optimizer's state tensors as an unsharded optimizer names them, when the
 // optimizer holds only a shard (ZeRO: gathered from every rank first); null: its own.
 void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                      const optim::Optimizer& optimizer, const amp::LossScaler* scaler, int64_t step,
                      const std::vector<float>& step_losses,
-                     const std::vector<std::pair<std::string, Tensor>>* optimizer_state = nullptr);
+                     const std::vector<std::pair<std::string, Tensor>>* optimizer_state = nullptr,
+                     const amp::Fp8State* fp8 = nullptr);
 
-// Restores a checkpoint into the run's model, optimizer and scaler after checking that it is one
-// of this run (the same model, image size, optimizer, precision, global batch and loss scaling;
-// any number of ranks), and returns its step count and losses. Throws naming the first thing that
-// differs and the setting that resumes it; for a different model, the first tensor that does not
-// match.
+// Restores a checkpoint into the run's model, optimizer, scaler and FP8 state after checking that
+// it is one of this run (the same model, image size, optimizer, precision, global batch, loss
+// scaling and FP8 recipe; any number of ranks), and returns its step count and losses. Throws
+// naming the first thing that differs and the setting that resumes it; for a different model, the
+// first tensor that does not match.
 struct Resumed {
   int64_t step = 0;
   std::vector<float> step_losses;
 };
 Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
-                        optim::Optimizer& optimizer, amp::LossScaler* scaler);
+                        optim::Optimizer& optimizer, amp::LossScaler* scaler,
+                        amp::Fp8State* fp8 = nullptr);
 
 // Copies the model's tensors from a safetensors file with PyTorch names (a checkpoint's optimizer
 // entries are ignored); names the file and the first tensor that does not fit.

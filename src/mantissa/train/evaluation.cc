@@ -22,7 +22,7 @@ int64_t count_correct(const Tensor& out, const Tensor& labels) {
 }
 
 EvalResult evaluate_model(nn::Classifier& m, data::Loader& loader,
-                          const amp::PrecisionSettings* precision) {
+                          const amp::PrecisionSettings* precision, ops::Fp8Provider* fp8) {
   autograd::NoGradGuard no_grad;
   const bool was_training = m.is_training();
   m.eval();
@@ -34,6 +34,8 @@ EvalResult evaluate_model(nn::Classifier& m, data::Loader& loader,
     std::optional<ops::AutocastScope> autocast;
     if (precision && precision->mode.autocast)
       autocast.emplace(precision->mode.half, precision->policy);
+    std::optional<ops::Fp8Scope> fp8_ops;
+    if (fp8) fp8_ops.emplace(*fp8);
     Tensor out = m(batch->images);
     if (precision) out = precision->loss_input(out);
     loss_sum += m.loss(out, batch->labels).item() * static_cast<double>(batch->labels.size(0));

@@ -316,6 +316,27 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
   } else {
     j["loss_scale"] = nullptr;
   }
+  if (const std::optional<amp::Fp8Recipe>& fp8 = s.precision.fp8) {
+    json tensors = json::array();
+    for (const amp::Fp8TensorReport& t : r.fp8)
+      tensors.push_back({{"name", t.name},
+                         {"format", std::string(dtype_name(t.format))},
+                         {"scale", t.scale},
+                         {"amax", std::isfinite(t.amax) ? json(t.amax) : json(nullptr)},
+                         {"values", t.count},
+                         {"saturated_fraction", t.saturated},
+                         {"flushed_fraction", t.flushed}});
+    j["fp8"] = {{"forward_format", std::string(dtype_name(fp8->forward))},
+                {"gradient_format", std::string(dtype_name(fp8->backward))},
+                {"scaling", amp::fp8_scaling_name(fp8->scaling)},
+                {"amax_history", fp8->amax_history},
+                {"amax_algo", amp::fp8_amax_algo_name(fp8->amax_algo)},
+                {"margin", fp8->margin},
+                {"keep_layers", fp8->keep},
+                {"tensors", tensors}};
+  } else {
+    j["fp8"] = nullptr;
+  }
   return j.dump(2) + "\n";
 }
 

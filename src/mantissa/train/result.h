@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "mantissa/amp/fp8.h"
 #include "mantissa/amp/loss_scaler.h"
 #include "mantissa/core/memory.h"
 #include "mantissa/core/profiler.h"
@@ -73,6 +74,8 @@ struct TrainResult {
   int64_t skipped_steps = 0;
   std::vector<amp::ScaleChange> loss_scale_history;
   std::vector<int64_t> skipped;  // the optimizer steps (1-based) of this run that were skipped
+  // The FP8 modes: every scaled tensor's final scale, last amax and last step's range fractions.
+  std::vector<amp::Fp8TensorReport> fp8;
   // The pipeline: calls of the training step, bytes of input handed over, and the host's own
   // time per optimizer step (the loop less the step's compute and the wait for data).
   int64_t calls = 0;

@@ -134,6 +134,7 @@ void Trainer::set_up() {
   // stochastic rounding (amp/settings.h).
   optimizer_ = make_optimizer(config_, run_, model_->named_parameters());
   amp::apply_precision(run_.precision, *model_, *optimizer_);
+  if (run_.precision.fp8) fp8_ = std::make_unique<amp::Fp8State>(*run_.precision.fp8, *model_);
   apply_levers();
   if (config_.sync_batchnorm) {
     bool has = false;
@@ -213,6 +214,7 @@ TrainResult Trainer::run() {
     r.skipped = skipped_;
   }
   r.step_losses = step_losses_;
+  if (fp8_) r.fp8 = fp8_->report();
   // Save, also when stopped on request; evaluate unless stopped.
   if (!config_.save.empty()) save_checkpoint(config_.save);
   if (r.interrupted && streams_.out)
@@ -523,6 +525,15 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
     ProfileTimer timed("step", "", "zero_grad");
     optimizer_->zero_grad();
   }
+  // FP8 scales for the next step from this step's amaxes; under data parallelism the amaxes are
+  // MAX-reduced across the ranks first, so every rank quantizes with the same scales.
+  if (fp8_) {
+    if (dp_) {
+      ProfileTimer timed("step", "", "communication");
+      fp8_->reduce_amax(*comm_);
+    }
+    fp8_->end_step(step_ + 1, numerics);
+  }
   default_memory_tracker().set_phase("");
   compute_seconds_ += seconds_since(t0);
   return loss_sum;
@@ -538,7 +549,8 @@ Tensor Trainer::forward_loss(const data::Batch& batch, int64_t micro_batch, Tens
       run_.precision, log_.get(),
       static_cast<uint64_t>((step_ * config_.gradient_accumulation + micro_batch) * world_size() +
                             rank())
-          << 24);
+          << 24,
+      fp8_.get());
   {
     // The model's cost is counted on the run's first forward.
     std::optional<MacCounter> macs;
@@ -555,7 +567,11 @@ Tensor Trainer::forward_loss(const data::Batch& batch, int64_t micro_batch, Tens
 
 double Trainer::evaluate(int64_t* examples) {
   std::unique_ptr<data::Loader> test = data_->test_loader();
-  EvalResult r = test ? evaluate_model(*model_, *test, &run_.precision) : EvalResult{};
+  // The FP8 modes evaluate in FP8 with the scales training left.
+  std::optional<amp::Fp8Frozen> fp8;
+  if (fp8_) fp8.emplace(*fp8_);
+  EvalResult r =
+      test ? evaluate_model(*model_, *test, &run_.precision, fp8 ? &*fp8 : nullptr) : EvalResult{};
   if (dp_) {
     // Each rank evaluated its slice of every test batch: the counts over the ranks.
     std::vector<double> v{static_cast<double>(r.correct), static_cast<double>(r.examples)};
@@ -592,11 +608,12 @@ void Trainer::save_checkpoint(const std::string& path) const {
   if (rank() != 0) return;
   train::save_checkpoint(path, checkpoint_run(), *model_, *optimizer_,
                          scaler_ ? &*scaler_ : nullptr, step_, step_losses_,
-                         gathered ? &*gathered : nullptr);
+                         gathered ? &*gathered : nullptr, fp8_.get());
 }
 
 void Trainer::load_checkpoint(const std::string& path) {
-  Resumed r = train::load_checkpoint(path, checkpoint_run(), *model_, *optimizer_, loss_scaler());
+  Resumed r = train::load_checkpoint(path, checkpoint_run(), *model_, *optimizer_, loss_scaler(),
+                                     fp8_.get());
   step_ = r.step;
   step_losses_ = std::move(r.step_losses);
 }

@@ -91,6 +91,8 @@ class Trainer {
   const amp::PrecisionMode& precision() const { return run_.precision.mode; }
   const amp::PrecisionSettings& precision_settings() const { return run_.precision; }
   amp::LossScaler* loss_scaler() { return scaler_ ? &*scaler_ : nullptr; }
+  // The FP8 modes' scaling state (null in the other modes).
+  amp::Fp8State* fp8_state() { return fp8_.get(); }
   const ops::AutocastPolicy& autocast_policy() const { return run_.precision.policy; }
   const ops::AutocastLog& autocast_log() const { return *log_; }
   const TrainConfig& config() const { return config_; }
@@ -147,6 +149,7 @@ class Trainer {
   optim::LrSchedule schedule_;
   std::unique_ptr<data::Loader> loader_;
   std::optional<amp::LossScaler> scaler_;
+  std::unique_ptr<amp::Fp8State> fp8_;
   std::unique_ptr<ops::AutocastLog> log_;
   int64_t step_ = 0;
   std::vector<float> step_losses_;
