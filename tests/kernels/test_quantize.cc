@@ -412,6 +412,16 @@ TEST(Quantize, EpilogueScalesThenAddsTheChannelBias) {
     }
     EXPECT_TRUE(std::signbit(none[0]));
   }
+  // In place (FP32, no bias): the same bits, in the accumulator's own buffer.
+  Tensor in_place = Tensor::from_floats(acc, {2, 3, 5});
+  const void* buffer = in_place.data_ptr();
+  kernels::fp8_epilogue_in_place(in_place, s);
+  EXPECT_EQ(in_place.data_ptr(), buffer);
+  const std::vector<float> want =
+      kernels::fp8_epilogue(a, s, Tensor(), -1, DType::f32).to_float_vector();
+  const std::vector<float> got = in_place.to_float_vector();
+  for (size_t i = 0; i < acc.size(); ++i)
+    EXPECT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i])) << i;
 }
 
 }  // namespace

@@ -226,6 +226,16 @@ float amax(const Tensor& x) {
   return m;
 }
 
+void fp8_epilogue_in_place(Tensor& acc, float scale_inv) {
+  MANTISSA_ASSERT(acc.dtype() == DType::f32 && acc.is_contiguous(),
+                  "the FP8 epilogue takes a contiguous FP32 accumulator");
+  const int64_t n = acc.numel();
+  float* a = acc.data<float>();
+  parallel_for(static_cast<size_t>(n), 1024, threads_for(n), [&](size_t b0, size_t b1) {
+    for (size_t i = b0; i < b1; ++i) a[i] *= scale_inv;
+  });
+}
+
 Tensor fp8_epilogue(const Tensor& acc, float scale_inv, const Tensor& bias, int64_t channel_dim,
                     DType out, MemoryCategory cat) {
   MANTISSA_ASSERT(acc.dtype() == DType::f32 && acc.is_contiguous(),

@@ -75,5 +75,9 @@ float amax(const Tensor& x);
 // (C's dimension), or -1 when there is no bias.
 Tensor fp8_epilogue(const Tensor& acc, float scale_inv, const Tensor& bias, int64_t channel_dim,
                     DType out, MemoryCategory cat = MemoryCategory::activations);
+// The epilogue of a product that stays FP32 and has no bias (an FP32 weight's gradient), in
+// place: acc = fl(acc * scale_inv), the bits fp8_epilogue(acc, scale_inv, {}, -1, f32) gives,
+// without a second FP32 buffer of the result's size.
+void fp8_epilogue_in_place(Tensor& acc, float scale_inv);
 
 }  // namespace mantissa::kernels

@@ -217,6 +217,15 @@ Tensor widened(const Fp8Operand& o) {
   return kernels::cast(o.q, DType::bf16, {}, MemoryCategory::workspace);
 }
 
+// The epilogue of a gradient (no bias): in the accumulator itself when the gradient is FP32 (the
+// weights' gradients), so one FP32 buffer of the weight's size is alive at a time, not two.
+Tensor gradient_epilogue(Tensor acc, float scale_inv, DType out) {
+  if (out != DType::f32)
+    return kernels::fp8_epilogue(acc, scale_inv, Tensor(), -1, out, MemoryCategory::gradients);
+  kernels::fp8_epilogue_in_place(acc, scale_inv);
+  return acc;
+}
+
 Tensor fp8_linear(const Tensor& x, const Tensor& w, const Tensor& b, const Fp8OpScaling& sc,
                   const OpOptions& opt) {
   const Tensor bd = b.defined() ? b.detach() : Tensor();
@@ -244,16 +253,13 @@ Tensor fp8_linear(const Tensor& x, const Tensor& w, const Tensor& b, const Fp8Op
           if (n.needs_input_grad(0)) {  // dx = g w
             const Tensor acc = kernels::matmul(gd, widened(qw), DType::f32, Partials::kF32,
                                                MemoryCategory::gradients);
-            out[0] = kernels::fp8_epilogue(acc, qg.scale_inv * qw.scale_inv, Tensor(), -1,
-                                           n.input_dtype(0), MemoryCategory::gradients)
-                         .view(xs);
+            out[0] = gradient_epilogue(acc, qg.scale_inv * qw.scale_inv, n.input_dtype(0)).view(xs);
           }
           if (n.needs_input_grad(1)) {  // dw = g^T x
             const Tensor acc =
                 kernels::matmul(gd.transpose(0, 1), widened(qx).reshape({rows, in}), DType::f32,
                                 Partials::kF32, MemoryCategory::gradients);
-            out[1] = kernels::fp8_epilogue(acc, qg.scale_inv * qx.scale_inv, Tensor(), -1,
-                                           n.input_dtype(1), MemoryCategory::gradients);
+            out[1] = gradient_epilogue(acc, qg.scale_inv * qx.scale_inv, n.input_dtype(1));
           }
         }
         if (n.needs_input_grad(2))
@@ -284,14 +290,12 @@ Tensor fp8_conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2
           if (n.needs_input_grad(0)) {
             const Tensor acc = kernels::conv2d_backward_input(gd, widened(qw), xs, prm, DType::f32,
                                                               Partials::kF32);
-            out[0] = kernels::fp8_epilogue(acc, qg.scale_inv * qw.scale_inv, Tensor(), -1,
-                                           n.input_dtype(0), MemoryCategory::gradients);
+            out[0] = gradient_epilogue(acc, qg.scale_inv * qw.scale_inv, n.input_dtype(0));
           }
           if (n.needs_input_grad(1)) {
             const Tensor acc = kernels::conv2d_backward_weight(gd, widened(qx), wsh, prm,
                                                                DType::f32, Partials::kF32);
-            out[1] = kernels::fp8_epilogue(acc, qg.scale_inv * qx.scale_inv, Tensor(), -1,
-                                           n.input_dtype(1), MemoryCategory::gradients);
+            out[1] = gradient_epilogue(acc, qg.scale_inv * qx.scale_inv, n.input_dtype(1));
           }
         }
         if (n.needs_input_grad(2))
