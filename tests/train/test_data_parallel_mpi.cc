@@ -23,6 +23,10 @@
 //     --gradient-accumulation N (bit for bit on 2 ranks) and a one-process checkpoint on N ranks;
 //   - a stop requested on one rank stops every rank at the same step;
 //   - ranks that disagree on a flag are refused, naming it;
+//   - fp8-hybrid: every rank's FP8 state (the scales and amax histories) is rank 0's after every
+//     run (the amaxes are MAX-reduced across the ranks), and on 2 ranks the losses, the weights
+//     and the FP8 state are one process's accumulating 2 micro-batches, bit for bit (the amax of
+//     a step is the larger of the micro-batches' either way);
 //   - FP16 and BF16 on the wire reach the FP32 wire's test accuracy within 1 point (lenet5 trained
 //     on the first 12,000 Fashion-MNIST images for one epoch, 187 steps of 2 x 32, tested on the
 //     first 2,000 test images: about 70%; on 2 ranks only, and skipped without the dataset).
@@ -157,6 +161,41 @@ TEST(DataParallel, EqualsGradientAccumulationOfTheRanksBatches) {
     EXPECT_EQ(ranks.result.communication->world_size, n);
     EXPECT_GT(ranks.result.communication->bytes_per_step, 0);
     EXPECT_EQ(ranks.result.rank_peak_memory.size(), static_cast<size_t>(n));
+  }
+}
+
+// Rank 0's text on every rank.
+std::string rank0s(const std::string& text) {
+  int64_t size = static_cast<int64_t>(text.size());
+  world().broadcast(&size, 1, DType::i64, 0);
+  std::string s = text;
+  s.resize(static_cast<size_t>(size));
+  world().broadcast(s.data(), s.size(), DType::u8, 0);
+  return s;
+}
+
+TEST(DataParallel, Fp8ScalesAreTheSameOnEveryRank) {
+  const int n = world().size();
+  train::TrainConfig c = small("lenet5", 5);
+  c.precision = "fp8-hybrid";
+  c.fp8_amax_history = 4;
+  if (n > 2) c.optimizer = "sgd", c.lr = 0.05;
+  const std::unique_ptr<comm::Communicator> single = comm::make_single_process();
+  train::Trainer ranks(c, {}, &world());
+  const train::TrainResult r = ranks.run();
+  const std::string state = ranks.fp8_state()->to_json();
+  EXPECT_EQ(state, rank0s(state)) << "rank " << world().rank();
+  train::Trainer one(as_accumulation(c, n), {}, single.get());
+  const train::TrainResult o = one.run();
+  if (n == 2) {
+    EXPECT_EQ(r.step_losses, o.step_losses);
+    EXPECT_EQ(state, one.fp8_state()->to_json());
+    Trained a, b;
+    a.weights = ranks.model().state_dict();
+    b.weights = one.model().state_dict();
+    expect_same_weights(a, b);
+  } else {
+    expect_close(r.step_losses, o.step_losses, 1e-3);
   }
 }
 
