@@ -193,8 +193,10 @@ Tensor loss_output(Tensor y, const OpOptions& opt) {
 // (a product of two FP8 values has at most 8 significant bits) and summed in FP32, and the sum is
 // multiplied by the product of the operands' inverse scales (the GEMM's alpha), then the bias
 // added (the epilogue). Emulated with the 16-bit kernels: the FP8 copies are widened exactly to
-// BF16, whose products are exact in FP32 too, and the kernels accumulate in FP32 (no path
-// converts BF16 operands further: Winograd takes FP32 operands only). The backward pass
+// BF16, whose products are exact in FP32 too, and the kernels accumulate in FP32. One path
+// departs from exact products: the 3x3 stride-1 pad-1 convolutions of 16 or more channels take
+// Winograd F(2x2, 3x3) whatever the operands' storage (kernels/conv_paths.h), whose transforms
+// round in FP32, so there the FP8 product carries Winograd's rounding too. The backward pass
 // quantizes the output's gradient and multiplies it with the FP8 copies the forward pass kept
 // (one byte an element); the bias's gradient is the sum of the unquantized gradient.
 
