@@ -222,7 +222,9 @@ TEST(PrecisionModes, EachNameMapsToItsSettings) {
   const std::string e = error_of([] { precision_mode("fp8"); });
   EXPECT_NE(e.find("unknown precision 'fp8'"), std::string::npos) << e;
   EXPECT_NE(e.find("bf16-true"), std::string::npos) << e;
-  EXPECT_EQ(precision_names().size(), 12u);
+  EXPECT_EQ(precision_names().size(), 14u);  // with the FP8 modes, fp8-hybrid and fp8-e4m3
+  EXPECT_EQ(precision_mode("fp8-hybrid").fp8_gradients, DType::e5m2);
+  EXPECT_EQ(precision_mode("fp8-e4m3").fp8_gradients, DType::e4m3);
   EXPECT_NE(precision_mode("16-mixed").describe().find("loss scaling dynamic (initial 65536"),
             std::string::npos);
 }
