@@ -8,17 +8,23 @@
 
 namespace mantissa::cli {
 
-int run_peak(const std::vector<std::string>& args, std::ostream& out) {
-  unsigned long long threads = static_cast<unsigned long long>(default_num_threads());
-  float seconds = 0.5f;
+namespace {
+
+constexpr const char* kPeakUsage =
+    "usage: mantissa peak [--threads N] [--seconds S]\n"
+    "Measures FP32 multiply-add throughput (GFLOP/s, 2 per FMA) on N threads (default: all "
+    "cores), best of 3 runs of about S seconds each (default 0.5): the ceiling that training's "
+    "GFLOP/s is compared with.\n";
+
+}  // namespace
+
+PeakArgs parse_peak_args(const std::vector<std::string>& args) {
+  PeakArgs p;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "-h" || a == "--help") {
-      out << "usage: mantissa peak [--threads N] [--seconds S]\n"
-             "Measures FP32 multiply-add throughput (GFLOP/s, 2 per FMA) on N threads (default: "
-             "all cores), best of 3 runs of about S seconds each (default 0.5): the ceiling that "
-             "training's GFLOP/s is compared with.\n";
-      return kExitOk;
+      p.help = true;
+      continue;
     }
     auto value = [&](const char* flag) -> const std::string& {
       if (i + 1 >= args.size())
@@ -27,19 +33,27 @@ int run_peak(const std::vector<std::string>& args, std::ostream& out) {
       return args[++i];
     };
     if (a == "--threads") {
-      const std::string& v = value("--threads");
-      if (!parse_u64(v, threads) || threads < 1 || threads > 1024)
-        throw UsageError("--threads must be an integer from 1 to 1024 (got '" + v + "')");
+      p.threads = threads_value(value("--threads"));
     } else if (a == "--seconds") {
       const std::string& v = value("--seconds");
-      if (!parse_float(v, seconds) || !(seconds >= 0.01f && seconds <= 60.0f))
-        throw UsageError("--seconds must be a number from 0.01 to 60 (got '" + v + "')");
+      if (!parse_float(v, p.seconds) || !(p.seconds >= 0.01f && p.seconds <= 60.0f))
+        throw UsageError("--seconds must be a number from 0.01 to 60 (got '" + excerpt(v) + "')");
     } else {
-      throw UsageError("unknown option '" + a + "' for peak; run 'mantissa peak --help'");
+      throw UsageError("unknown option '" + excerpt(a) + "' for peak; run 'mantissa peak --help'");
     }
   }
+  return p;
+}
+
+int run_peak(const std::vector<std::string>& args, std::ostream& out) {
+  const PeakArgs p = parse_peak_args(args);
+  if (p.help) {
+    out << kPeakUsage;
+    return kExitOk;
+  }
+  const float seconds = p.seconds;
+  const int n = p.threads > 0 ? p.threads : default_num_threads();
   const double one = fma_peak_gflops(1, seconds);
-  const int n = static_cast<int>(threads);
   const double all = n == 1 ? one : fma_peak_gflops(n, seconds);
   const SimdPath path = simd_path(SimdFamily::kFmaProbe);
   const char* how = path == SimdPath::kAvx512 ? "avx512, 12 chains x 16 lanes"

@@ -1,10 +1,12 @@
-// `mantissa train` and `mantissa eval`: the trainer (src/mantissa/train) from the command line.
+// `mantissa train`, `eval` and `memory`: the trainer (src/mantissa/train) from the command line.
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <ostream>
@@ -133,287 +135,6 @@ constexpr const char* kEvalUsage =
     "Evaluates a checkpoint written by 'mantissa train --save' on a dataset's test split (by\n"
     "default the dataset it was trained on) and prints the accuracy and mean loss.\n";
 
-// A flag table: name -> whether it takes a value, and what to do with it.
-struct Flag {
-  bool takes_value;
-  std::function<void(const std::string&)> apply;
-};
-
-void parse_flags(const std::vector<std::string>& args, const std::map<std::string, Flag>& flags,
-                 const char* command) {
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string a = args[i], value;
-    const size_t eq = a.find('=');
-    bool inline_value = false;
-    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = a.substr(eq + 1);
-      a = a.substr(0, eq);
-      inline_value = true;
-    }
-    auto it = flags.find(a);
-    if (it == flags.end())
-      throw UsageError("unknown option '" + a + "' for 'mantissa " + command + "'; run 'mantissa " +
-                       command + " --help' for the list");
-    if (it->second.takes_value && !inline_value) {
-      if (i + 1 >= args.size()) throw UsageError(a + " needs a value");
-      value = args[++i];
-    } else if (!it->second.takes_value && inline_value) {
-      throw UsageError(a + " takes no value");
-    }
-    it->second.apply(value);
-  }
-}
-
-int64_t to_int(const std::string& flag, const std::string& v, int64_t min) {
-  unsigned long long x = 0;
-  if (!parse_u64(v, x) || x > (1ull << 62) || static_cast<int64_t>(x) < min)
-    throw UsageError(flag + " '" + v + "' is not an integer >= " + std::to_string(min));
-  return static_cast<int64_t>(x);
-}
-
-double to_double(const std::string& flag, const std::string& v) {
-  float f = 0;
-  if (!parse_float(v, f) || !std::isfinite(f))
-    throw UsageError(flag + " '" + v + "' is not a number");
-  try {
-    return std::stod(v);
-  } catch (const std::exception&) {
-    throw UsageError(flag + " '" + v + "' is not a number");
-  }
-}
-
-// Flags that set a field: a string, an integer >= min, a number, an optional number, a
-// comma-separated list, or a switch that stores `value`.
-Flag str_flag(std::string& dst) {
-  return Flag{true, [&dst](const std::string& v) { dst = v; }};
-}
-Flag int_flag(const char* name, int64_t& dst, int64_t min) {
-  return Flag{true, [name, &dst, min](const std::string& v) { dst = to_int(name, v, min); }};
-}
-Flag num_flag(const char* name, double& dst) {
-  return Flag{true, [name, &dst](const std::string& v) { dst = to_double(name, v); }};
-}
-Flag opt_num_flag(const char* name, std::optional<double>& dst) {
-  return Flag{true, [name, &dst](const std::string& v) { dst = to_double(name, v); }};
-}
-Flag list_flag(std::vector<std::string>& dst) {
-  return Flag{true, [&dst](const std::string& v) {
-                size_t b = 0;
-                while (b <= v.size()) {
-                  const size_t e = std::min(v.find(',', b), v.size());
-                  if (e > b) dst.push_back(v.substr(b, e - b));
-                  b = e + 1;
-                }
-              }};
-}
-Flag switch_flag(bool& dst, bool value = true) {
-  return Flag{false, [&dst, value](const std::string&) { dst = value; }};
-}
-
-// A command that runs in one process, refused when an MPI launcher started several.
-void refuse_ranks(const char* command, const char* fix) {
-  if (comm::launched_by_mpi() && comm::world().size() > 1)
-    throw UsageError(std::string("'mantissa ") + command + "' does not run over " +
-                     std::to_string(comm::world().size()) + " processes: " + fix);
-}
-
-}  // namespace
-
-int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
-  train::TrainConfig c;
-  bool print_model = false, help = false;
-  const auto str = str_flag;
-  const auto i64 = int_flag;
-  const auto dbl = num_flag;
-  const auto opt_dbl = opt_num_flag;
-  const auto list = list_flag;
-  const auto on = switch_flag;
-  int64_t threads = 0, prefetch = 2, workers = 1;
-  bool fp8_keep_given = false;
-  int64_t seed = 0;
-  double wd = 0;
-  bool wd_given = false;
-  std::map<std::string, Flag> flags = {
-      {"--help", on(help, true)},
-      {"--model", str(c.model)},
-      {"--imagenet-stem", on(c.imagenet_stem, true)},
-      {"--dataset", str(c.dataset)},
-      {"--data-dir", str(c.data_dir)},
-      {"--image-size", i64("--image-size", c.image_size, 1)},
-      {"--train-limit", i64("--train-limit", c.train_limit, 1)},
-      {"--test-limit", i64("--test-limit", c.test_limit, 1)},
-      {"--synthetic-size", i64("--synthetic-size", c.synthetic_size, 1)},
-      {"--no-shuffle", on(c.shuffle, false)},
-      {"--augment", on(c.augment, true)},
-      {"--batch-size", i64("--batch-size", c.batch_size, 1)},
-      {"--eval-batch-size", i64("--eval-batch-size", c.eval_batch_size, 1)},
-      {"--epochs", i64("--epochs", c.epochs, 1)},
-      {"--max-steps", i64("--max-steps", c.max_steps, 1)},
-      {"--optimizer", str(c.optimizer)},
-      {"--lr", dbl("--lr", c.lr)},
-      {"--weight-decay", Flag{true,
-                              [&](const std::string& v) {
-                                wd = to_double("--weight-decay", v);
-                                wd_given = true;
-                              }}},
-      {"--momentum", dbl("--momentum", c.momentum)},
-      {"--nesterov", on(c.nesterov, true)},
-      {"--beta1", dbl("--beta1", c.beta1)},
-      {"--beta2", dbl("--beta2", c.beta2)},
-      {"--eps", dbl("--eps", c.eps)},
-      {"--no-bias-correction", on(c.bias_correction, false)},
-      {"--max-grad-norm", dbl("--max-grad-norm", c.max_grad_norm)},
-      {"--lr-schedule", str(c.lr_schedule)},
-      {"--warmup-steps", i64("--warmup-steps", c.warmup_steps, 0)},
-      {"--lr-step-size", i64("--lr-step-size", c.lr_step_size, 1)},
-      {"--lr-gamma", dbl("--lr-gamma", c.lr_gamma)},
-      {"--seed", i64("--seed", seed, 0)},
-      {"--threads", i64("--threads", threads, 1)},
-      {"--prefetch", i64("--prefetch", prefetch, 0)},
-      {"--gradient-accumulation", i64("--gradient-accumulation", c.gradient_accumulation, 1)},
-      {"--accumulation-reduction", str(c.accumulation_reduction)},
-      {"--device-iterations", i64("--device-iterations", c.device_iterations, 1)},
-      {"--output-mode", str(c.output_mode)},
-      {"--output-return-period", i64("--output-return-period", c.output_return_period, 1)},
-      {"--async-dataloader", on(c.async_loader, true)},
-      {"--eight-bit-io", on(c.eight_bit_io, true)},
-      {"--detect-anomaly", on(c.detect_anomaly, true)},
-      {"--profile", on(c.profile, true)},
-      {"--no-update-in-backward", on(c.update_in_backward, false)},
-      {"--recompute", on(c.recompute, true)},
-      {"--numerics-report", str(c.numerics_report)},
-      {"--numerics-every", i64("--numerics-every", c.numerics_every, 1)},
-      {"--workers", Flag{true,
-                         [&](const std::string& v) {
-                           workers = to_int("--workers", v, 1);
-                           c.async_loader = true;
-                         }}},
-      {"--precision", str(c.precision)},
-      {"--half-type", str(c.half_type)},
-      {"--keep-fp32", list(c.keep_fp32)},
-      {"--half-modules", list(c.half_modules)},
-      {"--autocast-lower-list", str(c.autocast_lower_list)},
-      {"--autocast-fp32-list", str(c.autocast_fp32_list)},
-      {"--autocast-log", on(c.autocast_log, true)},
-      {"--loss-scaling", str(c.loss_scaling)},
-      {"--loss-scale-init", opt_dbl("--loss-scale-init", c.loss_scale_init)},
-      {"--loss-scale-min", opt_dbl("--loss-scale-min", c.loss_scale_min)},
-      {"--loss-scale-max", opt_dbl("--loss-scale-max", c.loss_scale_max)},
-      {"--loss-scale-growth-interval",
-       i64("--loss-scale-growth-interval", c.loss_scale_growth_interval, 1)},
-      {"--loss-scale-hysteresis", i64("--loss-scale-hysteresis", c.loss_scale_hysteresis, 1)},
-      {"--stochastic-rounding", on(c.stochastic_rounding, true)},
-      {"--stochastic-outputs", on(c.stochastic_outputs, true)},
-      {"--kahan", on(c.kahan, true)},
-      {"--partials", str(c.partials)},
-      {"--fp8-scaling", str(c.fp8_scaling)},
-      {"--fp8-amax-history", i64("--fp8-amax-history", c.fp8_amax_history, 1)},
-      {"--fp8-amax-algo", str(c.fp8_amax_algo)},
-      {"--fp8-margin", i64("--fp8-margin", c.fp8_margin, 0)},
-      {"--fp8-keep-layers", Flag{true,
-                                 [&](const std::string& v) {
-                                   // The first use replaces the default (first,last).
-                                   if (!fp8_keep_given) c.fp8_keep_layers.clear();
-                                   fp8_keep_given = true;
-                                   list(c.fp8_keep_layers).apply(v);
-                                 }}},
-      {"--accum-type", str(c.accum_type)},
-      {"--first-moment-type", str(c.first_moment_type)},
-      {"--second-moment-type", str(c.second_moment_type)},
-      {"--memory-budget", str(c.memory_budget)},
-      {"--init-from", str(c.init_from)},
-      {"--save", str(c.save)},
-      {"--resume", str(c.resume)},
-      {"--metrics-json", str(c.metrics_json)},
-      {"--report", str(c.report)},
-      {"--no-progress", on(c.progress, false)},
-      {"--no-eval", on(c.evaluate, false)},
-      {"--print-model", on(print_model, true)},
-      {"--bucket-size", dbl("--bucket-size", c.bucket_size_mib)},
-      {"--allreduce-dtype", str(c.allreduce_dtype)},
-      {"--sync-batchnorm", on(c.sync_batchnorm, true)},
-      {"--zero", i64("--zero", c.zero, 0)},
-      {"--check-replicas", on(c.check_replicas, true)},
-  };
-  parse_flags(args, flags, "train");
-  if (help) {
-    out << kTrainUsage;
-    return kExitOk;
-  }
-  c.seed = static_cast<uint64_t>(seed);
-  c.threads = static_cast<int>(std::min<int64_t>(threads, 1024));
-  c.prefetch = static_cast<int>(std::min<int64_t>(prefetch, 65));
-  c.workers = static_cast<int>(std::min<int64_t>(workers, 65));
-  if (wd_given) c.weight_decay = wd;
-  // Ctrl-C stops at the next step boundary: the checkpoint (--save), metrics and report are
-  // written and the loader's workers end. A second Ctrl-C ends the program at once
-  // (SA_RESETHAND). Installed before the data is loaded, so an early Ctrl-C stops the run before
-  // its first step.
-  // Under an MPI launcher, SIGTERM too: Open MPI's mpirun, given Ctrl-C (SIGINT) or SIGTERM,
-  // sends its ranks SIGCONT, then SIGTERM after odls_base_sigkill_timeout seconds (default 1),
-  // then SIGKILL after as many again; the ranks agree on the step to stop at (the trainer's
-  // per-call collective) and rank 0 writes the checkpoint (docs/distributed.md).
-  const bool launched = comm::launched_by_mpi();
-  struct sigaction sa {};
-  sa.sa_handler = [](int) { train::request_stop(); };
-  sa.sa_flags = SA_RESETHAND;
-  sigemptyset(&sa.sa_mask);
-  struct sigaction previous_int {
-  }, previous_term{};
-  sigaction(SIGINT, &sa, &previous_int);
-  if (launched) sigaction(SIGTERM, &sa, &previous_term);
-  struct Restore {
-    struct sigaction *previous_int, *previous_term;
-    bool term;
-    ~Restore() {
-      sigaction(SIGINT, previous_int, nullptr);
-      if (term) sigaction(SIGTERM, previous_term, nullptr);
-    }
-  } restore{&previous_int, &previous_term, launched};
-  if (launched && !c.save.empty() && comm::world().rank() == 0 &&
-      !std::getenv("OMPI_MCA_odls_base_sigkill_timeout") && std::getenv("OMPI_COMM_WORLD_SIZE"))
-    err << "mantissa: note: mpirun ends its ranks 1 s after passing on Ctrl-C; to leave time for "
-           "the checkpoint, start it with --mca odls_base_sigkill_timeout 30\n";
-  train::Trainer trainer(c, {&out, &err});
-  if (print_model) out << trainer.model().summary() << std::endl;
-  const train::TrainResult r = trainer.run();
-  return r.interrupted ? kExitInterrupted : kExitOk;
-}
-
-int run_eval(const std::vector<std::string>& args, std::ostream& out) {
-  std::string checkpoint, dataset, data_dir;
-  int64_t limit = 0, batch = 32, threads = 0;
-  bool help = false;
-  std::map<std::string, Flag> flags = {
-      {"--help", Flag{false, [&](const std::string&) { help = true; }}},
-      {"--checkpoint", Flag{true, [&](const std::string& v) { checkpoint = v; }}},
-      {"--dataset", Flag{true, [&](const std::string& v) { dataset = v; }}},
-      {"--data-dir", Flag{true, [&](const std::string& v) { data_dir = v; }}},
-      {"--test-limit",
-       Flag{true, [&](const std::string& v) { limit = to_int("--test-limit", v, 1); }}},
-      {"--batch-size",
-       Flag{true, [&](const std::string& v) { batch = to_int("--batch-size", v, 1); }}},
-      {"--threads", Flag{true, [&](const std::string& v) { threads = to_int("--threads", v, 1); }}},
-  };
-  parse_flags(args, flags, "eval");
-  if (help) {
-    out << kEvalUsage;
-    return kExitOk;
-  }
-  refuse_ranks("eval", "run it without mpirun: one process evaluates the checkpoint");
-  if (checkpoint.empty())
-    throw UsageError(
-        "'mantissa eval' needs --checkpoint FILE (written by 'mantissa train --save')");
-  set_num_threads(static_cast<int>(std::min<int64_t>(threads, 1024)));
-  const train::EvalResult r =
-      train::evaluate_checkpoint(checkpoint, dataset, data_dir, limit, batch);
-  char line[256];
-  std::snprintf(line, sizeof line, "%s: test accuracy %.2f%% (%lld images), mean loss %.4f\n",
-                r.model.c_str(), r.accuracy * 100, static_cast<long long>(r.examples), r.loss);
-  out << line;
-  return kExitOk;
-}
-
 constexpr const char* kMemoryUsage =
     "usage: mantissa memory [--model NAME] [--batch-size N] [--precision P [--precision P2 ...]]\n"
     "                       [options] [--json FILE] [--html FILE]\n"
@@ -435,63 +156,372 @@ constexpr const char* kMemoryUsage =
     "  --html FILE           a self-contained page with SVG charts (opens offline)\n"
     "  --threads N\n";
 
-int run_memory(const std::vector<std::string>& args, std::ostream& out) {
-  train::TrainConfig c;
-  std::vector<std::string> precisions;
-  std::string json_path, html_path;
-  int64_t threads = 0, ranks = 0;
-  bool help = false;
+// A flag table: name -> whether it takes a value, and what to do with it.
+struct Flag {
+  bool takes_value;
+  std::function<void(const std::string&)> apply;
+};
+
+void parse_flags(const std::vector<std::string>& args, const std::map<std::string, Flag>& flags,
+                 const char* command) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string a = args[i], value;
+    const size_t eq = a.find('=');
+    bool inline_value = false;
+    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = a.substr(eq + 1);
+      a = a.substr(0, eq);
+      inline_value = true;
+    }
+    auto it = flags.find(a);
+    if (it == flags.end())
+      throw UsageError("unknown option '" + excerpt(a) + "' for 'mantissa " + command +
+                       "'; run 'mantissa " + command + " --help' for the list");
+    if (it->second.takes_value && !inline_value) {
+      if (i + 1 >= args.size()) throw UsageError(a + " needs a value");
+      value = args[++i];
+    } else if (!it->second.takes_value && inline_value) {
+      throw UsageError(a + " takes no value");
+    }
+    it->second.apply(value);
+  }
+}
+
+// Flags that set a field: a string, an integer from min, a number, an optional number, a
+// comma-separated list, or a switch that stores `value`. An empty string or list is refused: it
+// would leave the field at its default (an unset shell variable, --save "", saves nothing).
+Flag str_flag(const char* name, std::string& dst) {
+  return Flag{true, [name, &dst](const std::string& v) {
+                if (v.empty())
+                  throw UsageError(std::string(name) + " needs a value (got an empty one)");
+                dst = v;
+              }};
+}
+Flag int_flag(const char* name, int64_t& dst, int64_t min) {
+  return Flag{true, [name, &dst, min](const std::string& v) { dst = int_value(name, v, min); }};
+}
+Flag num_flag(const char* name, double& dst) {
+  return Flag{true, [name, &dst](const std::string& v) { dst = number_value(name, v); }};
+}
+Flag opt_num_flag(const char* name, std::optional<double>& dst) {
+  return Flag{true, [name, &dst](const std::string& v) { dst = number_value(name, v); }};
+}
+Flag list_flag(const char* name, std::vector<std::string>& dst) {
+  return Flag{true, [name, &dst](const std::string& v) {
+                const size_t before = dst.size();
+                size_t b = 0;
+                while (b <= v.size()) {
+                  const size_t e = std::min(v.find(',', b), v.size());
+                  if (e > b) dst.push_back(v.substr(b, e - b));
+                  b = e + 1;
+                }
+                if (dst.size() == before)
+                  throw UsageError(std::string(name) + " needs a comma-separated list (got '" +
+                                   excerpt(v) + "')");
+              }};
+}
+Flag switch_flag(bool& dst, bool value = true) {
+  return Flag{false, [&dst, value](const std::string&) { dst = value; }};
+}
+Flag threads_flag(int& dst) {
+  return Flag{true, [&dst](const std::string& v) { dst = threads_value(v); }};
+}
+
+// ---- Signals ----
+//
+// SIGINT (Ctrl-C), SIGTERM (what Slurm, Kubernetes and systemd send before killing) and SIGHUP
+// ask the run to stop at the next step boundary (train::request_stop): the checkpoint (--save)
+// and metrics are written, the loader's workers end, and the program exits with 128 + the
+// signal's number. A second signal of the three ends the program at once, by the signal's own
+// default action. The handler only stores a number and calls request_stop(), both
+// async-signal-safe; the second one restores the default action and raises the signal again,
+// which is delivered when the handler returns (it is blocked while the handler runs).
+// Under an MPI launcher the same: Open MPI's mpirun, given Ctrl-C (SIGINT) or SIGTERM, sends its
+// ranks SIGCONT, then SIGTERM after odls_base_sigkill_timeout seconds (default 1), then SIGKILL
+// after as many again; the ranks agree on the step to stop at (the trainer's per-call collective)
+// and rank 0 writes the checkpoint (docs/distributed.md).
+volatile std::sig_atomic_t g_stop_signal = 0;
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal != 0) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+    return;
+  }
+  g_stop_signal = sig;
+  train::request_stop();
+}
+
+// The handlers for the lifetime of a run (the previous ones come back after it). Installed before
+// the data is loaded, so an early signal stops the run before its first step.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    for (int s : kStopSignals) sigaddset(&sa.sa_mask, s);
+    for (size_t i = 0; i < std::size(kStopSignals); ++i)
+      sigaction(kStopSignals[i], &sa, &previous_[i]);
+  }
+  ~StopSignals() {
+    for (size_t i = 0; i < std::size(kStopSignals); ++i)
+      sigaction(kStopSignals[i], &previous_[i], nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  // The signal that stopped the run, 0 for none.
+  int received() const { return g_stop_signal; }
+
+ private:
+  struct sigaction previous_[std::size(kStopSignals)]{};
+};
+
+// A command that runs in one process, refused when an MPI launcher started several.
+void refuse_ranks(const char* command, const char* fix) {
+  if (comm::launched_by_mpi() && comm::world().size() > 1)
+    throw UsageError(std::string("'mantissa ") + command + "' does not run over " +
+                     std::to_string(comm::world().size()) + " processes: " + fix);
+}
+
+}  // namespace
+
+TrainArgs parse_train_args(const std::vector<std::string>& args) {
+  TrainArgs parsed;
+  train::TrainConfig& c = parsed.config;
   const auto str = str_flag;
   const auto i64 = int_flag;
+  const auto dbl = num_flag;
+  const auto opt_dbl = opt_num_flag;
+  const auto list = list_flag;
+  const auto on = switch_flag;
+  int64_t prefetch = c.prefetch, workers = c.workers;
+  bool fp8_keep_given = false;
   std::map<std::string, Flag> flags = {
-      {"--help", switch_flag(help)},
-      {"--model", str(c.model)},
-      {"--batch-size", i64("--batch-size", c.batch_size, 1)},
+      {"--help", on(parsed.help, true)},
+      {"--model", str("--model", c.model)},
+      {"--imagenet-stem", on(c.imagenet_stem, true)},
+      {"--dataset", str("--dataset", c.dataset)},
+      {"--data-dir", str("--data-dir", c.data_dir)},
       {"--image-size", i64("--image-size", c.image_size, 1)},
-      {"--imagenet-stem", switch_flag(c.imagenet_stem)},
-      {"--optimizer", str(c.optimizer)},
-      {"--precision", Flag{true, [&](const std::string& v) { precisions.push_back(v); }}},
-      {"--half-type", str(c.half_type)},
-      {"--loss-scaling", str(c.loss_scaling)},
+      {"--train-limit", i64("--train-limit", c.train_limit, 1)},
+      {"--test-limit", i64("--test-limit", c.test_limit, 1)},
+      {"--synthetic-size", i64("--synthetic-size", c.synthetic_size, 1)},
+      {"--no-shuffle", on(c.shuffle, false)},
+      {"--augment", on(c.augment, true)},
+      {"--batch-size", i64("--batch-size", c.batch_size, 1)},
+      {"--eval-batch-size", i64("--eval-batch-size", c.eval_batch_size, 1)},
+      {"--epochs", i64("--epochs", c.epochs, 1)},
+      {"--max-steps", i64("--max-steps", c.max_steps, 1)},
+      {"--optimizer", str("--optimizer", c.optimizer)},
+      {"--lr", dbl("--lr", c.lr)},
+      {"--weight-decay", opt_dbl("--weight-decay", c.weight_decay)},
+      {"--momentum", dbl("--momentum", c.momentum)},
+      {"--nesterov", on(c.nesterov, true)},
+      {"--beta1", dbl("--beta1", c.beta1)},
+      {"--beta2", dbl("--beta2", c.beta2)},
+      {"--eps", dbl("--eps", c.eps)},
+      {"--no-bias-correction", on(c.bias_correction, false)},
+      {"--max-grad-norm", dbl("--max-grad-norm", c.max_grad_norm)},
+      {"--lr-schedule", str("--lr-schedule", c.lr_schedule)},
+      {"--warmup-steps", i64("--warmup-steps", c.warmup_steps, 0)},
+      {"--lr-step-size", i64("--lr-step-size", c.lr_step_size, 1)},
+      {"--lr-gamma", dbl("--lr-gamma", c.lr_gamma)},
+      {"--seed", Flag{true, [&c](const std::string& v) { c.seed = seed_value("--seed", v); }}},
+      {"--threads", threads_flag(c.threads)},
+      {"--prefetch", i64("--prefetch", prefetch, 0)},
       {"--gradient-accumulation", i64("--gradient-accumulation", c.gradient_accumulation, 1)},
+      {"--accumulation-reduction", str("--accumulation-reduction", c.accumulation_reduction)},
       {"--device-iterations", i64("--device-iterations", c.device_iterations, 1)},
+      {"--output-mode", str("--output-mode", c.output_mode)},
+      {"--output-return-period", i64("--output-return-period", c.output_return_period, 1)},
+      {"--async-dataloader", on(c.async_loader, true)},
+      {"--eight-bit-io", on(c.eight_bit_io, true)},
+      {"--detect-anomaly", on(c.detect_anomaly, true)},
+      {"--profile", on(c.profile, true)},
+      {"--no-update-in-backward", on(c.update_in_backward, false)},
+      {"--recompute", on(c.recompute, true)},
+      {"--numerics-report", str("--numerics-report", c.numerics_report)},
+      {"--numerics-every", i64("--numerics-every", c.numerics_every, 1)},
+      {"--workers", Flag{true,
+                         [&](const std::string& v) {
+                           workers = int_value("--workers", v, 1);
+                           c.async_loader = true;
+                         }}},
+      {"--precision", str("--precision", c.precision)},
+      {"--half-type", str("--half-type", c.half_type)},
+      {"--keep-fp32", list("--keep-fp32", c.keep_fp32)},
+      {"--half-modules", list("--half-modules", c.half_modules)},
+      {"--autocast-lower-list", str("--autocast-lower-list", c.autocast_lower_list)},
+      {"--autocast-fp32-list", str("--autocast-fp32-list", c.autocast_fp32_list)},
+      {"--autocast-log", on(c.autocast_log, true)},
+      {"--loss-scaling", str("--loss-scaling", c.loss_scaling)},
+      {"--loss-scale-init", opt_dbl("--loss-scale-init", c.loss_scale_init)},
+      {"--loss-scale-min", opt_dbl("--loss-scale-min", c.loss_scale_min)},
+      {"--loss-scale-max", opt_dbl("--loss-scale-max", c.loss_scale_max)},
+      {"--loss-scale-growth-interval",
+       i64("--loss-scale-growth-interval", c.loss_scale_growth_interval, 1)},
+      {"--loss-scale-hysteresis", i64("--loss-scale-hysteresis", c.loss_scale_hysteresis, 1)},
+      {"--stochastic-rounding", on(c.stochastic_rounding, true)},
+      {"--stochastic-outputs", on(c.stochastic_outputs, true)},
+      {"--kahan", on(c.kahan, true)},
+      {"--partials", str("--partials", c.partials)},
+      {"--fp8-scaling", str("--fp8-scaling", c.fp8_scaling)},
+      {"--fp8-amax-history", i64("--fp8-amax-history", c.fp8_amax_history, 1)},
+      {"--fp8-amax-algo", str("--fp8-amax-algo", c.fp8_amax_algo)},
+      {"--fp8-margin", i64("--fp8-margin", c.fp8_margin, 0)},
+      {"--fp8-keep-layers", Flag{true,
+                                 [&](const std::string& v) {
+                                   // The first use replaces the default (first,last).
+                                   if (!fp8_keep_given) c.fp8_keep_layers.clear();
+                                   fp8_keep_given = true;
+                                   list("--fp8-keep-layers", c.fp8_keep_layers).apply(v);
+                                 }}},
+      {"--accum-type", str("--accum-type", c.accum_type)},
+      {"--first-moment-type", str("--first-moment-type", c.first_moment_type)},
+      {"--second-moment-type", str("--second-moment-type", c.second_moment_type)},
+      {"--memory-budget", str("--memory-budget", c.memory_budget)},
+      {"--init-from", str("--init-from", c.init_from)},
+      {"--save", str("--save", c.save)},
+      {"--resume", str("--resume", c.resume)},
+      {"--metrics-json", str("--metrics-json", c.metrics_json)},
+      {"--report", str("--report", c.report)},
+      {"--no-progress", on(c.progress, false)},
+      {"--no-eval", on(c.evaluate, false)},
+      {"--print-model", on(parsed.print_model, true)},
+      {"--bucket-size", dbl("--bucket-size", c.bucket_size_mib)},
+      {"--allreduce-dtype", str("--allreduce-dtype", c.allreduce_dtype)},
+      {"--sync-batchnorm", on(c.sync_batchnorm, true)},
+      {"--zero", i64("--zero", c.zero, 0)},
+      {"--check-replicas", on(c.check_replicas, true)},
+  };
+  parse_flags(args, flags, "train");
+  // TrainConfig holds them as int; past 64 (resolve's limit) the value only has to stay past it.
+  c.prefetch = static_cast<int>(std::min<int64_t>(prefetch, 65));
+  c.workers = static_cast<int>(std::min<int64_t>(workers, 65));
+  return parsed;
+}
+
+int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  const TrainArgs a = parse_train_args(args);
+  if (a.help) {
+    out << kTrainUsage;
+    return kExitOk;
+  }
+  const StopSignals signals;
+  const train::TrainConfig& c = a.config;
+  if (comm::launched_by_mpi() && !c.save.empty() && comm::world().rank() == 0 &&
+      !std::getenv("OMPI_MCA_odls_base_sigkill_timeout") && std::getenv("OMPI_COMM_WORLD_SIZE"))
+    err << "mantissa: note: mpirun ends its ranks 1 s after passing on Ctrl-C; to leave time for "
+           "the checkpoint, start it with --mca odls_base_sigkill_timeout 30\n";
+  train::Trainer trainer(c, {&out, &err});
+  if (a.print_model) out << trainer.model().summary() << std::endl;
+  const train::TrainResult r = trainer.run();
+  // A signal that came after the last step (during the last save or the evaluation) ends the run
+  // as it would have at a step boundary: the outputs are written, and the status says so.
+  // A stop requested in the process without a signal (train::request_stop) reads as Ctrl-C.
+  if (signals.received() != 0) return kExitSignalBase + signals.received();
+  return r.interrupted ? kExitSignalBase + SIGINT : kExitOk;
+}
+
+EvalArgs parse_eval_args(const std::vector<std::string>& args) {
+  EvalArgs e;
+  std::map<std::string, Flag> flags = {
+      {"--help", switch_flag(e.help)},
+      {"--checkpoint", str_flag("--checkpoint", e.checkpoint)},
+      {"--dataset", str_flag("--dataset", e.dataset)},
+      {"--data-dir", str_flag("--data-dir", e.data_dir)},
+      {"--test-limit", int_flag("--test-limit", e.test_limit, 1)},
+      {"--batch-size", int_flag("--batch-size", e.batch_size, 1)},
+      {"--threads", threads_flag(e.threads)},
+  };
+  parse_flags(args, flags, "eval");
+  if (!e.help && e.checkpoint.empty())
+    throw UsageError(
+        "'mantissa eval' needs --checkpoint FILE (written by 'mantissa train --save')");
+  return e;
+}
+
+int run_eval(const std::vector<std::string>& args, std::ostream& out) {
+  const EvalArgs e = parse_eval_args(args);
+  if (e.help) {
+    out << kEvalUsage;
+    return kExitOk;
+  }
+  refuse_ranks("eval", "run it without mpirun: one process evaluates the checkpoint");
+  set_num_threads(e.threads);
+  const train::EvalResult r =
+      train::evaluate_checkpoint(e.checkpoint, e.dataset, e.data_dir, e.test_limit, e.batch_size);
+  char line[256];
+  std::snprintf(line, sizeof line, "%s: test accuracy %.2f%% (%lld images), mean loss %.4f\n",
+                r.model.c_str(), r.accuracy * 100, static_cast<long long>(r.examples), r.loss);
+  out << line;
+  return kExitOk;
+}
+
+MemoryArgs parse_memory_args(const std::vector<std::string>& args) {
+  MemoryArgs m;
+  train::TrainConfig& c = m.config;
+  std::map<std::string, Flag> flags = {
+      {"--help", switch_flag(m.help)},
+      {"--model", str_flag("--model", c.model)},
+      {"--batch-size", int_flag("--batch-size", c.batch_size, 1)},
+      {"--image-size", int_flag("--image-size", c.image_size, 1)},
+      {"--imagenet-stem", switch_flag(c.imagenet_stem)},
+      {"--optimizer", str_flag("--optimizer", c.optimizer)},
+      {"--precision", Flag{true,
+                           [&](const std::string& v) {
+                             if (v.empty()) throw UsageError("--precision needs a value");
+                             m.precisions.push_back(v);
+                           }}},
+      {"--half-type", str_flag("--half-type", c.half_type)},
+      {"--loss-scaling", str_flag("--loss-scaling", c.loss_scaling)},
+      {"--gradient-accumulation", int_flag("--gradient-accumulation", c.gradient_accumulation, 1)},
+      {"--device-iterations", int_flag("--device-iterations", c.device_iterations, 1)},
       {"--eight-bit-io", switch_flag(c.eight_bit_io)},
       {"--recompute", switch_flag(c.recompute)},
       {"--kahan", switch_flag(c.kahan)},
-      {"--memory-budget", str(c.memory_budget)},
-      {"--json", str(json_path)},
-      {"--html", str(html_path)},
-      {"--threads", i64("--threads", threads, 1)},
-      {"--ranks", i64("--ranks", ranks, 1)},
+      {"--memory-budget", str_flag("--memory-budget", c.memory_budget)},
+      {"--json", str_flag("--json", m.json_path)},
+      {"--html", str_flag("--html", m.html_path)},
+      {"--threads", threads_flag(c.threads)},
+      {"--ranks", int_flag("--ranks", m.ranks, 1)},
       {"--bucket-size", num_flag("--bucket-size", c.bucket_size_mib)},
-      {"--allreduce-dtype", str(c.allreduce_dtype)},
+      {"--allreduce-dtype", str_flag("--allreduce-dtype", c.allreduce_dtype)},
   };
   parse_flags(args, flags, "memory");
-  if (help) {
+  if (m.precisions.empty()) m.precisions.push_back(c.precision);
+  return m;
+}
+
+int run_memory(const std::vector<std::string>& args, std::ostream& out) {
+  const MemoryArgs m = parse_memory_args(args);
+  if (m.help) {
     out << kMemoryUsage;
     return kExitOk;
   }
   refuse_ranks("memory", "run it in one process, with --ranks N for what each of N ranks holds");
-  if (precisions.empty()) precisions.push_back(c.precision);
-  c.threads = static_cast<int>(std::min<int64_t>(threads, 1024));
+  train::TrainConfig c = m.config;
   // With several ranks every update waits for the reduced gradients: measured that way.
-  if (ranks > 1) c.update_in_backward = false;
+  if (m.ranks > 1) c.update_in_backward = false;
   // Checked with the first precision (each is checked again when measured): the settings that
   // hold for one precision only (--kahan) then see it.
   train::TrainConfig first = c;
-  first.precision = precisions.front();
+  first.precision = m.precisions.front();
   const train::RunSettings settings = train::resolve(first);
-  io::check_output_path(json_path, "--json");
-  io::check_output_path(html_path, "--html");
+  io::check_output_path(m.json_path, "--json");
+  io::check_output_path(m.html_path, "--html");
   std::vector<train::StepMemory> runs;
   std::vector<train::RankMemory> per_rank;
-  for (const std::string& p : precisions) {
+  for (const std::string& p : m.precisions) {
     train::TrainConfig rc = c;
     rc.precision = p;
     runs.push_back(train::profile_step(rc));
-    if (ranks > 0)
-      per_rank.push_back(train::rank_memory(runs.back(), static_cast<int>(ranks), c.bucket_size_mib,
-                                            settings.allreduce_dtype));
+    if (m.ranks > 0)
+      per_rank.push_back(train::rank_memory(runs.back(), static_cast<int>(m.ranks),
+                                            c.bucket_size_mib, settings.allreduce_dtype));
   }
   out << "memory of one training step: " << c.model << ", batch " << c.batch_size << ", "
       << c.effective_image_size() << "x" << c.effective_image_size() << ", " << c.optimizer
@@ -500,8 +530,9 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
               : std::string())
       << (c.recompute ? ", recomputation" : "") << "\n"
       << train::memory_text(runs, 12, per_rank);
-  if (!json_path.empty()) io::write_file_atomic(json_path, train::memory_json(c, runs, per_rank));
-  if (!html_path.empty()) io::write_file_atomic(html_path, train::memory_html(c, runs));
+  if (!m.json_path.empty())
+    io::write_file_atomic(m.json_path, train::memory_json(c, runs, per_rank));
+  if (!m.html_path.empty()) io::write_file_atomic(m.html_path, train::memory_html(c, runs));
   for (const train::StepMemory& r : runs)
     if (!r.fits) return kExitOutOfMemory;
   return kExitOk;

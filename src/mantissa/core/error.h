@@ -23,10 +23,18 @@ class Error : public std::runtime_error {
   std::string hint_;
 };
 
-// An allocation that would exceed the configured memory budget. what() holds the full report.
+// An allocation that could not be made: one that would exceed the configured memory budget
+// (over_budget(); what() holds the full report), or one the system refused. The program reports
+// either with exit status 3.
 class OutOfMemoryError : public Error {
  public:
   using Error::Error;
+  OutOfMemoryError(const std::string& what, const std::string& hint, bool over_budget)
+      : Error(what, hint), over_budget_(over_budget) {}
+  bool over_budget() const { return over_budget_; }
+
+ private:
+  bool over_budget_ = false;
 };
 
 // A broken internal invariant: a bug in Mantissa, never the user's input. Deliberately not an

@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <new>
 
 #include "mantissa/core/error.h"
 #include "mantissa/core/philox.h"
@@ -351,6 +352,8 @@ namespace {
     std::rethrow_exception(e);
   } catch (const OutOfMemoryError&) {
     throw;  // its report is the message
+  } catch (const std::bad_alloc&) {
+    throw;  // out of memory too (exit status 3), not a fault of the data
   } catch (const Error& err) {
     throw Error(where + err.message(), err.hint());
   } catch (const std::exception& err) {

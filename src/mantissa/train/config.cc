@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <utility>
 
+#include "mantissa/core/checked.h"
 #include "mantissa/core/error.h"
 #include "mantissa/core/memory.h"
 #include "mantissa/data/datasets.h"
@@ -47,7 +50,83 @@ DType parse_allreduce_dtype(const std::string& name) {
   throw Error("--allreduce-dtype '" + name + "' is not valid", "use fp32, fp16 or bf16");
 }
 
+// a * b for counts a run reaches, or nothing when the product passes kMaxCount.
+std::optional<int64_t> count_product(int64_t a, int64_t b) {
+  const std::optional<int64_t> p = checked_mul(a, b);
+  if (!p || *p > kMaxCount) return std::nullopt;
+  return p;
+}
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// The values of the numeric settings, one by one and in the products the run computes from them:
+// what the command line's parser cannot know (ranges that depend on the setting, factors that
+// must be positive, counts whose product overflows).
+void check_values(const TrainConfig& c) {
+  MANTISSA_CHECK(
+      c.threads >= 0 && c.threads <= kMaxThreads,
+      "--threads " + std::to_string(c.threads) + " is not from 1 to " + std::to_string(kMaxThreads),
+      "leave it out to use every core");
+  MANTISSA_CHECK(c.image_size >= 0 && c.image_size <= kMaxImageSize,
+                 "--image-size " + std::to_string(c.image_size) + " is not from 1 to " +
+                     std::to_string(kMaxImageSize),
+                 "e.g. --image-size 32 (the default of lenet5 and the ResNets)");
+  const auto positive = [](double v) { return std::isfinite(v) && v > 0; };
+  const auto non_negative = [](double v) { return std::isfinite(v) && v >= 0; };
+  MANTISSA_CHECK(
+      positive(c.lr_gamma), "--lr-gamma " + num(c.lr_gamma) + " is not a positive factor",
+      "the step schedule multiplies the rate by it every --lr-step-size steps: e.g. 0.1");
+  MANTISSA_CHECK(non_negative(c.eps), "--eps " + num(c.eps) + " is not a non-negative number",
+                 "e.g. --eps 1e-8 (the default)");
+  for (const auto& [flag, v] : {std::pair{"--beta1", c.beta1}, std::pair{"--beta2", c.beta2}})
+    MANTISSA_CHECK(v >= 0 && v < 1, std::string(flag) + " " + num(v) + " does not lie in [0, 1)",
+                   "e.g. --beta1 0.9 --beta2 0.999 (the defaults)");
+  MANTISSA_CHECK(non_negative(c.max_grad_norm),
+                 "--max-grad-norm " + num(c.max_grad_norm) + " is not a non-negative number",
+                 "e.g. --max-grad-norm 1; leave it out for no clipping");
+  for (const auto& [flag, v] : {std::pair{"--loss-scale-init", c.loss_scale_init},
+                                std::pair{"--loss-scale-min", c.loss_scale_min},
+                                std::pair{"--loss-scale-max", c.loss_scale_max}})
+    MANTISSA_CHECK(!v || positive(*v),
+                   std::string(flag) + " " + num(v.value_or(0)) + " is not a positive scale",
+                   "a loss scale multiplies the loss: e.g. 1024");
+  // The examples of one call of the training step.
+  const std::optional<int64_t> per_step = count_product(c.batch_size, c.gradient_accumulation);
+  MANTISSA_CHECK(per_step && count_product(*per_step, c.device_iterations),
+                 "--batch-size " + std::to_string(c.batch_size) + " x --gradient-accumulation " +
+                     std::to_string(c.gradient_accumulation) + " x --device-iterations " +
+                     std::to_string(c.device_iterations) + " examples a call is more than " +
+                     std::to_string(kMaxCount),
+                 "lower them: one call takes all these examples at once");
+  // The synthetic dataset's bytes: examples x channels x image size^2.
+  if (c.dataset == "synthetic") {
+    const int64_t side = c.effective_image_size();
+    std::optional<int64_t> bytes = count_product(c.synthetic_size, side * side);
+    if (bytes) bytes = count_product(*bytes, nn::default_in_channels(c.model));
+    MANTISSA_CHECK(bytes,
+                   "--synthetic-size " + std::to_string(c.synthetic_size) + " images of " +
+                       std::to_string(side) + "x" + std::to_string(side) +
+                       " are more bytes than a dataset can hold",
+                   "lower --synthetic-size or --image-size");
+  }
+}
+
 }  // namespace
+
+int64_t total_steps(const TrainConfig& c, int64_t batches_per_epoch) {
+  MANTISSA_ASSERT(c.gradient_accumulation >= 1 && batches_per_epoch >= c.gradient_accumulation,
+                  "an epoch shorter than one optimizer step");
+  MANTISSA_CHECK(count_product(c.epochs, batches_per_epoch),
+                 "--epochs " + std::to_string(c.epochs) + " of " +
+                     std::to_string(batches_per_epoch) + " batches is more than " +
+                     std::to_string(kMaxCount) + " batches",
+                 "lower --epochs; --max-steps N stops a run after N optimizer steps");
+  return c.epochs * (batches_per_epoch / c.gradient_accumulation);
+}
 
 RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
   RunSettings r;
@@ -59,13 +138,13 @@ RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
                  "unknown dataset '" + c.dataset + "'", "choose --dataset from: " + joined(sets));
   r.model = c.model;
   r.dataset = c.dataset;
+  check_values(c);
   r.optimizer = parse_optimizer(c.optimizer);
   MANTISSA_CHECK(c.batch_size > 0, "--batch-size must be positive", "");
   MANTISSA_CHECK(c.eval_batch_size > 0, "--eval-batch-size must be positive", "");
   MANTISSA_CHECK(c.epochs > 0, "--epochs must be positive", "");
   MANTISSA_CHECK(c.max_steps >= 0 && c.train_limit >= 0 && c.test_limit >= 0,
                  "--max-steps, --train-limit and --test-limit must not be negative", "");
-  MANTISSA_CHECK(c.image_size >= 0, "--image-size must be positive", "");
   r.image_size = c.effective_image_size();
   MANTISSA_CHECK(std::isfinite(c.lr) && c.lr > 0, "--lr must be a positive number",
                  "e.g. --lr 1e-3");
@@ -75,7 +154,6 @@ RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
   MANTISSA_CHECK(c.momentum == 0 || r.optimizer == OptimizerKind::kSgd,
                  "--momentum applies to SGD only", "Adam and AdamW take --beta1");
   MANTISSA_CHECK(c.max_grad_norm >= 0, "--max-grad-norm must not be negative", "");
-  MANTISSA_CHECK(c.threads >= 0, "--threads must not be negative", "");
   MANTISSA_CHECK(c.synthetic_size > 0, "--synthetic-size must be positive", "");
   MANTISSA_CHECK(c.gradient_accumulation >= 1, "--gradient-accumulation must be at least 1",
                  "1 updates after every batch");

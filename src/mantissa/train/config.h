@@ -163,6 +163,14 @@ struct RunSettings {
   DType allreduce_dtype = DType::f32;  // TrainConfig::allreduce_dtype
 };
 
+// The bounds of what a user may set, the same for every command and for a checkpoint's metadata.
+// Counts a run reaches (optimizer steps, batches, the examples of one call, the bytes of the
+// synthetic dataset) stay at most kMaxCount: far beyond any run (2^53, which a double still counts
+// exactly) and far enough from int64_t's limit that the loop's sums cannot overflow.
+inline constexpr int64_t kMaxCount = int64_t{1} << 53;
+inline constexpr int kMaxThreads = 1024;         // --threads
+inline constexpr int64_t kMaxImageSize = 16384;  // --image-size: the side images are resized to
+
 // Checks every setting and resolves it; throws mantissa::Error naming the first bad setting and
 // how to fix it. `checks_outputs` false leaves the output paths (--save, --metrics-json,
 // --report, --numerics-report) unchecked and unlocked: a data-parallel rank other than 0 writes
@@ -170,6 +178,11 @@ struct RunSettings {
 RunSettings resolve(const TrainConfig& c, bool checks_outputs = true);
 // The same checks, for a configuration that is not run yet (`mantissa memory`, the CLI).
 void validate(const TrainConfig& c);
+
+// The optimizer steps of the run, --epochs times the steps of an epoch of `batches_per_epoch`
+// batches (at least --gradient-accumulation of them); throws naming --epochs when the run would
+// count more than kMaxCount batches. --max-steps is not applied.
+int64_t total_steps(const TrainConfig& c, int64_t batches_per_epoch);
 
 // For a user's model and dataset: throws naming the first field that only a built-in model or
 // dataset uses (model, dataset, data_dir, image_size, imagenet_stem, the limits, augment,

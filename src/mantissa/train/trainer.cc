@@ -170,7 +170,7 @@ void Trainer::set_up() {
   // The schedule spans --epochs; --max-steps only stops early, so a run stopped and resumed
   // follows the same learning rates as one that was not.
   schedule_ = run_.schedule;
-  schedule_.total_steps = config_.epochs * (bpe / config_.gradient_accumulation);
+  schedule_.total_steps = total_steps(config_, bpe);
   if (!config_.resume.empty()) load_checkpoint(config_.resume);
 }
 
@@ -215,11 +215,14 @@ TrainResult Trainer::run() {
   }
   r.step_losses = step_losses_;
   if (fp8_) r.fp8 = fp8_->report();
-  // Save, also when stopped on request; evaluate unless stopped.
+  // Save, also when stopped on request; evaluate unless stopped. A stop requested once the last
+  // step is done (during the last save) skips the evaluation too, and is honoured by it.
   if (!config_.save.empty()) save_checkpoint(config_.save);
   if (r.interrupted && streams_.out)
     *streams_.out << interrupted_line(step_, config_.save) << std::endl;
-  if (config_.evaluate && !r.interrupted && data_->has_test()) {
+  const bool stop_late = !r.interrupted && stop_requested();
+  if (stop_late) g_stop = 0;
+  if (config_.evaluate && !r.interrupted && !stop_late && data_->has_test()) {
     r.test_accuracy = evaluate(&r.test_examples);
     if (streams_.out) *streams_.out << test_line(*r.test_accuracy, r.test_examples) << std::endl;
   }
