@@ -171,5 +171,24 @@ TEST(MemoryProfile, TheGuidesStoryOutOfMemoryInFp32FitsInHalfWithRecomputation) 
   EXPECT_FALSE(default_memory_tracker().budget().has_value()) << "the budget ends with the run";
 }
 
+// An allocation refused outside the configuration's --memory-budget (here a budget the process
+// set before, standing in for the system refusing one) is the error itself, with exit status 3:
+// there is no unlimited run to measure what the step needs.
+TEST(MemoryProfile, AnAllocationRefusedWithoutABudgetOfItsOwnIsTheError) {
+  train::TrainConfig c = testing::small_run("lenet5", 64);
+  const size_t before = default_memory_tracker().stats().current_total;
+  default_memory_tracker().set_budget(size_t{64} << 10);
+  bool out_of_memory = false;
+  try {
+    train::profile_step(c);
+  } catch (const OutOfMemoryError& e) {
+    out_of_memory = true;
+    EXPECT_TRUE(e.over_budget());
+  }
+  default_memory_tracker().set_budget(std::nullopt);
+  EXPECT_TRUE(out_of_memory);
+  EXPECT_EQ(default_memory_tracker().stats().current_total, before) << "the step's memory freed";
+}
+
 }  // namespace
 }  // namespace mantissa

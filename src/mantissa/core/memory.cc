@@ -41,7 +41,8 @@ void MemoryTracker::on_allocate(size_t bytes, MemoryCategory category, std::stri
   if (budget_ && (bytes > *budget_ || stats_.current_total > *budget_ - bytes))
     throw OutOfMemoryError(oom_report(bytes, category, owner),
                            "raise the memory budget, lower the batch size, or store "
-                           "more in 16-bit precision");
+                           "more in 16-bit precision",
+                           /*over_budget=*/true);
   const size_t c = static_cast<size_t>(category);
   stats_.current[c] += bytes;
   stats_.peak[c] = std::max(stats_.peak[c], stats_.current[c]);

@@ -27,27 +27,13 @@ json category_json(const CategoryBytes& b) {
 
 }  // namespace
 
-StepMemory profile_step(TrainConfig c) {
-  // Two calls of the training step on synthetic data (nothing read, nothing written): the first
-  // allocates the optimizer's state, the second is measured (the steady state).
-  const int64_t per_call = c.batch_size * c.gradient_accumulation * c.device_iterations;
-  c.dataset = "synthetic";
-  c.synthetic_size = std::max<int64_t>(2 * per_call, 4);
-  c.train_limit = c.test_limit = 0;
-  c.max_steps = 2 * c.device_iterations;
-  c.epochs = 1;
-  c.evaluate = false;
-  c.progress = false;
-  c.save.clear();
-  c.resume.clear();
-  c.metrics_json.clear();
-  c.init_from.clear();
-  validate(c);
+namespace {
 
+// One measured run of the training step of `c` (already made synthetic and short): the events
+// recorded, with the mode's name and settings in `m`. An allocation that fails (past the budget or
+// refused by the system) throws OutOfMemoryError, the recording stopped.
+std::vector<MemoryEvent> record_step(const TrainConfig& c, StepMemory& m) {
   MemoryTracker& tracker = default_memory_tracker();
-  StepMemory m;
-  if (!c.memory_budget.empty()) m.budget = parse_bytes(c.memory_budget);
-  const CategoryBytes before = tracker.stats().current;
   tracker.set_phase("setup");
   tracker.start_recording();
   // One process, whatever launched this one: the figures are a rank's, computed from it.
@@ -67,24 +53,61 @@ StepMemory profile_step(TrainConfig c) {
                                                    ? dtype_size(p.tensor->dtype())
                                                    : 0),
                           opt.has_master_weights() && p.tensor->dtype() != DType::f32});
-  } catch (const OutOfMemoryError& e) {
-    m.fits = false;
-    m.oom_report = e.what();
   } catch (...) {
     tracker.stop_recording();
     tracker.set_phase("");
     throw;
   }
-  const std::vector<MemoryEvent> events = tracker.stop_recording();
+  std::vector<MemoryEvent> events = tracker.stop_recording();
   tracker.set_phase("");
-  if (!m.fits) {
-    // What it would need: the same step without the budget; the verdict and report stay.
+  return events;
+}
+
+}  // namespace
+
+StepMemory profile_step(TrainConfig c) {
+  // Two calls of the training step on synthetic data (nothing read, nothing written): the first
+  // allocates the optimizer's state, the second is measured (the steady state). The settings are
+  // checked first, which bounds the examples of a call (kMaxCount).
+  validate(c);
+  const int64_t per_call = c.batch_size * c.gradient_accumulation * c.device_iterations;
+  const int64_t side = c.effective_image_size();
+  MANTISSA_CHECK(2 * per_call <= kMaxCount / (3 * side * side),
+                 "--batch-size " + std::to_string(c.batch_size) + " x --gradient-accumulation " +
+                     std::to_string(c.gradient_accumulation) + " x --device-iterations " +
+                     std::to_string(c.device_iterations) + " images of " + std::to_string(side) +
+                     "x" + std::to_string(side) + " a call are more bytes than a step can hold",
+                 "lower --batch-size or --image-size");
+  c.dataset = "synthetic";
+  c.synthetic_size = std::max<int64_t>(2 * per_call, 4);
+  c.train_limit = c.test_limit = 0;
+  c.max_steps = 2 * c.device_iterations;
+  c.epochs = 1;
+  c.evaluate = false;
+  c.progress = false;
+  c.save.clear();
+  c.resume.clear();
+  c.metrics_json.clear();
+  c.init_from.clear();
+  validate(c);
+
+  StepMemory m;
+  if (!c.memory_budget.empty()) m.budget = parse_bytes(c.memory_budget);
+  const CategoryBytes before = default_memory_tracker().stats().current;
+  std::vector<MemoryEvent> events;
+  try {
+    events = record_step(c, m);
+  } catch (const OutOfMemoryError& e) {
+    // Past --memory-budget: the step does not fit; what it needs is the same step measured
+    // without the budget (the verdict and the report stay). A refusal by the system, or one
+    // past a budget set outside this configuration, is the error itself: exit status 3.
+    if (!e.over_budget() || c.memory_budget.empty()) throw;
     TrainConfig unlimited = c;
     unlimited.memory_budget.clear();
     StepMemory need = profile_step(unlimited);
     need.budget = m.budget;
     need.fits = false;
-    need.oom_report = std::move(m.oom_report);
+    need.oom_report = e.what();
     return need;
   }
 
