@@ -140,6 +140,85 @@ TEST(Trainer, CheckpointsHoldPyTorchNamesAndOptimizerState) {
   EXPECT_NE(error_of([&] { train::Trainer t(bigger); }).find("--image-size"), std::string::npos);
 }
 
+// A checkpoint's metadata is checked before anything is sized or counted from it, and a resume
+// that would not continue the run bit for bit is refused: damaged numbers, geometry that would
+// size a model of gigabytes, a negative or huge step, lost optimizer state, JSON of the wrong
+// type.
+TEST(Trainer, DamagedCheckpointMetadataIsRefusedBeforeUse) {
+  const testing::TempDir dir;
+  train::TrainConfig c = small();
+  c.max_steps = 2;
+  c.save = dir.file("good.safetensors");
+  train::Trainer(c).run();
+  const io::SafetensorsFile good = io::load_safetensors(c.save);
+  // `good` with one metadata field replaced (or removed, when `value` is null), or without the
+  // tensor `drop`.
+  const auto damaged = [&](const std::string& key, const char* value,
+                           const std::string& drop = "") {
+    std::map<std::string, std::string> m = good.metadata;
+    if (value)
+      m[key] = value;
+    else
+      m.erase(key);
+    std::vector<std::pair<std::string, Tensor>> ts;
+    for (auto& [name, t] : good.tensors)
+      if (name != drop) ts.emplace_back(name, t);
+    const std::string path = dir.file("damaged.safetensors");
+    io::save_safetensors(path, ts, m);
+    return path;
+  };
+  const auto resume_error = [&](const std::string& path) {
+    train::TrainConfig r = small();
+    r.resume = path;
+    return error_of([&] { train::Trainer t(r); });
+  };
+  const auto eval_error = [&](const std::string& path) {
+    return error_of([&] { train::evaluate_checkpoint(path, "", "", 8, 8); });
+  };
+  const std::pair<std::string, std::string> evals[] = {
+      {eval_error(damaged("image_size", "99999999999")),
+       "metadata 'image_size' is 99999999999, outside [1, 16384]"},
+      {eval_error(damaged("in_channels", "-3")), "metadata 'in_channels' is -3, outside [1, 1024]"},
+      {eval_error(damaged("num_classes", "1e9")),
+       "metadata 'num_classes' is not an integer ('1e9')"},
+      {eval_error(damaged("num_classes", "99999999999999999999")),
+       "metadata 'num_classes' is 99999999999999999999, outside"},
+      {eval_error(damaged("seed", "-1")), "metadata 'seed' is not an unsigned 64-bit integer"},
+      {eval_error(damaged("synthetic_size", "4611686018427387904")),
+       "metadata 'synthetic_size' is 4611686018427387904, outside [1, 9007199254740992]"},
+      {eval_error(damaged("synthetic_size", "9007199254740992")),
+       "are more bytes than a dataset can hold"},
+  };
+  for (const auto& [got, want] : evals) EXPECT_NE(got.find(want), std::string::npos) << got;
+  EXPECT_EQ(eval_error(damaged("seed", "18446744073709551615")), "") << "any 64-bit seed";
+
+  std::string first_state;
+  for (auto& [name, t] : good.tensors)
+    if (name.rfind("optimizer.", 0) == 0 && first_state.empty()) first_state = name;
+  ASSERT_FALSE(first_state.empty());
+  const std::pair<std::string, std::string> resumes[] = {
+      {resume_error(damaged("step", "-1")), "metadata 'step' is -1, outside [0, "},
+      {resume_error(damaged("step", "9223372036854775807")),
+       "metadata 'step' is 9223372036854775807"},
+      {resume_error(damaged("step", "1000000")),
+       "is at step 1000000, past the 16 steps of this run's --epochs 1"},
+      {resume_error(damaged("optimizer_steps", "x")),
+       "metadata 'optimizer_steps' is not an integer"},
+      {resume_error(damaged("gradient_accumulation", "0")),
+       "'gradient_accumulation' is 0, outside"},
+      {resume_error(damaged("step_losses", "{\"a\": 1}")), "'step_losses' is not a JSON list"},
+      {resume_error(damaged("step_losses", "[\"x\"]")), "'step_losses' is not a JSON list"},
+      {resume_error(damaged("", nullptr, first_state)),
+       "optimizer state tensors it was written with: a resume would start their state afresh"},
+      {resume_error(damaged("optimizer_state_tensors", "-2")), "outside [0, "},
+  };
+  for (const auto& [got, want] : resumes) EXPECT_NE(got.find(want), std::string::npos) << got;
+  EXPECT_EQ(resume_error(damaged("step", "16")), "") << "the run's last step resumes";
+  // A file written before the count was recorded: the optimizer's own check still refuses one
+  // that lost all its state.
+  EXPECT_EQ(resume_error(damaged("optimizer_state_tensors", nullptr)), "");
+}
+
 TEST(Trainer, InitFromRejectsWrongShapesAndLoadsPyTorchNames) {
   const testing::TempDir dir;
   train::TrainConfig c = small();

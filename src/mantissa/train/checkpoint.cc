@@ -1,8 +1,11 @@
 #include "mantissa/train/checkpoint.h"
 
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 
+#include "mantissa/core/checked.h"
 #include "mantissa/core/error.h"
 #include "mantissa/io/safetensors.h"
 #include "mantissa/train/run_data.h"
@@ -14,6 +17,10 @@ using json = nlohmann::json;
 
 constexpr const char* kFormat = "mantissa-checkpoint-1";
 constexpr const char* kOptimizerPrefix = "optimizer.";
+// How many optimizer state tensors the checkpoint was written with: a resume refuses a file
+// that lost some, rather than re-initialise their state (which would not continue the run bit
+// for bit). Files written before it was recorded are checked by the optimizer alone.
+constexpr const char* kOptimizerTensors = "optimizer_state_tensors";
 
 std::map<std::string, Tensor> model_tensors(const io::SafetensorsFile& f) {
   std::map<std::string, Tensor> out;
@@ -31,17 +38,53 @@ std::string meta(const io::SafetensorsFile& f, const std::string& key, const std
   return it->second;
 }
 
-int64_t meta_int(const io::SafetensorsFile& f, const std::string& key, const std::string& path) {
+// An integer of the metadata, checked to lie in [min, max] before anything is sized or counted
+// from it: a damaged or hand-made file is refused here, not as gigabytes allocated later.
+int64_t meta_int(const io::SafetensorsFile& f, const std::string& key, const std::string& path,
+                 int64_t min, int64_t max) {
   const std::string v = meta(f, key, path);
-  try {
-    size_t used = 0;
-    const long long x = std::stoll(v, &used);
-    if (used == v.size()) return x;
-  } catch (const std::exception&) {
+  const size_t sign = !v.empty() && v[0] == '-' ? 1 : 0;
+  std::optional<long long> x;
+  if (v.size() > sign && v.find_first_not_of("0123456789", sign) == std::string::npos) {
+    try {
+      x = std::stoll(v);
+    } catch (const std::exception&) {  // past int64_t: reported as out of range below
+      x = sign ? std::numeric_limits<long long>::min() : std::numeric_limits<long long>::max();
+    }
   }
-  throw Error(path + ": metadata '" + key + "' is not an integer ('" + v + "')",
-              "the file is damaged");
+  MANTISSA_CHECK(x.has_value(),
+                 path + ": metadata '" + key + "' is not an integer ('" + excerpt(v) + "')",
+                 "the file is damaged: resume from an intact checkpoint");
+  MANTISSA_CHECK(*x >= min && *x <= max,
+                 path + ": metadata '" + key + "' is " + excerpt(v) + ", outside [" +
+                     std::to_string(min) + ", " + std::to_string(max) + "]",
+                 "the file is damaged: resume from an intact checkpoint");
+  return *x;
 }
+
+uint64_t meta_u64(const io::SafetensorsFile& f, const std::string& key, const std::string& path) {
+  const std::string v = meta(f, key, path);
+  const bool digits = !v.empty() && v.find_first_not_of("0123456789") == std::string::npos;
+  std::optional<unsigned long long> x;
+  if (digits) {
+    try {
+      x = std::stoull(v);
+    } catch (const std::exception&) {
+    }
+  }
+  MANTISSA_CHECK(
+      x.has_value(),
+      path + ": metadata '" + key + "' is not an unsigned 64-bit integer ('" + excerpt(v) + "')",
+      "the file is damaged: resume from an intact checkpoint");
+  return *x;
+}
+
+// The bounds of the model's geometry in a checkpoint: far beyond the built-in models and
+// datasets (1 or 3 channels, 1000 classes), and small enough that a model sized from them is not
+// an allocation of the address space.
+constexpr int64_t kMaxChannels = 1024;
+constexpr int64_t kMaxClasses = int64_t{1} << 20;
+constexpr int64_t kMaxRanks = int64_t{1} << 20;  // processes of a data-parallel job
 
 bool is_user_model(const io::SafetensorsFile& f) {
   auto it = f.metadata.find("user_model");
@@ -50,9 +93,9 @@ bool is_user_model(const io::SafetensorsFile& f) {
 
 nn::ModelConfig model_config_from(const io::SafetensorsFile& f, const std::string& path) {
   nn::ModelConfig mc;
-  mc.in_channels = meta_int(f, "in_channels", path);
-  mc.image_size = meta_int(f, "image_size", path);
-  mc.num_classes = meta_int(f, "num_classes", path);
+  mc.in_channels = meta_int(f, "in_channels", path, 1, kMaxChannels);
+  mc.image_size = meta_int(f, "image_size", path, 1, kMaxImageSize);
+  mc.num_classes = meta_int(f, "num_classes", path, 1, kMaxClasses);
   mc.imagenet_stem = meta(f, "imagenet_stem", path) == "true";
   return mc;
 }
@@ -99,8 +142,9 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
                      const std::vector<std::pair<std::string, Tensor>>* optimizer_state,
                      const amp::Fp8State* fp8) {
   std::vector<std::pair<std::string, Tensor>> tensors = model.state_dict();
-  for (auto& [name, t] : optimizer_state ? *optimizer_state : optimizer.state_tensors())
-    tensors.emplace_back(kOptimizerPrefix + name, t);
+  const auto& state = optimizer_state ? *optimizer_state : optimizer.state_tensors();
+  for (auto& [name, t] : state) tensors.emplace_back(kOptimizerPrefix + name, t);
+  const size_t optimizer_tensors = state.size();
   json losses = json::array();
   for (float l : step_losses) losses.push_back(l);
   std::map<std::string, std::string> m = {
@@ -110,6 +154,7 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
       {"optimizer", optimizer.name()},
       {"step", std::to_string(step)},
       {"optimizer_steps", std::to_string(optimizer.steps())},
+      {kOptimizerTensors, std::to_string(optimizer_tensors)},
       {"seed", std::to_string(run.seed)},
       {"batch_size", std::to_string(run.batch_size)},
       {"gradient_accumulation", std::to_string(run.gradient_accumulation)},
@@ -153,29 +198,39 @@ Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::C
                  "pass --precision " + precision + " to resume it");
   // The global batch (ranks x batch x accumulation) fixes which images each step trains on: the
   // same for any number of ranks.
-  const int64_t ga =
-      f.metadata.count("gradient_accumulation") ? meta_int(f, "gradient_accumulation", path) : 1;
-  const int64_t ranks = f.metadata.count("world_size") ? meta_int(f, "world_size", path) : 1;
-  const int64_t batch =
-      f.metadata.count("batch_size") ? meta_int(f, "batch_size", path) : run.batch_size;
+  const int64_t ga = f.metadata.count("gradient_accumulation")
+                         ? meta_int(f, "gradient_accumulation", path, 1, kMaxCount)
+                         : 1;
+  const int64_t ranks =
+      f.metadata.count("world_size") ? meta_int(f, "world_size", path, 1, kMaxRanks) : 1;
+  const int64_t batch = f.metadata.count("batch_size")
+                            ? meta_int(f, "batch_size", path, 1, kMaxCount)
+                            : run.batch_size;
   if (ranks == run.world_size && batch == run.batch_size) {
     MANTISSA_CHECK(ga == run.gradient_accumulation,
                    path + " was trained with --gradient-accumulation " + std::to_string(ga) +
                        ", not " + std::to_string(run.gradient_accumulation),
                    "pass --gradient-accumulation " + std::to_string(ga) + " to resume it");
   } else {
-    const auto global = [](int64_t r, int64_t b, int64_t a) {
-      return std::to_string(r * b * a) + " (" + std::to_string(r) + " rank" + (r > 1 ? "s" : "") +
-             " x --batch-size " + std::to_string(b) + " x --gradient-accumulation " +
-             std::to_string(a) + ")";
+    // ranks x batch x accumulation, or nothing past int64_t (a damaged file's numbers).
+    const auto product = [](int64_t r, int64_t b, int64_t a) -> std::optional<int64_t> {
+      const std::optional<int64_t> rb = checked_mul(r, b);
+      return rb ? checked_mul(*rb, a) : rb;
     };
+    const auto global = [&](int64_t r, int64_t b, int64_t a) {
+      const std::optional<int64_t> g = product(r, b, a);
+      return (g ? std::to_string(*g) : std::string("more than 2^63")) + " (" + std::to_string(r) +
+             " rank" + (r > 1 ? "s" : "") + " x --batch-size " + std::to_string(b) +
+             " x --gradient-accumulation " + std::to_string(a) + ")";
+    };
+    const std::optional<int64_t> saved = product(ranks, batch, ga);
     MANTISSA_CHECK(
-        ranks * batch * ga == run.world_size * run.batch_size * run.gradient_accumulation,
+        saved && saved == product(run.world_size, run.batch_size, run.gradient_accumulation),
         path + " was trained with a global batch of " + global(ranks, batch, ga) + ", not " +
             global(run.world_size, run.batch_size, run.gradient_accumulation),
         "choose --batch-size and --gradient-accumulation so that ranks x batch x "
         "accumulation = " +
-            std::to_string(ranks * batch * ga));
+            (saved ? std::to_string(*saved) : std::string("the original run's")));
   }
   MANTISSA_CHECK(f.metadata.count("loss_scaler") == (scaler ? 1u : 0u),
                  path + (scaler ? " holds no loss-scaler state" : " holds loss-scaler state"),
@@ -198,12 +253,23 @@ Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::C
   for (auto& [name, t] : f.tensors)
     if (name.rfind(kOptimizerPrefix, 0) == 0)
       state.emplace(name.substr(std::string(kOptimizerPrefix).size()), t);
-  optimizer.load_state(state, meta_int(f, "optimizer_steps", path), path);
+  if (f.metadata.count(kOptimizerTensors)) {
+    const int64_t saved = meta_int(f, kOptimizerTensors, path, 0, kMaxCount);
+    MANTISSA_CHECK(static_cast<int64_t>(state.size()) == saved,
+                   path + " holds " + std::to_string(state.size()) + " of the " +
+                       std::to_string(saved) +
+                       " optimizer state tensors it was written with: a resume would start their "
+                       "state afresh and not continue the run bit for bit",
+                   "the file is damaged: resume from an intact checkpoint, or start the run "
+                   "from its weights with --init-from");
+  }
+  optimizer.load_state(state, meta_int(f, "optimizer_steps", path, 0, kMaxCount), path);
   Resumed r;
-  r.step = meta_int(f, "step", path);
+  r.step = meta_int(f, "step", path, 0, kMaxCount);
   try {
-    for (auto& v : json::parse(meta(f, "step_losses", path)))
-      r.step_losses.push_back(v.get<float>());
+    const json losses = json::parse(meta(f, "step_losses", path));
+    if (!losses.is_array()) throw json::type_error::create(302, "not an array", nullptr);
+    for (auto& v : losses) r.step_losses.push_back(v.get<float>());
   } catch (const json::exception& e) {
     throw Error(path + ": metadata 'step_losses' is not a JSON list of numbers",
                 "the file is damaged");
@@ -237,8 +303,18 @@ EvalResult evaluate_checkpoint(const std::string& path, const std::string& datas
   c.test_limit = test_limit;
   c.eval_batch_size = batch_size;
   // The synthetic dataset is made from the run's seed and size.
-  if (f.metadata.count("seed")) c.seed = static_cast<uint64_t>(meta_int(f, "seed", path));
-  if (f.metadata.count("synthetic_size")) c.synthetic_size = meta_int(f, "synthetic_size", path);
+  if (f.metadata.count("seed")) c.seed = meta_u64(f, "seed", path);
+  if (f.metadata.count("synthetic_size"))
+    c.synthetic_size = meta_int(f, "synthetic_size", path, 1, kMaxCount);
+  // The synthetic dataset's bytes, examples x channels x image size^2, before it is made.
+  const std::optional<int64_t> pixels =
+      checked_mul(c.synthetic_size, mc.image_size * mc.image_size);
+  const std::optional<int64_t> bytes = pixels ? checked_mul(*pixels, mc.in_channels) : pixels;
+  MANTISSA_CHECK(c.dataset != "synthetic" || (bytes && *bytes <= kMaxCount),
+                 path + ": metadata 'synthetic_size' " + std::to_string(c.synthetic_size) +
+                     " images of " + std::to_string(mc.image_size) + "x" +
+                     std::to_string(mc.image_size) + " are more bytes than a dataset can hold",
+                 "the file is damaged: evaluate an intact checkpoint");
   const data::Dataset test = load_split(c, false);
   MANTISSA_CHECK(test.channels() == mc.in_channels,
                  "dataset " + test.name + " has " + std::to_string(test.channels()) +

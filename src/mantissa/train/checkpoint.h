@@ -52,6 +52,9 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
 // scaling and FP8 recipe; any number of ranks), and returns its step count and losses. Throws
 // naming the first thing that differs and the setting that resumes it; for a different model, the
 // first tensor that does not match.
+// Every metadata number is range-checked before use (a step from 0 to kMaxCount, the geometry
+// within the built-in models' bounds), and a file holding fewer optimizer state tensors than it
+// was written with is refused rather than resumed with fresh state.
 struct Resumed {
   int64_t step = 0;
   std::vector<float> step_losses;

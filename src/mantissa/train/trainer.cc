@@ -617,6 +617,12 @@ void Trainer::save_checkpoint(const std::string& path) const {
 void Trainer::load_checkpoint(const std::string& path) {
   Resumed r = train::load_checkpoint(path, checkpoint_run(), *model_, *optimizer_, loss_scaler(),
                                      fp8_.get());
+  // A step past the run's end has no learning rate in this schedule and nothing to train.
+  MANTISSA_CHECK(r.step <= schedule_.total_steps,
+                 path + " is at step " + std::to_string(r.step) + ", past the " +
+                     std::to_string(schedule_.total_steps) + " steps of this run's --epochs " +
+                     std::to_string(config_.epochs),
+                 "raise --epochs to continue it, or resume from a checkpoint of this run");
   step_ = r.step;
   step_losses_ = std::move(r.step_losses);
 }
