@@ -56,10 +56,11 @@ int run_cast(const std::vector<std::string>& args, std::istream& in, std::ostrea
           throw UsageError("--seed needs a non-negative integer");
         const std::string v = a == "--seed" ? args[++i] : a.substr(7);
         if (!parse_u64(v, seed))
-          throw UsageError("--seed '" + v + "' is not a non-negative integer");
+          throw UsageError("--seed '" + excerpt(v) + "' is not a non-negative integer");
         seed_given = true;
       } else {
-        throw UsageError("unknown option '" + a + "' for cast; run 'mantissa cast --help'");
+        throw UsageError("unknown option '" + excerpt(a) +
+                         "' for cast; run 'mantissa cast --help'");
       }
     } else if (a == "-h") {
       out << kCastUsage;
@@ -71,7 +72,7 @@ int run_cast(const std::vector<std::string>& args, std::istream& in, std::ostrea
   if (to.empty()) throw UsageError("cast needs --to f16|bf16|e4m3|e5m2");
   const std::optional<DType> target = parse_dtype(to);
   if (!target || !is_narrow_float(*target))
-    throw UsageError("unknown format '" + to + "' for --to; use f16, bf16, e4m3 or e5m2");
+    throw UsageError("unknown format '" + excerpt(to) + "' for --to; use f16, bf16, e4m3 or e5m2");
   if (seed_given && !stochastic) throw UsageError("--seed only applies with --stochastic");
 
   CastOptions opt;
@@ -83,7 +84,7 @@ int run_cast(const std::vector<std::string>& args, std::istream& in, std::ostrea
   auto emit = [&](const std::string& text, uint64_t index, const std::string& where) {
     float v;
     if (!parse_float(text, v))
-      throw UsageError("'" + text + "'" + where +
+      throw UsageError("'" + excerpt(text) + "'" + where +
                        " is not a number; give decimal or hex floats, inf or nan");
     opt.index = index;
     uint16_t bits = 0;  // little-endian: an 8-bit result lands in the low byte

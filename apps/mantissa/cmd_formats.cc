@@ -38,7 +38,8 @@ int run_formats(const std::vector<std::string>& args, std::ostream& out) {
              "Prints each number format's bits, range and precision, and the SIMD path in use.\n";
       return kExitOk;
     }
-    throw UsageError("formats takes no arguments (got '" + a + "'); run 'mantissa formats'");
+    throw UsageError("formats takes no arguments (got '" + excerpt(a) +
+                     "'); run 'mantissa formats'");
   }
   const Row rows[] = {
       {"f32", 8, 23, 4, std::bit_cast<float>(0x7f7fffffu), std::bit_cast<float>(0x00800000u),

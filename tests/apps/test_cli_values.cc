@@ -190,6 +190,44 @@ TEST(CliValues, StepTotalsAreChecked) {
   EXPECT_EQ(train::total_steps(c, 10), 3000);
 }
 
+// What an error quotes of a user's text is an excerpt: a 1 MB token given to any flag that takes
+// a name is refused in a message of bounded length that says how long the token was.
+TEST(CliValues, ErrorsQuoteAnExcerptOfHugeTokens) {
+  const std::string huge(1 << 20, 'x');
+  const std::vector<std::vector<std::string>> lines = {
+      {"train", "--model", huge},
+      {"train", "--dataset", huge},
+      {"train", "--optimizer", huge},
+      {"train", "--precision", huge},
+      {"train", "--half-type", huge},
+      {"train", "--partials", huge},
+      {"train", "--lr-schedule", huge},
+      {"train", "--loss-scaling", huge},
+      {"train", "--accumulation-reduction", huge},
+      {"train", "--output-mode", huge},
+      {"train", "--memory-budget", huge},
+      {"train", "--lr", huge},
+      {"train", "--epochs", huge},
+      {"train", "--" + huge},
+      {"memory", "--model", huge},
+      {"eval", "--checkpoint", "c", "--threads", huge},
+      {"peak", "--seconds", huge},
+      {"cast", "--to", huge, "1"},
+      {"cast", "--to", "f16", huge},
+      {"formats", huge},
+      {huge},
+  };
+  for (const std::vector<std::string>& line : lines) {
+    std::istringstream in;
+    std::ostringstream out, err;
+    EXPECT_EQ(cli::run_command(line, in, out, err), cli::kExitBadInput)
+        << line[0] << " " << line[1];
+    EXPECT_LT(err.str().size(), 2000u) << line[0] << " " << line[1].substr(0, 40);
+    EXPECT_NE(err.str().find("... (104857"), std::string::npos)
+        << line[0] << " " << line[1].substr(0, 40) << ": " << err.str().substr(0, 300);
+  }
+}
+
 int status_of(const std::exception_ptr& e, std::string* message = nullptr) {
   std::ostringstream err;
   const int status = cli::exit_status_of(e, err);

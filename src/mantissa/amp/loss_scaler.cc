@@ -161,7 +161,7 @@ std::optional<LossScalerOptions> parse_loss_scaling(const std::string& text) {
     }
   } catch (const std::exception&) {
   }
-  throw Error("--loss-scaling '" + text + "' is not valid",
+  throw Error("--loss-scaling '" + excerpt(text) + "' is not valid",
               "use none, dynamic, or a positive number such as 1024");
 }
 

@@ -63,7 +63,7 @@ PrecisionMode precision_mode(const std::string& name, std::optional<DType> half)
   if (!entry) {
     std::string all;
     for (const Entry& e : kModes) all += (all.empty() ? "" : ", ") + std::string(e.name);
-    throw Error("unknown precision '" + name + "'", "choose --precision from: " + all);
+    throw Error("unknown precision '" + excerpt(name) + "'", "choose --precision from: " + all);
   }
   MANTISSA_CHECK(!half || *half == DType::f16 || *half == DType::bf16,
                  "--half-type must be fp16 or bf16", "");
@@ -133,7 +133,7 @@ std::string PrecisionMode::describe() const {
 DType parse_float_type(const std::string& text, const std::string& flag) {
   const std::optional<DType> t = parse_dtype(text);  // the names and aliases of core/dtype.h
   if (t && is_compute_float(*t)) return *t;
-  throw Error(flag + " '" + text + "' is not a type", "use fp32, fp16 or bf16");
+  throw Error(flag + " '" + excerpt(text) + "' is not a type", "use fp32, fp16 or bf16");
 }
 
 }  // namespace mantissa::amp

@@ -11,7 +11,7 @@ namespace {
 kernels::Partials parse_partials(const std::string& text) {
   if (text == "fp32") return kernels::Partials::kF32;
   if (text == "fp16") return kernels::Partials::kF16;
-  throw Error("--partials '" + text + "' is not valid", "use fp32 or fp16");
+  throw Error("--partials '" + excerpt(text) + "' is not valid", "use fp32 or fp16");
 }
 
 const char* partials_name(kernels::Partials p) {
@@ -108,7 +108,8 @@ PrecisionSettings resolve_precision(const PrecisionChoices& c, uint64_t seed) {
   for (const auto& k : c.keep_fp32)
     MANTISSA_CHECK(
         std::find(c.half_modules.begin(), c.half_modules.end(), k) == c.half_modules.end(),
-        "module '" + k + "' is in both --keep-fp32 and --half-modules", "name it in one of them");
+        "module '" + excerpt(k) + "' is in both --keep-fp32 and --half-modules",
+        "name it in one of them");
   s.keep_fp32 = c.keep_fp32;
   s.half_modules = c.half_modules;
   return s;

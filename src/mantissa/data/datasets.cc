@@ -271,7 +271,7 @@ Dataset load_dataset(const std::string& name, const std::string& dir_in, bool tr
   if (name == "synthetic") return synthetic(sc, train);
   std::string names;
   for (auto& n : dataset_names()) names += (names.empty() ? "" : ", ") + n;
-  throw Error("unknown dataset '" + name + "'", "choose one of: " + names);
+  throw Error("unknown dataset '" + excerpt(name) + "'", "choose one of: " + names);
 }
 
 }  // namespace mantissa::data

@@ -277,7 +277,7 @@ std::shared_ptr<Classifier> make_model(const std::string& name, const ModelConfi
   else {
     std::string names;
     for (auto& n : model_names()) names += (names.empty() ? "" : ", ") + n;
-    throw Error("unknown model '" + name + "'", "choose one of: " + names);
+    throw Error("unknown model '" + excerpt(name) + "'", "choose one of: " + names);
   }
   m->name_storage();
   return m;

@@ -45,14 +45,14 @@ std::vector<OpId> parse_list(const std::vector<std::string>& names, const char* 
       for (const OpInfo& info : kOpInfo)
         if (info.category != AutocastCategory::kNever)
           all += (all.empty() ? "" : ", ") + std::string(info.name);
-      throw Error(std::string("unknown op '") + n + "' in the " + which + " list",
+      throw Error("unknown op '" + excerpt(n) + "' in the " + which + " list",
                   "op names are: " + all);
     }
     MANTISSA_CHECK(op_info(*id).category != AutocastCategory::kNever,
-                   std::string("op '") + n + "' in the " + which + " list is never cast",
+                   "op '" + excerpt(n) + "' in the " + which + " list is never cast",
                    "remove it from the list");
     MANTISSA_CHECK(seen_here.insert(*id).second,
-                   std::string("op '") + n + "' is named twice in the " + which + " list",
+                   "op '" + excerpt(n) + "' is named twice in the " + which + " list",
                    "name each op once");
     out.push_back(*id);
   }

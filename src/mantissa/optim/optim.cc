@@ -852,7 +852,8 @@ LrSchedule::Kind parse_schedule(const std::string& name) {
   if (name == "constant") return LrSchedule::Kind::kConstant;
   if (name == "step") return LrSchedule::Kind::kStep;
   if (name == "cosine") return LrSchedule::Kind::kCosine;
-  throw Error("unknown learning-rate schedule '" + name + "'", "use constant, step or cosine");
+  throw Error("unknown learning-rate schedule '" + excerpt(name) + "'",
+              "use constant, step or cosine");
 }
 
 }  // namespace mantissa::optim

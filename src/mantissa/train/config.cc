@@ -24,14 +24,15 @@ OptimizerKind parse_optimizer(const std::string& name) {
   if (name == "sgd") return OptimizerKind::kSgd;
   if (name == "adam") return OptimizerKind::kAdam;
   if (name == "adamw") return OptimizerKind::kAdamW;
-  throw Error("unknown optimizer '" + name + "'", "choose --optimizer sgd, adam or adamw");
+  throw Error("unknown optimizer '" + excerpt(name) + "'", "choose --optimizer sgd, adam or adamw");
 }
 
 Reduction parse_reduction(const std::string& name) {
   if (name == "mean") return Reduction::kMean;
   if (name == "running") return Reduction::kRunning;
   if (name == "sum") return Reduction::kSum;
-  throw Error("--accumulation-reduction '" + name + "' is not valid", "use mean, running or sum");
+  throw Error("--accumulation-reduction '" + excerpt(name) + "' is not valid",
+              "use mean, running or sum");
 }
 
 OutputMode parse_output_mode(const std::string& name) {
@@ -39,7 +40,7 @@ OutputMode parse_output_mode(const std::string& name) {
   if (name == "sum") return OutputMode::kSum;
   if (name == "final") return OutputMode::kFinal;
   if (name == "every") return OutputMode::kEvery;
-  throw Error("--output-mode '" + name + "' is not valid",
+  throw Error("--output-mode '" + excerpt(name) + "' is not valid",
               "use all, sum, final or every (with --output-return-period N)");
 }
 
@@ -132,10 +133,12 @@ RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
   RunSettings r;
   const auto models = nn::model_names();
   MANTISSA_CHECK(std::find(models.begin(), models.end(), c.model) != models.end(),
-                 "unknown model '" + c.model + "'", "choose --model from: " + joined(models));
+                 "unknown model '" + excerpt(c.model) + "'",
+                 "choose --model from: " + joined(models));
   const auto sets = data::dataset_names();
   MANTISSA_CHECK(std::find(sets.begin(), sets.end(), c.dataset) != sets.end(),
-                 "unknown dataset '" + c.dataset + "'", "choose --dataset from: " + joined(sets));
+                 "unknown dataset '" + excerpt(c.dataset) + "'",
+                 "choose --dataset from: " + joined(sets));
   r.model = c.model;
   r.dataset = c.dataset;
   check_values(c);
@@ -185,7 +188,7 @@ RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
   if (!c.memory_budget.empty()) {
     r.memory_budget = parse_bytes(c.memory_budget);
     MANTISSA_CHECK(r.memory_budget.value_or(0) > 0,
-                   "--memory-budget '" + c.memory_budget + "' is not a size",
+                   "--memory-budget '" + excerpt(c.memory_budget) + "' is not a size",
                    "give bytes or a size with a unit, e.g. 512MiB or 1.5GiB");
   }
   r.precision = amp::resolve_precision(c, c.seed);
