@@ -181,17 +181,25 @@ expect(memory_kahan_fp32 2 "" "--kahan with --precision 32-true, whose parameter
 expect(memory_over_budget 3 "32-true: does NOT fit in the budget of 100.00 KiB" "" ${MEM} --memory-budget 100KiB)
 expect(memory_bad_precision 2 "" "unknown precision '17-true'" ${MEM} --precision 17-true)
 expect(memory_bad_html 2 "" "--html /nonexistent-dir/m.html: directory /nonexistent-dir does not exist" ${MEM} --html /nonexistent-dir/m.html)
-# Ctrl-C: the run stops at a step boundary, saves its checkpoint and exits with 130.
+# Ctrl-C, SIGTERM (what Slurm, Kubernetes and systemd send before killing) and SIGHUP: the run
+# stops at a step boundary, saves its checkpoint and metrics, and exits with 128 + the signal.
 find_program(SH sh)
 string(REPLACE ";" " " TRAIN_PIPE_LINE "${TRAIN_PIPE}")
-execute_process(COMMAND ${SH} -c "\"${MANTISSA}\" train ${TRAIN_PIPE_LINE} --synthetic-size 100000 --image-size 32 --async-dataloader --save '${WORK}/int.safetensors' & pid=$!; sleep 2; kill -INT $pid; wait $pid; echo \"exit $?\""
-                OUTPUT_VARIABLE int_out ERROR_VARIABLE int_err)
-if(NOT int_out MATCHES "interrupted at step [0-9]+, checkpoint saved to .*int.safetensors.*exit 130" OR NOT EXISTS ${WORK}/int.safetensors)
-  message(SEND_ERROR "FAILED train_ctrl_c:\n${int_out}\n${int_err}")
-  math(EXPR failures "${failures} + 1")
-else()
-  message(STATUS "ok train_ctrl_c")
-endif()
+foreach(sig_code INT:130 TERM:143 HUP:129)
+  string(REPLACE ":" ";" sig_code "${sig_code}")
+  list(GET sig_code 0 sig)
+  list(GET sig_code 1 code)
+  file(REMOVE ${WORK}/sig.safetensors ${WORK}/sig.json)
+  execute_process(COMMAND ${SH} -c "\"${MANTISSA}\" train ${TRAIN_PIPE_LINE} --synthetic-size 100000 --image-size 32 --async-dataloader --save '${WORK}/sig.safetensors' --metrics-json '${WORK}/sig.json' & pid=$!; sleep 2; kill -${sig} $pid; wait $pid; echo \"exit $?\""
+                  OUTPUT_VARIABLE sig_out ERROR_VARIABLE sig_err)
+  if(NOT sig_out MATCHES "interrupted at step [0-9]+, checkpoint saved to .*sig.safetensors.*exit ${code}\n$"
+     OR NOT EXISTS ${WORK}/sig.safetensors OR NOT EXISTS ${WORK}/sig.json)
+    message(SEND_ERROR "FAILED train_sig${sig} (want exit ${code}, a checkpoint and metrics):\n${sig_out}\n${sig_err}")
+    math(EXPR failures "${failures} + 1")
+  else()
+    message(STATUS "ok train_sig${sig}")
+  endif()
+endforeach()
 
 if(failures GREATER 0)
   message(FATAL_ERROR "${failures} CLI check(s) failed")
