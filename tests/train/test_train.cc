@@ -188,6 +188,9 @@ TEST(Trainer, DamagedCheckpointMetadataIsRefusedBeforeUse) {
        "metadata 'synthetic_size' is 4611686018427387904, outside [1, 9007199254740992]"},
       {eval_error(damaged("synthetic_size", "9007199254740992")),
        "are more bytes than a dataset can hold"},
+      // LeNet-5's fc1 at 16384 pixels a side: 16 GB of weights, from a 250 KB file.
+      {eval_error(damaged("image_size", "16384")),
+       "describes a model larger than the tensors the file holds"},
   };
   for (const auto& [got, want] : evals) EXPECT_NE(got.find(want), std::string::npos) << got;
   EXPECT_EQ(eval_error(damaged("seed", "18446744073709551615")), "") << "any 64-bit seed";

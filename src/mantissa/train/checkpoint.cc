@@ -1,5 +1,7 @@
 #include "mantissa/train/checkpoint.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -7,6 +9,7 @@
 
 #include "mantissa/core/checked.h"
 #include "mantissa/core/error.h"
+#include "mantissa/core/memory.h"
 #include "mantissa/io/safetensors.h"
 #include "mantissa/train/run_data.h"
 
@@ -104,7 +107,8 @@ nn::ModelConfig model_config_from(const io::SafetensorsFile& f, const std::strin
 // user-defined model of the same type (its tensors are compared as they are loaded).
 void check_model(const io::SafetensorsFile& f, const std::string& path, const CheckpointRun& run,
                  const nn::Classifier& model) {
-  const std::string saved = meta(f, "model", path);
+  const std::string saved_name = meta(f, "model", path);
+  const std::string saved = excerpt(saved_name);  // as messages quote it
   if (is_user_model(f) != run.user_model) {
     throw Error(path + " is a checkpoint of " +
                     (run.user_model ? "the built-in model " + saved
@@ -114,12 +118,12 @@ void check_model(const io::SafetensorsFile& f, const std::string& path, const Ch
                                : "resume it from C++, into the model it was saved from");
   }
   if (run.user_model) {
-    MANTISSA_CHECK(saved == run.model,
+    MANTISSA_CHECK(saved_name == run.model,
                    path + " is a checkpoint of " + saved + ", not of " + run.model,
                    "resume into the model the checkpoint was saved from");
     return;
   }
-  MANTISSA_CHECK(saved == run.model,
+  MANTISSA_CHECK(saved_name == run.model,
                  path + " is a checkpoint of " + saved + ", not of " + run.model,
                  "pass --model " + saved + " to resume it");
   const nn::ModelConfig s = model_config_from(f, path);
@@ -132,6 +136,38 @@ void check_model(const io::SafetensorsFile& f, const std::string& path, const Ch
                      std::to_string(mc.in_channels) + "x" + std::to_string(mc.image_size) + "x" +
                      std::to_string(mc.image_size) + " of " + std::to_string(mc.num_classes),
                  "resume with the --image-size and --dataset of the original run");
+}
+
+// The model a checkpoint's metadata describes, built with no more memory than the file's own
+// tensors could fill (twice their bytes: 16-bit values widen to FP32), so that geometry a damaged
+// file declares (a 16384-pixel image through LeNet-5's first linear layer) is refused as such
+// before it costs gigabytes.
+template <typename Build>
+auto build_within_file(const io::SafetensorsFile& f, const std::string& path, Build build) {
+  size_t file_bytes = 0;
+  for (const auto& [name, t] : f.tensors) file_bytes += t.nbytes();
+  MemoryTracker& tracker = default_memory_tracker();
+  const std::optional<size_t> previous = tracker.budget();
+  const size_t current = tracker.stats().current_total;
+  const size_t allowance = 2 * file_bytes + (size_t{1} << 20);
+  size_t budget = allowance > SIZE_MAX - current ? SIZE_MAX : current + allowance;
+  if (previous) budget = std::min(budget, *previous);
+  tracker.set_budget(budget);
+  try {
+    auto model = build();
+    tracker.set_budget(previous);
+    return model;
+  } catch (const OutOfMemoryError& e) {
+    tracker.set_budget(previous);
+    if (previous && budget == *previous) throw;  // the process's own budget: a real shortage
+    throw Error(path +
+                    ": its metadata (in_channels, image_size, num_classes) describes a model "
+                    "larger than the tensors the file holds",
+                "the file is damaged: evaluate an intact checkpoint");
+  } catch (...) {
+    tracker.set_budget(previous);
+    throw;
+  }
 }
 
 }  // namespace
@@ -182,20 +218,27 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
 
 Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                         optim::Optimizer& optimizer, amp::LossScaler* scaler, amp::Fp8State* fp8) {
-  const io::SafetensorsFile f = io::load_safetensors(path);
+  return load_checkpoint(io::load_safetensors(path), path, run, model, optimizer, scaler, fp8);
+}
+
+Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
+                        const CheckpointRun& run, nn::Classifier& model,
+                        optim::Optimizer& optimizer, amp::LossScaler* scaler, amp::Fp8State* fp8) {
   MANTISSA_CHECK(meta(f, "format", path) == kFormat,
-                 path + " has checkpoint format '" + meta(f, "format", path) + "'",
+                 path + " has checkpoint format '" + excerpt(meta(f, "format", path)) + "'",
                  std::string("this Mantissa reads ") + kFormat);
   check_model(f, path, run, model);
   const std::string opt = meta(f, "optimizer", path);
-  MANTISSA_CHECK(opt == optimizer.name(),
-                 path + " holds the state of optimizer " + opt + ", not " + optimizer.name(),
-                 "pass --optimizer " + opt + " to resume it");
+  MANTISSA_CHECK(
+      opt == optimizer.name(),
+      path + " holds the state of optimizer " + excerpt(opt) + ", not " + optimizer.name(),
+      "pass --optimizer " + excerpt(opt) + " to resume it");
   const std::string precision =
       f.metadata.count("precision") ? f.metadata.at("precision") : std::string("32-true");
-  MANTISSA_CHECK(precision == run.precision,
-                 path + " was trained with --precision " + precision + ", not " + run.precision,
-                 "pass --precision " + precision + " to resume it");
+  MANTISSA_CHECK(
+      precision == run.precision,
+      path + " was trained with --precision " + excerpt(precision) + ", not " + run.precision,
+      "pass --precision " + excerpt(precision) + " to resume it");
   // The global batch (ranks x batch x accumulation) fixes which images each step trains on: the
   // same for any number of ranks.
   const int64_t ga = f.metadata.count("gradient_accumulation")
@@ -282,19 +325,27 @@ void load_weights(const std::string& path, nn::Module& model) {
   model.load_state_dict(model_tensors(f), path);
 }
 
+std::shared_ptr<nn::Classifier> model_from_checkpoint(const io::SafetensorsFile& f,
+                                                      const std::string& path) {
+  const std::string model = meta(f, "model", path);
+  MANTISSA_CHECK(!is_user_model(f),
+                 path + " holds a user-defined model (" + excerpt(model) +
+                     "), which 'mantissa eval' cannot rebuild",
+                 "evaluate it from C++: train::load_weights into your model, then "
+                 "train::evaluate_model");
+  const nn::ModelConfig mc = model_config_from(f, path);
+  auto m = build_within_file(f, path, [&] { return nn::make_model(model, mc); });
+  m->load_state_dict(model_tensors(f), path);
+  return m;
+}
+
 EvalResult evaluate_checkpoint(const std::string& path, const std::string& dataset,
                                const std::string& data_dir, int64_t test_limit,
                                int64_t batch_size) {
   const io::SafetensorsFile f = io::load_safetensors(path);
   const std::string model = meta(f, "model", path);
-  MANTISSA_CHECK(
-      !is_user_model(f),
-      path + " holds a user-defined model (" + model + "), which 'mantissa eval' cannot rebuild",
-      "evaluate it from C++: train::load_weights into your model, then "
-      "train::evaluate_model");
-  nn::ModelConfig mc = model_config_from(f, path);
-  auto m = nn::make_model(model, mc);
-  m->load_state_dict(model_tensors(f), path);
+  const nn::ModelConfig mc = model_config_from(f, path);
+  const std::shared_ptr<nn::Classifier> m = model_from_checkpoint(f, path);
   TrainConfig c;
   c.model = model;
   c.dataset = dataset.empty() ? meta(f, "dataset", path) : dataset;

@@ -8,11 +8,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "mantissa/amp/fp8.h"
 #include "mantissa/amp/loss_scaler.h"
+#include "mantissa/io/safetensors.h"
 #include "mantissa/nn/models.h"
 #include "mantissa/optim/optim.h"
 #include "mantissa/train/config.h"
@@ -62,6 +64,18 @@ struct Resumed {
 Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                         optim::Optimizer& optimizer, amp::LossScaler* scaler,
                         amp::Fp8State* fp8 = nullptr);
+
+// The same for a checkpoint already read (`path` names it in errors).
+Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
+                        const CheckpointRun& run, nn::Classifier& model,
+                        optim::Optimizer& optimizer, amp::LossScaler* scaler,
+                        amp::Fp8State* fp8 = nullptr);
+
+// The built-in model a checkpoint holds, rebuilt from its metadata (in FP32) with its tensors
+// loaded. The geometry is range-checked, and a model larger than the file's tensors could fill is
+// refused before it is allocated.
+std::shared_ptr<nn::Classifier> model_from_checkpoint(const io::SafetensorsFile& f,
+                                                      const std::string& path);
 
 // Copies the model's tensors from a safetensors file with PyTorch names (a checkpoint's optimizer
 // entries are ignored); names the file and the first tensor that does not fit.
