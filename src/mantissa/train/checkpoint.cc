@@ -344,8 +344,8 @@ EvalResult evaluate_checkpoint(const std::string& path, const std::string& datas
                                int64_t batch_size) {
   const io::SafetensorsFile f = io::load_safetensors(path);
   const std::string model = meta(f, "model", path);
+  const std::shared_ptr<nn::Classifier> m = model_from_checkpoint(f, path);  // a built-in one
   const nn::ModelConfig mc = model_config_from(f, path);
-  const std::shared_ptr<nn::Classifier> m = model_from_checkpoint(f, path);
   TrainConfig c;
   c.model = model;
   c.dataset = dataset.empty() ? meta(f, "dataset", path) : dataset;
