@@ -45,6 +45,7 @@ int run_cast(const std::vector<std::string>& args, std::istream& in, std::ostrea
 int run_train(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 int run_eval(const std::vector<std::string>& args, std::ostream& out);
 int run_memory(const std::vector<std::string>& args, std::ostream& out);
+int run_advise(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 int run_peak(const std::vector<std::string>& args, std::ostream& out);
 
 // The commands' parsers: what a command line asks for, checked value by value (UsageError), before

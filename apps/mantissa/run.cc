@@ -18,6 +18,7 @@ constexpr const char* kUsage =
     "  train     train a model (default: the tutorial CNN on Fashion-MNIST)\n"
     "  eval      evaluate a checkpoint on a test set\n"
     "  memory    memory of one training step by category, layer and over time; two precisions\n"
+    "  advise    what a precision will break, from a short FP32 run; the command to run instead\n"
     "  peak      FP32 multiply-add throughput of this machine: the ceiling for training GFLOP/s\n"
     "Run 'mantissa <command> --help' for a command's options.\n";
 
@@ -100,6 +101,7 @@ int run_command(std::vector<std::string> args, std::istream& in, std::ostream& o
     if (command == "train") return run_train(args, out, err);
     if (command == "eval") return run_eval(args, out);
     if (command == "memory") return run_memory(args, out);
+    if (command == "advise") return run_advise(args, out, err);
     if (command == "peak") return run_peak(args, out);
     if (command == "--version" || command == "version") {
       out << "mantissa 0.1.0\n";

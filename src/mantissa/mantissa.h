@@ -32,6 +32,7 @@
 #include "mantissa/ops/autocast.h"
 #include "mantissa/ops/ops.h"
 #include "mantissa/optim/optim.h"
+#include "mantissa/train/advise.h"
 #include "mantissa/train/memory_report.h"
 #include "mantissa/train/report_html.h"
 #include "mantissa/train/trainer.h"

@@ -181,6 +181,24 @@ expect(memory_kahan_fp32 2 "" "--kahan with --precision 32-true, whose parameter
 expect(memory_over_budget 3 "32-true: does NOT fit in the budget of 100.00 KiB" "" ${MEM} --memory-budget 100KiB)
 expect(memory_bad_precision 2 "" "unknown precision '17-true'" ${MEM} --precision 17-true)
 expect(memory_bad_html 2 "" "--html /nonexistent-dir/m.html: directory /nonexistent-dir does not exist" ${MEM} --html /nonexistent-dir/m.html)
+# ---- mantissa advise ----
+set(ADV advise --model lenet5 --dataset synthetic --synthetic-size 64 --image-size 16 --batch-size 16 --steps 3 --threads 2)
+expect(advise_clean_bill 0 "precision 16-mixed \\(fp16\\), from 3 FP32 steps.*\n  fc1 .*loss scales that keep the gradients representable: 2\\^-?[0-9]+ to 2\\^[0-9]+\n.*clean bill: 16-mixed as it is.*\n  mantissa train --model lenet5 --dataset synthetic --image-size 16 --synthetic-size 64 --batch-size 16 --precision 16-mixed --loss-scaling dynamic\nverify .*recommended \\(16-mixed\\): 2 steps, final loss [0-9.]+, mean gap to 32-true [0-9.e-]+\n"
+       "calibrating: 3 FP32 steps of lenet5" ${ADV} --precision 16-mixed --verify 2 --json ${WORK}/advise.json --html ${WORK}/advise.html)
+file(READ ${WORK}/advise.json adv_json)
+file(READ ${WORK}/advise.html adv_html)
+if(NOT adv_json MATCHES "\"recommendation\": {\n +\"command\": \"mantissa train --model lenet5" OR NOT adv_html MATCHES "<svg.*<svg")
+  message(SEND_ERROR "FAILED advise_files")
+  math(EXPR failures "${failures} + 1")
+endif()
+expect(advise_kahan 0 "would be lost: --kahan.*--precision bf16-true --loss-scaling none --kahan\n" "" ${ADV} --precision bf16-true --lr 1e-6)
+expect(advise_needs_precision 2 "" "'mantissa advise' needs --precision P" ${ADV})
+expect(advise_fp32 2 "" "--precision 32-true keeps everything in FP32: nothing to advise \\(name a 16-bit precision" ${ADV} --precision 32-true)
+expect(advise_bad_precision 2 "" "unknown precision '17-mixed'" ${ADV} --precision 17-mixed)
+expect(advise_bad_steps 2 "" "--steps '0' is not an integer >= 1" ${ADV} --precision 16-mixed --steps 0)
+expect(advise_bad_init 2 "" "/nonexistent.safetensors" ${ADV} --precision 16-mixed --init-from /nonexistent.safetensors)
+expect(advise_bad_json 2 "" "--json /nonexistent-dir/a.json: directory /nonexistent-dir does not exist" ${ADV} --precision 16-mixed --json /nonexistent-dir/a.json)
+expect(advise_unknown_option 2 "" "unknown option '--epochs' for 'mantissa advise'" ${ADV} --precision 16-mixed --epochs 2)
 # Ctrl-C, SIGTERM (what Slurm, Kubernetes and systemd send before killing) and SIGHUP: the run
 # stops at a step boundary, saves its checkpoint and metrics, and exits with 128 + the signal.
 find_program(SH sh)

@@ -239,7 +239,7 @@ TrainResult Trainer::run() {
     if (!config_.report.empty())
       io::write_file_atomic(config_.report, training_report_html(metrics));
   }
-  if (numerics_) {
+  if (numerics_ && !config_.numerics_report.empty()) {
     const std::string line =
         write_numerics_report(config_.numerics_report, *numerics_,
                               run_.model + ", " + run_.precision.mode.name + ", batch " +
@@ -628,5 +628,11 @@ void Trainer::load_checkpoint(const std::string& path) {
 }
 
 void Trainer::init_from(const std::string& path) { load_weights(path, *model_); }
+
+nn::NumericsRecorder& Trainer::record_numerics() {
+  if (!numerics_) numerics_ = std::make_unique<nn::NumericsRecorder>();
+  config_.numerics_every = 1;
+  return *numerics_;
+}
 
 }  // namespace mantissa::train

@@ -107,6 +107,10 @@ class Trainer {
   void load_checkpoint(const std::string& path);
   // Weights only (PyTorch names; extra optimizer entries are ignored).
   void init_from(const std::string& path);
+  // Records every later step's activations and gradients (as numerics_report with numerics_every
+  // 1) and returns the recorder; run() writes report files only when numerics_report names one.
+  // The precision advisor's calibration reads it (advise.h).
+  nn::NumericsRecorder& record_numerics();
 
  private:
   // What both constructors share once the model and data are there: the optimizer, the
