@@ -209,13 +209,6 @@ class StopSignals {
   struct sigaction previous_[std::size(kStopSignals)]{};
 };
 
-// A command that runs in one process, refused when an MPI launcher started several.
-void refuse_ranks(const char* command, const char* fix) {
-  if (comm::launched_by_mpi() && comm::world().size() > 1)
-    throw UsageError(std::string("'mantissa ") + command + "' does not run over " +
-                     std::to_string(comm::world().size()) + " processes: " + fix);
-}
-
 }  // namespace
 
 TrainArgs parse_train_args(const std::vector<std::string>& args) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "mantissa/cli.h"
+#include "mantissa/comm/communicator.h"
 #include "mantissa/core/error.h"
 
 namespace mantissa::cli {
@@ -70,6 +71,12 @@ Flag switch_flag(bool& dst, bool value) {
 }
 Flag threads_flag(int& dst) {
   return Flag{true, [&dst](const std::string& v) { dst = threads_value(v); }};
+}
+
+void refuse_ranks(const char* command, const char* fix) {
+  if (comm::launched_by_mpi() && comm::world().size() > 1)
+    throw UsageError(std::string("'mantissa ") + command + "' does not run over " +
+                     std::to_string(comm::world().size()) + " processes: " + fix);
 }
 
 }  // namespace mantissa::cli

@@ -1,5 +1,6 @@
 // The commands' flag tables: a flag's name, whether it takes a value, and what to do with it;
-// the parser every command shares, and the flags that set a field of a configuration.
+// the parser every command shares, the flags that set a field of a configuration, and the
+// refusal of several processes for the commands that run in one.
 #pragma once
 
 #include <cstdint>
@@ -32,5 +33,9 @@ Flag opt_num_flag(const char* name, std::optional<double>& dst);
 Flag list_flag(const char* name, std::vector<std::string>& dst);
 Flag switch_flag(bool& dst, bool value = true);
 Flag threads_flag(int& dst);
+
+// A command that runs in one process, refused (UsageError saying `fix`) when an MPI launcher
+// started several.
+void refuse_ranks(const char* command, const char* fix);
 
 }  // namespace mantissa::cli
