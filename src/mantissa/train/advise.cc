@@ -128,7 +128,7 @@ std::string shell_word(const std::string& w) {
 
 // The `mantissa train` command of a configuration: the settings the advisor reads that are not at
 // their defaults, then the precision.
-std::string command_line(const TrainConfig& c, bool kahan) {
+std::string command_line(const TrainConfig& c) {
   const TrainConfig d;
   std::vector<std::string> w = {"mantissa", "train", "--model", c.model};
   auto add = [&](const char* flag, const std::string& v) {
@@ -162,7 +162,7 @@ std::string command_line(const TrainConfig& c, bool kahan) {
     add("--keep-fp32", list);
   }
   if (!c.loss_scaling.empty()) add("--loss-scaling", c.loss_scaling);
-  if (kahan) w.push_back("--kahan");
+  if (c.kahan) w.push_back("--kahan");
   std::string line;
   for (const std::string& s : w) line += (line.empty() ? "" : " ") + shell_word(s);
   return line;
@@ -206,8 +206,6 @@ data::Batch batch_for_step(const data::Loader& loader, int64_t s) {
 
 }  // namespace
 
-bool kahan_applicable() { return false; }
-
 TrainConfig recommended_config(const TrainConfig& base, const Recommendation& r) {
   TrainConfig c = base;
   c.precision = r.precision;
@@ -222,7 +220,7 @@ TrainConfig recommended_config(const TrainConfig& base, const Recommendation& r)
     c.half_type = "bf16";
   c.keep_fp32 = r.keep_fp32;
   c.loss_scaling = r.loss_scaling;
-  // --kahan is recommended but cannot be applied until TrainConfig has it (kahan_applicable()).
+  c.kahan = r.kahan;
   return c;
 }
 
@@ -398,15 +396,13 @@ Advice advise(const AdviseConfig& a, std::ostream* progress) {
                      "clean bill: " + target.precision + " as it is (nothing overflows" +
                          (advice.parameters_16bit ? ", few updates are lost)"
                                                   : "; FP32 master weights keep every update)"));
-  r.command = command_line(recommended_config(target, r), r.kahan);
+  r.command = command_line(recommended_config(target, r));
   return advice;
 }
 
 Verification verify(const AdviseConfig& a, const Advice& advice) {
   Verification v;
   const Recommendation& r = advice.recommendation;
-  if (r.kahan && !kahan_applicable())
-    v.note = "--kahan is not available in this build: the recommended run is verified without it";
   TrainConfig base = a.train;
   base.progress = base.evaluate = false;
   base.metrics_json.clear();
@@ -498,7 +494,6 @@ std::string advice_text(const Advice& a, const Verification* v) {
   if (v) {
     o << "verify (the same start and batches):\n";
     for (const VerifyRun& run : v->runs) o << "  " << verify_line(run) << "\n";
-    if (!v->note.empty()) o << "  note: " << v->note << "\n";
   }
   return o.str();
 }
@@ -530,7 +525,7 @@ std::string advice_json(const Advice& a, const Verification* v) {
                       {"skipped", run.skipped},
                       {"failure", run.failure},
                       {"gap", std::isfinite(run.gap) ? json(run.gap) : json(nullptr)}});
-    j["verify"] = {{"runs", runs}, {"note", v->note}};
+    j["verify"] = {{"runs", runs}};
   }
   return j.dump(2) + "\n";
 }
@@ -584,7 +579,6 @@ std::string advice_html(const AdviseConfig& c, const Advice& a, const Verificati
     h << "<h2>Verification</h2>\n<ul>\n";
     for (const VerifyRun& run : v->runs) h << "<li>" << escape(verify_line(run)) << "</li>\n";
     h << "</ul>\n";
-    if (!v->note.empty()) h << "<p>" << escape(v->note) << "</p>\n";
     html::LineChart losses;
     const char* colours[] = {"#4e79a7", "#59a14f", "#e15759"};
     for (size_t i = 0; i < v->runs.size(); ++i) {

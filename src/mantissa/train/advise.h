@@ -90,10 +90,8 @@ inline constexpr double kUpdatesLostLimit = 0.05;
 Advice advise(const AdviseConfig& config, std::ostream* progress = nullptr);
 
 // The recommendation applied to the run `base` describes: precision, half type, keep_fp32, loss
-// scaling (and --kahan where TrainConfig has it: kahan_applicable says whether it does).
+// scaling and --kahan.
 TrainConfig recommended_config(const TrainConfig& base, const Recommendation& r);
-// Whether recommended_config() can apply a recommendation of --kahan.
-bool kahan_applicable();
 
 // The verification: K steps each of 32-true, the recommendation and the naive target, from the
 // same initial weights and batches.
@@ -108,7 +106,6 @@ struct VerifyRun {
 };
 struct Verification {
   std::vector<VerifyRun> runs;  // 32-true, recommended, naive
-  std::string note;             // what the recommended run could not apply ("" when nothing)
 };
 Verification verify(const AdviseConfig& config, const Advice& advice);
 
