@@ -37,6 +37,9 @@ void check_config(const char* model, const ModelConfig& c) {
                  "");
 }
 
+// Each model calls every module it registers, as its PyTorch original does (the shared `relu` is
+// called after each layer it follows): a per-module precision (--keep-fp32 relu), a profile row or
+// a numerics entry that names a module then names one that runs.
 class TutorialCnn : public Classifier {
  public:
   explicit TutorialCnn(const ModelConfig& c) : Classifier("TutorialCNN", c) {
@@ -56,10 +59,10 @@ class TutorialCnn : public Classifier {
     log_softmax = register_module("log_softmax", std::make_shared<LogSoftmax>(1));
   }
   Tensor classify(const Tensor& x) override {
-    Tensor y = (*pool)(ops::relu((*conv1)(x)));
-    y = (*norm)(ops::relu((*conv2)(y)));
+    Tensor y = (*pool)((*relu)((*conv1)(x)));
+    y = (*norm)((*relu)((*conv2)(y)));
     y = ops::flatten(y, 1);
-    y = ops::relu((*fc1)(y));
+    y = (*relu)((*fc1)(y));
     return (*log_softmax)((*fc2)(y));
   }
   bool outputs_log_probs() const override { return true; }
@@ -95,11 +98,11 @@ class LeNet5 : public Classifier {
     flatten = register_module("flatten", std::make_shared<Flatten>());
   }
   Tensor classify(const Tensor& x) override {
-    Tensor y = (*max_pool2d)(ops::relu((*conv1)(x)));
-    y = (*max_pool2d)(ops::relu((*conv2)(y)));
+    Tensor y = (*max_pool2d)((*relu)((*conv1)(x)));
+    y = (*max_pool2d)((*relu)((*conv2)(y)));
     y = (*flatten)(y);
-    y = ops::relu((*fc1)(y));
-    y = ops::relu((*fc2)(y));
+    y = (*relu)((*fc1)(y));
+    y = (*relu)((*fc2)(y));
     return (*fc3)(y);
   }
 
@@ -131,9 +134,9 @@ class BasicBlock : public Module {
     }
   }
   Tensor forward(const Tensor& x) override {
-    Tensor y = ops::relu((*bn1)((*conv1)(x)));
+    Tensor y = (*relu)((*bn1)((*conv1)(x)));
     y = (*bn2)((*conv2)(y));
-    return ops::relu(ops::add(y, downsample ? (*downsample)(x) : x));
+    return (*relu)(ops::add(y, downsample ? (*downsample)(x) : x));
   }
 
  private:
@@ -159,10 +162,10 @@ class Bottleneck : public Module {
     }
   }
   Tensor forward(const Tensor& x) override {
-    Tensor y = ops::relu((*bn1)((*conv1)(x)));
-    y = ops::relu((*bn2)((*conv2)(y)));
+    Tensor y = (*relu)((*bn1)((*conv1)(x)));
+    y = (*relu)((*bn2)((*conv2)(y)));
     y = (*bn3)((*conv3)(y));
-    return ops::relu(ops::add(y, downsample ? (*downsample)(x) : x));
+    return (*relu)(ops::add(y, downsample ? (*downsample)(x) : x));
   }
 
  private:
@@ -228,7 +231,7 @@ class ResNet : public Classifier {
     fc = register_module("fc", std::make_shared<Linear>(512 * expansion, c.num_classes, init));
   }
   Tensor classify(const Tensor& x) override {
-    Tensor y = ops::relu((*bn1)((*conv1)(x)));
+    Tensor y = (*relu)((*bn1)((*conv1)(x)));
     if (maxpool) y = (*maxpool)(y);
     for (auto& l : layers) y = (*l)(y);
     y = ops::flatten((*avgpool)(y), 1);
