@@ -41,8 +41,8 @@ TEST(PrecisionSettings, ResolveAppliesEveryOverrideOnce) {
   EXPECT_EQ(s.describe(),
             "precision 16-true: parameters f16, input f16, autocast off, master weights none, "
             "loss as computed, loss scaling dynamic (initial 1024, x2 after 10 clean steps, x0.5 "
-            "on overflow, hysteresis 2), optimizer state f32/bf16, partials fp16, stochastic "
-            "rounding");
+            "on overflow, hysteresis 2), optimizer state f32/bf16, partials fp16, gradients bf16, "
+            "stochastic rounding");
   // The mode's own defaults when nothing overrides them.
   const amp::PrecisionSettings d = amp::resolve_precision(amp::PrecisionChoices{}, 0);
   EXPECT_EQ(d.describe(), d.mode.describe() + ", partials fp32");

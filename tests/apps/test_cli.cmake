@@ -136,7 +136,7 @@ expect(train_state_type_bad 2 "" "--second-moment-type 'fp8' is not a type \\(us
 expect(train_keep_fp32_unknown 2 "" "nrom" train ${TRAIN_CNN} --precision 16-true --keep-fp32 nrom)
 file(WRITE ${WORK}/lower.txt "linear\nconv9d\n")
 expect(train_autocast_list_bad 2 "" "unknown op 'conv9d' in the lower-precision list" train ${TRAIN_CNN} --precision 16-mixed --autocast-lower-list ${WORK}/lower.txt)
-expect(train_mixed_metrics 0 "" "" train ${TRAIN_CNN} --precision bf16-mixed --max-steps 2 --no-eval --metrics-json ${WORK}/bf16.json)
+expect(train_mixed_metrics 0 "" "" train ${TRAIN_CNN} --precision bf16-mixed --max-steps 2 --metrics-json ${WORK}/bf16.json)
 file(READ ${WORK}/bf16.json bf16m)
 if(NOT bf16m MATCHES "\"precision\": \"bf16-mixed\"" OR NOT bf16m MATCHES "\"loss_scale\": null")
   message(SEND_ERROR "FAILED train_mixed_metrics_json:\n${bf16m}")
@@ -144,7 +144,7 @@ if(NOT bf16m MATCHES "\"precision\": \"bf16-mixed\"" OR NOT bf16m MATCHES "\"los
 endif()
 
 # ---- memory budget: the seed's "out of memory in FP32, fits in FP16" ----
-set(TRAIN_BUDGET --dataset synthetic --synthetic-size 48 --max-steps 2 --no-progress --no-eval --prefetch 0 --memory-budget 60MiB)
+set(TRAIN_BUDGET --dataset synthetic --synthetic-size 48 --max-steps 2 --no-progress --no-eval --memory-budget 60MiB)
 expect(train_budget_fp32_oom 3 "" "^mantissa: out of memory on cpu: cannot allocate .* of the 60.00 MiB budget.*largest holders" train ${TRAIN_BUDGET})
 expect(train_budget_fp16_fits 0 "peak memory [0-9.]+ MiB" "" train ${TRAIN_BUDGET} --precision 16-true)
 expect(train_budget_bad 2 "" "--memory-budget '12XB' is not a size" train --memory-budget 12XB)
@@ -160,6 +160,25 @@ expect(train_detect_anomaly 4 "" "^mantissa: step 2: anomaly in forward: linear 
        train ${TRAIN_PIPE} --precision 16-true --optimizer sgd --lr 1e5 --detect-anomaly)
 expect(train_numerics_report 0 "numerics report: .*num.json and .*num.html \\(1 step\\); suggested loss scale [0-9]+" ""
        train ${TRAIN_PIPE} --max-steps 3 --precision 16-mixed --numerics-report ${WORK}/num.json)
+expect(train_loss_scale_from_report 0 "loss scaling dynamic \\(initial [0-9]+, .*initial loss scale from numerics report .*num.json" ""
+       train ${TRAIN_PIPE} --max-steps 1 --precision 16-mixed --loss-scale-init from:${WORK}/num.json)
+expect(train_loss_scale_from_nothing 2 "" "--loss-scale-init from: needs a file name" train --loss-scale-init from:)
+expect(train_loss_scale_from_other 2 "" "bf16.json: not a numerics report \\(no number at suggested_loss_scale.scale\\)"
+       train --precision 16-mixed --loss-scale-init from:${WORK}/bf16.json)
+# Options that would act on nothing with the others are refused, naming the conflict.
+expect(train_beta_under_sgd 2 "" "^mantissa: error: --beta1 applies to Adam and AdamW, not to --optimizer sgd \\(drop --beta1, or use --optimizer adam or adamw\\)\n$"
+       train --optimizer sgd --beta1 0.8)
+expect(train_scale_option_unscaled 2 "" "--loss-scale-min applies to loss scaling, which --precision bf16-mixed does not use"
+       train --precision bf16-mixed --loss-scale-min 1)
+expect(train_scale_init_static 2 "" "--loss-scale-init applies to a dynamic loss scale, and --loss-scaling 1024 is a static one"
+       train --precision 16-mixed --loss-scaling 1024 --loss-scale-init 4096)
+expect(train_rounding_nothing 2 "" "--stochastic-rounding has nothing to round: --precision 16-mixed keeps the parameters and the optimizer state in FP32"
+       train --precision 16-mixed --stochastic-rounding)
+expect(train_prefetch_sync 2 "" "--prefetch applies to the asynchronous loader" train --prefetch 4)
+expect(train_async_no_prefetch 2 "" "--async-dataloader with --prefetch 0 lets the workers make nothing ahead" train --async-dataloader --prefetch 0)
+expect(train_period_final 2 "" "--output-return-period applies to --output-mode every, not final"
+       train --device-iterations 4 --output-return-period 2)
+expect(train_nesterov_adam 2 "" "--nesterov applies to SGD, not to --optimizer adamw" train --nesterov)
 expect(train_profile 0 "profile: 3 steps, [0-9.]+ ms a step.*\n  forward +conv1 +Conv2d +[0-9.]+ +[0-9.]+% +1\n.*  backward +fc1 +linear .*  in-backward +fc1.weight +sgd .*  \\(loop\\)" ""
        train ${TRAIN_PIPE} --max-steps 3 --optimizer sgd --profile)
 expect(train_profile_after_backward 0 "  backward +fc1 +linear .*  optimizer +fc1.weight +sgd .*  \\(loop\\)" ""

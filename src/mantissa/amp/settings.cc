@@ -1,6 +1,11 @@
 #include "mantissa/amp/settings.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <utility>
 
 #include "mantissa/core/error.h"
 #include "mantissa/ops/ops.h"
@@ -18,7 +23,42 @@ const char* partials_name(kernels::Partials p) {
   return p == kernels::Partials::kF16 ? "fp16" : "fp32";
 }
 
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// The suggested loss scale of a numerics report (nn::NumericsRecorder::json()).
+double suggested_loss_scale(const std::string& path) {
+  const std::string hint = "pass the JSON file that --numerics-report wrote";
+  std::ifstream f(path);
+  MANTISSA_CHECK(f.good(), "--loss-scale-init from:" + path + ": cannot read the file", hint);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception&) {
+    throw Error("--loss-scale-init from:" + path + ": the file is not JSON", hint);
+  }
+  const nlohmann::json* scale = nullptr;
+  if (j.is_object() && j.contains("suggested_loss_scale") &&
+      j["suggested_loss_scale"].is_object() && j["suggested_loss_scale"].contains("scale"))
+    scale = &j["suggested_loss_scale"]["scale"];
+  MANTISSA_CHECK(scale && scale->is_number(),
+                 "--loss-scale-init from:" + path +
+                     ": not a numerics report (no number at suggested_loss_scale.scale)",
+                 hint);
+  const double v = scale->get<double>();
+  MANTISSA_CHECK(std::isfinite(v) && v > 0,
+                 "--loss-scale-init from:" + path + ": the suggested loss scale " + num(v) +
+                     " is not a positive number",
+                 "the file is damaged; write it again with --numerics-report");
+  return v;
+}
+
 // The mode's loss scaling, or the one --loss-scaling names, with the --loss-scale-* flags applied.
+// Those flags are options of a dynamic scale: without loss scaling or with a static scale they
+// would change nothing, so they are refused there.
 std::optional<LossScalerOptions> loss_scaling_of(const PrecisionChoices& c,
                                                  const PrecisionMode& mode) {
   std::optional<LossScalerOptions> o =
@@ -27,13 +67,62 @@ std::optional<LossScalerOptions> loss_scaling_of(const PrecisionChoices& c,
                  "e.g. 2000");
   MANTISSA_CHECK(c.loss_scale_hysteresis >= 1, "--loss-scale-hysteresis must be at least 1",
                  "1 backs off on every overflow");
-  if (o) {
-    if (c.loss_scale_init) o->init_scale = *c.loss_scale_init;
-    o->min_scale = c.loss_scale_min;
-    o->max_scale = c.loss_scale_max;
-    o->growth_interval = c.loss_scale_growth_interval;
-    o->hysteresis = c.loss_scale_hysteresis;
+  const bool init_given = c.loss_scale_init || !c.loss_scale_init_report.empty();
+  MANTISSA_CHECK(!c.loss_scale_init || c.loss_scale_init_report.empty(),
+                 "--loss-scale-init is given twice: a number and from:" + c.loss_scale_init_report,
+                 "give one of them");
+  const PrecisionChoices defaults;
+  const char* set = init_given         ? "--loss-scale-init"
+                    : c.loss_scale_min ? "--loss-scale-min"
+                    : c.loss_scale_max ? "--loss-scale-max"
+                    : c.loss_scale_growth_interval != defaults.loss_scale_growth_interval
+                        ? "--loss-scale-growth-interval"
+                    : c.loss_scale_hysteresis != defaults.loss_scale_hysteresis
+                        ? "--loss-scale-hysteresis"
+                        : nullptr;
+  if (!o) {
+    MANTISSA_CHECK(!set,
+                   std::string(set ? set : "") + " applies to loss scaling, which " +
+                       (c.loss_scaling.empty() ? "--precision " + mode.name + " does not use"
+                                               : std::string("--loss-scaling none turns off")),
+                   std::string("add --loss-scaling dynamic, or drop ") + (set ? set : ""));
+    return o;
   }
+  if (!o->dynamic) {
+    MANTISSA_CHECK(
+        !set,
+        std::string(set ? set : "") + " applies to a dynamic loss scale, and --loss-scaling " +
+            c.loss_scaling + " is a static one",
+        init_given ? "a static scale is the value of --loss-scaling: give one of them, or use "
+                     "--loss-scaling dynamic --loss-scale-init X for a dynamic scale from X"
+                   : std::string("use --loss-scaling dynamic, or drop ") + (set ? set : ""));
+    return o;
+  }
+  for (const auto& [flag, v] : {std::pair{"--loss-scale-init", c.loss_scale_init},
+                                std::pair{"--loss-scale-min", c.loss_scale_min},
+                                std::pair{"--loss-scale-max", c.loss_scale_max}})
+    MANTISSA_CHECK(!v || (std::isfinite(*v) && *v > 0),
+                   std::string(flag) + " " + num(v.value_or(0)) + " is not a positive number",
+                   "e.g. 65536");
+  if (!c.loss_scale_init_report.empty())
+    o->init_scale = suggested_loss_scale(c.loss_scale_init_report);
+  if (c.loss_scale_init) o->init_scale = *c.loss_scale_init;
+  o->min_scale = c.loss_scale_min;
+  o->max_scale = c.loss_scale_max;
+  o->growth_interval = c.loss_scale_growth_interval;
+  o->hysteresis = c.loss_scale_hysteresis;
+  // The scaler clamps its start into [min, max]: a default start may be clamped (that is what a
+  // cap is for), an initial scale the user gave may not be overridden silently.
+  const std::string init_str =
+      "--loss-scale-init " +
+      (c.loss_scale_init ? num(*c.loss_scale_init)
+                         : "from:" + c.loss_scale_init_report + " (" + num(o->init_scale) + ")");
+  MANTISSA_CHECK(!init_given || !o->min_scale || o->init_scale >= *o->min_scale,
+                 init_str + " is below --loss-scale-min " + num(o->min_scale.value_or(0)),
+                 "the scale would start at the minimum: lower --loss-scale-min or raise the start");
+  MANTISSA_CHECK(!init_given || !o->max_scale || o->init_scale <= *o->max_scale,
+                 init_str + " is above --loss-scale-max " + num(o->max_scale.value_or(0)),
+                 "the scale would start at the maximum: raise --loss-scale-max or lower the start");
   return o;
 }
 
@@ -86,9 +175,40 @@ PrecisionSettings resolve_precision(const PrecisionChoices& c, uint64_t seed) {
                  "--loss-scaling dynamic does not combine with --precision " + c.precision,
                  "drop it: BF16 needs no loss scaling, and an overflow step's inf would stay in "
                  "the FP8 amax histories, freezing their scales");
-  MANTISSA_CHECK(!c.stochastic_outputs || s.mode.param_dtype != DType::f32 || s.mode.autocast,
-                 "--stochastic-outputs needs 16-bit op outputs",
+  if (s.loss_scaling) s.loss_scale_init_report = c.loss_scale_init_report;
+  const std::string mode_flag = "--precision " + s.mode.name;
+  // What the mode stores in 16 bits: the flags below act on those values only.
+  const bool half_params = s.mode.param_dtype != DType::f32 || !c.half_modules.empty();
+  const bool half_state =
+      s.state_types.first_moment != DType::f32 || s.state_types.second_moment != DType::f32;
+  MANTISSA_CHECK(!c.stochastic_rounding || half_params || half_state,
+                 "--stochastic-rounding has nothing to round: " + mode_flag +
+                     " keeps the parameters and the optimizer state in FP32",
+                 "use it with 16-bit parameters (16-true, bf16-true, O2, --half-modules) or 16-bit "
+                 "optimizer state (--first-moment-type / --second-moment-type bf16), or drop it");
+  MANTISSA_CHECK(!c.stochastic_outputs || half_params || s.mode.autocast,
+                 "--stochastic-outputs needs 16-bit op outputs, and " + mode_flag + " has none",
                  "use it with a 16-bit --precision (16-true, bf16-true, 16-mixed, ...)");
+  for (const auto& [flag, file] : {std::pair{"--autocast-lower-list", &c.autocast_lower_list},
+                                   std::pair{"--autocast-fp32-list", &c.autocast_fp32_list}})
+    MANTISSA_CHECK(
+        file->empty() || s.mode.autocast,
+        std::string(flag) + " applies to automatic casting, which " + mode_flag + " does not use",
+        "use a mixed mode (16-mixed, bf16-mixed, O1), or drop it");
+  // Module overrides in a mode that already runs every module in that type change nothing
+  // (unless the other override makes a subtree different first).
+  const bool all_fp32 =
+      s.mode.param_dtype == DType::f32 && s.mode.input_dtype == DType::f32 && !s.mode.autocast;
+  const bool all_half = s.mode.param_dtype == s.mode.half && s.mode.input_dtype == s.mode.half &&
+                        !s.mode.autocast && !s.mode.keep_norm_fp32;
+  MANTISSA_CHECK(c.keep_fp32.empty() || !all_fp32 || !c.half_modules.empty(),
+                 "--keep-fp32 changes nothing: " + mode_flag + " runs every module in FP32",
+                 "use it with a 16-bit --precision, or for a part of --half-modules");
+  MANTISSA_CHECK(c.half_modules.empty() || !all_half || !c.keep_fp32.empty(),
+                 "--half-modules changes nothing: " + mode_flag + " runs every module in " +
+                     std::string(dtype_name(s.mode.half)),
+                 "use it with a mode that keeps modules in FP32 (32-true, 16-mixed, O2, ...), or "
+                 "for a part of --keep-fp32");
   // Streams of their own: the seed also keys initialisation, shuffling and dropout.
   if (c.stochastic_rounding) s.stochastic_rounding_seed = seed ^ 0x5352u;
   if (c.stochastic_outputs) s.stochastic_outputs_seed = seed ^ 0x4f5554u;
@@ -112,6 +232,8 @@ PrecisionSettings resolve_precision(const PrecisionChoices& c, uint64_t seed) {
         "name it in one of them");
   s.keep_fp32 = c.keep_fp32;
   s.half_modules = c.half_modules;
+  s.autocast_lower_list = c.autocast_lower_list;
+  s.autocast_fp32_list = c.autocast_fp32_list;
   return s;
 }
 
@@ -120,11 +242,24 @@ std::string PrecisionSettings::describe() const {
   shown.loss_scaling = loss_scaling;
   shown.first_moment = state_types.first_moment;
   shown.second_moment = state_types.second_moment;
-  return shown.describe() + ", partials " + partials_name(partials) +
-         (stochastic_rounding_seed ? ", stochastic rounding" : "") +
-         (kahan ? ", Kahan-compensated parameters" : "") +
-         (stochastic_outputs_seed ? ", stochastic op outputs" : "") +
-         (fp8 ? ", fp8 linear and conv2d: " + fp8->describe() + ", fp32 accumulation" : "");
+  auto joined = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const std::string& x : v) s += (s.empty() ? "" : ",") + x;
+    return s;
+  };
+  std::string line = shown.describe() + ", partials " + partials_name(partials);
+  if (grad_dtype) line += ", gradients " + std::string(dtype_name(*grad_dtype));
+  if (stochastic_rounding_seed) line += ", stochastic rounding";
+  if (kahan) line += ", Kahan-compensated parameters";
+  if (stochastic_outputs_seed) line += ", stochastic op outputs";
+  if (fp8) line += ", fp8 linear and conv2d: " + fp8->describe() + ", fp32 accumulation";
+  if (!loss_scale_init_report.empty())
+    line += ", initial loss scale from numerics report " + loss_scale_init_report;
+  if (!half_modules.empty()) line += ", 16-bit modules " + joined(half_modules);
+  if (!keep_fp32.empty()) line += ", fp32 modules " + joined(keep_fp32);
+  if (!autocast_lower_list.empty()) line += ", lower-precision ops from " + autocast_lower_list;
+  if (!autocast_fp32_list.empty()) line += ", fp32 ops from " + autocast_fp32_list;
+  return line;
 }
 
 Tensor PrecisionSettings::loss_input(const Tensor& output) const {

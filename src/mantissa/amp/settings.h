@@ -32,11 +32,17 @@ struct PrecisionChoices {
   std::vector<std::string> half_modules;  // module paths run in the mode's 16-bit type
   std::string autocast_lower_list, autocast_fp32_list;  // op-list files replacing the defaults
   std::string loss_scaling;  // "" (the mode's), none, dynamic, or a static scale
+  // Options of a dynamic scale (a static one is the value of loss_scaling). Set with no loss
+  // scaling, or with a static scale, they are refused: they would change nothing.
   std::optional<double> loss_scale_min, loss_scale_max, loss_scale_init;
+  // A numerics report (the JSON --numerics-report writes): its suggested loss scale is the initial
+  // scale (`--loss-scale-init from:FILE`); an alternative to loss_scale_init.
+  std::string loss_scale_init_report;
   int64_t loss_scale_growth_interval = 2000;
   int64_t loss_scale_hysteresis = 1;
-  bool stochastic_rounding = false;  // optimizer writes of 16-bit parameters and state
-  bool stochastic_outputs = false;   // every 16-bit op output (forward)
+  // Optimizer writes of 16-bit parameters and state; refused when the run has none to round.
+  bool stochastic_rounding = false;
+  bool stochastic_outputs = false;  // every 16-bit op output (forward)
   // Kahan-compensated updates of the 16-bit parameters (Optimizer::enable_kahan): modes whose
   // parameters are 16-bit and that keep no FP32 master weights; not with stochastic_rounding.
   bool kahan = false;
@@ -59,15 +65,19 @@ struct PrecisionSettings {
   std::optional<DType> grad_dtype;  // the type gradients are held in (nullopt: the parameter's)
   optim::StateTypes state_types;
   std::optional<LossScalerOptions> loss_scaling;  // nullopt: no loss scaling
+  std::string loss_scale_init_report;             // where the initial scale came from, if a report
   // Seeds of stochastic rounding: of the optimizer's 16-bit writes, and of 16-bit op outputs.
   std::optional<uint64_t> stochastic_rounding_seed, stochastic_outputs_seed;
-  bool kahan = false;                                // Kahan-compensated 16-bit parameters
-  std::vector<std::string> keep_fp32, half_modules;  // module paths
-  ops::AutocastPolicy policy;                        // the op lists of automatic casting
-  std::optional<Fp8Recipe> fp8;                      // the FP8 modes' recipe
+  bool kahan = false;                                   // Kahan-compensated 16-bit parameters
+  std::vector<std::string> keep_fp32, half_modules;     // module paths
+  ops::AutocastPolicy policy;                           // the op lists of automatic casting
+  std::string autocast_lower_list, autocast_fp32_list;  // the files they came from ("": default)
+  std::optional<Fp8Recipe> fp8;                         // the FP8 modes' recipe
 
   // The line the trainer prints when it starts: the mode's settings with the overrides, e.g.
-  // "precision 16-mixed: parameters f32, ..., optimizer state f32/f32, partials fp32".
+  // "precision 16-mixed: parameters f32, ..., optimizer state f32/f32, partials fp32", then each
+  // further override that is set (gradient type, stochastic rounding, module overrides, op-list
+  // files, ...). Checkpoints record it: a resume must match it.
   std::string describe() const;
   // The model's output as the loss takes it: cast to FP32 when the mode computes the loss in
   // FP32 (O2), as it is otherwise.
@@ -75,8 +85,10 @@ struct PrecisionSettings {
 };
 
 // Checks the choices (unknown names, files that cannot be read, settings that contradict each
-// other) and resolves them; throws mantissa::Error naming the flag and the fix. `seed` is the
-// run's: the streams of stochastic rounding derive from it.
+// other, and settings that would change nothing under the others: loss-scale options without a
+// dynamic scale, stochastic rounding with nothing 16-bit to round, op lists or module overrides
+// that the mode leaves without effect) and resolves them; throws mantissa::Error naming the flag,
+// the conflict and the fix. `seed` is the run's: the streams of stochastic rounding derive from it.
 PrecisionSettings resolve_precision(const PrecisionChoices& choices, uint64_t seed);
 
 // Applies the settings to a model and the optimizer of its parameters, before the first step:

@@ -116,6 +116,87 @@ void check_values(const TrainConfig& c) {
   }
 }
 
+// A setting that only acts together with another: refused when it is set (differs from its
+// default) while the other leaves it without effect, so no flag is accepted and then ignored.
+void check_applies(bool set, bool applies, const std::string& conflict, const std::string& fix) {
+  MANTISSA_CHECK(!set || applies, conflict, fix);
+}
+
+// The settings that act only under others (optimizer, schedule, pipeline, loader, reports,
+// evaluation, dataset, model).
+void check_relevance(const TrainConfig& c, const RunSettings& r) {
+  const TrainConfig d;
+  const bool sgd = r.optimizer == OptimizerKind::kSgd;
+  const std::string opt = "--optimizer " + c.optimizer;
+  for (const auto& [flag, set] :
+       {std::pair{"--beta1", c.beta1 != d.beta1}, std::pair{"--beta2", c.beta2 != d.beta2},
+        std::pair{"--eps", c.eps != d.eps}, std::pair{"--no-bias-correction", !c.bias_correction}})
+    check_applies(set, !sgd, std::string(flag) + " applies to Adam and AdamW, not to " + opt,
+                  std::string("drop ") + flag + ", or use --optimizer adam or adamw");
+  check_applies(c.nesterov, sgd, "--nesterov applies to SGD, not to " + opt,
+                "drop --nesterov, or use --optimizer sgd --momentum 0.9 --nesterov");
+  check_applies(c.nesterov, c.momentum > 0, "--nesterov needs SGD momentum, and --momentum is 0",
+                "set --momentum (e.g. 0.9), or drop --nesterov");
+  check_applies(!c.first_moment_type.empty(), !sgd || c.momentum > 0,
+                "--first-moment-type sets the type of SGD's momentum buffer, and --momentum 0 "
+                "keeps none",
+                "set --momentum, or drop --first-moment-type");
+  check_applies(!c.second_moment_type.empty(), !sgd,
+                "--second-moment-type sets the type of Adam's exp_avg_sq, and " + opt +
+                    " keeps no second moment",
+                "drop --second-moment-type, or use --optimizer adam or adamw");
+  const bool step_schedule = r.schedule.kind == optim::LrSchedule::Kind::kStep;
+  for (const auto& [flag, set] : {std::pair{"--lr-step-size", c.lr_step_size != d.lr_step_size},
+                                  std::pair{"--lr-gamma", c.lr_gamma != d.lr_gamma}})
+    check_applies(set, step_schedule,
+                  std::string(flag) + " applies to --lr-schedule step, not " + c.lr_schedule,
+                  std::string("add --lr-schedule step, or drop ") + flag);
+  check_applies(c.accumulation_reduction != d.accumulation_reduction, c.gradient_accumulation > 1,
+                "--accumulation-reduction " + c.accumulation_reduction +
+                    " combines the micro-batches of a step, and --gradient-accumulation is 1",
+                "add --gradient-accumulation N (N > 1), or drop --accumulation-reduction");
+  check_applies(c.output_mode != d.output_mode, c.device_iterations > 1,
+                "--output-mode " + c.output_mode +
+                    " chooses among the steps of a call, and --device-iterations is 1",
+                "add --device-iterations K (K > 1), or drop --output-mode");
+  check_applies(c.output_return_period != d.output_return_period,
+                r.output_mode == OutputMode::kEvery,
+                "--output-return-period applies to --output-mode every, not " + c.output_mode,
+                "add --output-mode every, or drop --output-return-period");
+  check_applies(c.async_loader, c.prefetch > 0,
+                "--async-dataloader with --prefetch 0 lets the workers make nothing ahead: the "
+                "batches would be made while the step waits, as without it",
+                "use --prefetch 1 or more, or drop --async-dataloader");
+  check_applies(c.prefetch != d.prefetch, c.async_loader,
+                "--prefetch applies to the asynchronous loader (--async-dataloader)",
+                "add --async-dataloader, or drop --prefetch");
+  check_applies(c.workers != d.workers, c.async_loader,
+                "TrainConfig::workers applies to the asynchronous loader, and async_loader is off",
+                "set async_loader (the command line's --workers sets it)");
+  check_applies(c.numerics_every != d.numerics_every, !c.numerics_report.empty(),
+                "--numerics-every applies to --numerics-report, which is not given",
+                "add --numerics-report FILE, or drop --numerics-every");
+  for (const auto& [flag, set] :
+       {std::pair{"--eval-batch-size", c.eval_batch_size != d.eval_batch_size},
+        std::pair{"--test-limit", c.test_limit != d.test_limit}})
+    check_applies(set, c.evaluate,
+                  std::string(flag) + " applies to the evaluation, which --no-eval skips",
+                  std::string("drop ") + flag + " or --no-eval");
+  check_applies(c.autocast_log, r.precision.mode.autocast,
+                "--autocast-log logs automatic casting, which --precision " +
+                    r.precision.mode.name + " does not use",
+                "use a mixed mode (16-mixed, bf16-mixed, O1), or drop --autocast-log");
+  check_applies(c.imagenet_stem, c.model.rfind("resnet", 0) == 0,
+                "--imagenet-stem chooses a ResNet's stem, and --model is " + c.model,
+                "use a ResNet (--model resnet18, ...), or drop --imagenet-stem");
+  check_applies(c.synthetic_size != d.synthetic_size, c.dataset == "synthetic",
+                "--synthetic-size sizes the synthetic dataset, and --dataset is " + c.dataset,
+                "add --dataset synthetic, or drop --synthetic-size");
+  check_applies(!c.data_dir.empty(), c.dataset != "synthetic",
+                "--data-dir locates a dataset's files, and --dataset synthetic has none",
+                "drop --data-dir, or name a dataset read from files");
+}
+
 }  // namespace
 
 int64_t total_steps(const TrainConfig& c, int64_t batches_per_epoch) {
@@ -182,6 +263,10 @@ RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
                  "--init-from and --resume cannot be used together",
                  "--resume restores the weights itself; use one of them");
   r.schedule.kind = optim::parse_schedule(c.lr_schedule);
+  MANTISSA_CHECK(c.warmup_steps >= 0, "--warmup-steps must not be negative", "0: no warm-up");
+  MANTISSA_CHECK(c.lr_step_size >= 1, "--lr-step-size must be at least 1", "e.g. 1000");
+  MANTISSA_CHECK(std::isfinite(c.lr_gamma) && c.lr_gamma > 0, "--lr-gamma must be positive",
+                 "e.g. 0.1");
   r.schedule.warmup_steps = c.warmup_steps;
   r.schedule.step_size = c.lr_step_size;
   r.schedule.gamma = c.lr_gamma;
@@ -198,6 +283,7 @@ RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
   MANTISSA_CHECK(c.zero == 0 || c.zero == 1,
                  "--zero " + std::to_string(c.zero) + " is not a supported ZeRO stage",
                  "use --zero 1 (optimizer state and master weights sharded), or leave it out");
+  check_relevance(c, r);
   return r;
 }
 

@@ -39,7 +39,9 @@ struct TrainConfig : amp::PrecisionChoices {
   int64_t batch_size = 12;
   int64_t eval_batch_size = 32;
   int64_t epochs = 1;
-  int64_t max_steps = 0;  // total optimizer steps, counted from the start of the run; 0: none
+  // Total optimizer steps, counted from the start of the run (0: none); the run also ends with
+  // its epochs, whichever comes first.
+  int64_t max_steps = 0;
   bool shuffle = true;
   std::string optimizer = "adamw";  // sgd | adam | adamw
   double lr = 1e-3;
@@ -89,7 +91,7 @@ struct TrainConfig : amp::PrecisionChoices {
   bool recompute = false;
   bool async_loader = false;  // background workers prepare batches while the step runs
   int workers = 1;            // with async_loader
-  int prefetch = 2;           // with async_loader: batches made ahead at most
+  int prefetch = 2;           // with async_loader: batches made ahead at most (at least 1)
 
   // Check every op's output (forward) and every gradient (backward) for inf/NaN and stop at the
   // first, naming the op, module, dtype and input statistics (autograd::AnomalyError). Under loss
@@ -172,9 +174,18 @@ inline constexpr int kMaxThreads = 1024;         // --threads
 inline constexpr int64_t kMaxImageSize = 16384;  // --image-size: the side images are resized to
 
 // Checks every setting and resolves it; throws mantissa::Error naming the first bad setting and
-// how to fix it. `checks_outputs` false leaves the output paths (--save, --metrics-json,
-// --report, --numerics-report) unchecked and unlocked: a data-parallel rank other than 0 writes
-// none of them, and checking them would take rank 0's locks.
+// how to fix it. A setting that acts only together with another is refused, naming both, when it
+// differs from its default while the other leaves it without effect: an Adam option under SGD,
+// --nesterov without SGD momentum, a state type the optimizer does not keep, the step schedule's
+// options under another schedule, --accumulation-reduction without accumulation, --output-mode
+// with one step a call, --output-return-period without --output-mode every, the loader's workers
+// and prefetch depth without the asynchronous loader (or with a depth of 0), --numerics-every
+// without a report, evaluation settings with evaluation off, --autocast-log without automatic
+// casting, --imagenet-stem on another model, --synthetic-size and --data-dir on datasets they do
+// not describe; and the precision settings amp::resolve_precision() refuses (amp/settings.h).
+// `checks_outputs` false leaves the output paths (--save, --metrics-json, --report,
+// --numerics-report) unchecked and unlocked: a data-parallel rank other than 0 writes none of
+// them, and checking them would take rank 0's locks.
 RunSettings resolve(const TrainConfig& c, bool checks_outputs = true);
 // The same checks, for a configuration that is not run yet (`mantissa memory`, the CLI).
 void validate(const TrainConfig& c);

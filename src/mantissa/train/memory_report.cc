@@ -81,6 +81,8 @@ StepMemory profile_step(TrainConfig c) {
   c.dataset = "synthetic";
   c.synthetic_size = std::max<int64_t>(2 * per_call, 4);
   c.train_limit = c.test_limit = 0;
+  c.data_dir.clear();
+  c.eval_batch_size = TrainConfig{}.eval_batch_size;  // no evaluation
   c.max_steps = 2 * c.device_iterations;
   c.epochs = 1;
   c.evaluate = false;
