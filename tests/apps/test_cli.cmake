@@ -179,6 +179,12 @@ expect(train_async_no_prefetch 2 "" "--async-dataloader with --prefetch 0 lets t
 expect(train_period_final 2 "" "--output-return-period applies to --output-mode every, not final"
        train --device-iterations 4 --output-return-period 2)
 expect(train_nesterov_adam 2 "" "--nesterov applies to SGD, not to --optimizer adamw" train --nesterov)
+# A resume refuses what breaks exactness and names what changes the run.
+expect(train_resume_first 0 "" "" train ${TRAIN_PIPE} --max-steps 2 --save ${WORK}/ck.safetensors)
+expect(train_resume_seed 2 "" "ck.safetensors was trained with --seed 0, not 3: a bit-exact continuation needs the same batches \\(pass --seed 0 to resume it\\)"
+       train ${TRAIN_PIPE} --max-steps 3 --resume ${WORK}/ck.safetensors --seed 3)
+expect(train_resume_lr 0 "resuming .*ck.safetensors at step 2 with settings that change the run from there: --lr 0.0005 \\(the checkpoint's: 0.001\\)\n" ""
+       train ${TRAIN_PIPE} --max-steps 3 --resume ${WORK}/ck.safetensors --lr 5e-4)
 expect(train_profile 0 "profile: 3 steps, [0-9.]+ ms a step.*\n  forward +conv1 +Conv2d +[0-9.]+ +[0-9.]+% +1\n.*  backward +fc1 +linear .*  in-backward +fc1.weight +sgd .*  \\(loop\\)" ""
        train ${TRAIN_PIPE} --max-steps 3 --optimizer sgd --profile)
 expect(train_profile_after_backward 0 "  backward +fc1 +linear .*  optimizer +fc1.weight +sgd .*  \\(loop\\)" ""

@@ -1,6 +1,7 @@
 #include "mantissa/train/checkpoint.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -170,7 +171,97 @@ auto build_within_file(const io::SafetensorsFile& f, const std::string& path, Bu
   }
 }
 
+// A number as the shortest text that reads back to it (0.001, not 0.0010000000000000000208).
+std::string number_text(double v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::general);
+  return std::string(buf, r.ptr);
+}
+
+// A recorded setting that a bit-exact continuation needs unchanged. Throws naming the recorded and
+// the given value when they differ; a key the checkpoint does not record is not compared.
+void check_recorded(const io::SafetensorsFile& f, const std::string& path, const std::string& key,
+                    const std::string& given, const std::string& setting, const std::string& why,
+                    const std::string& fix) {
+  auto it = f.metadata.find(key);
+  if (it == f.metadata.end() || it->second == given) return;
+  auto shown = [](const std::string& v) {
+    return v.find(' ') == std::string::npos ? v : "'" + v + "'";
+  };
+  throw Error(path + " was trained with " + setting + " " + shown(it->second) + ", not " +
+                  shown(given) + ": " + why,
+              fix.empty() ? "pass " + setting + " " + it->second + " to resume it" : fix);
+}
+
+// The changeable settings that differ from the checkpoint's, in one line ("" when none).
+std::string changes_of(const io::SafetensorsFile& f, const std::string& path,
+                       const CheckpointRun& run, int64_t step) {
+  auto it = f.metadata.find("changeable_settings");
+  if (it == f.metadata.end()) return {};
+  json recorded;
+  try {
+    recorded = json::parse(it->second);
+  } catch (const json::exception&) {
+    throw Error(path + ": metadata 'changeable_settings' is not JSON", "the file is damaged");
+  }
+  MANTISSA_CHECK(recorded.is_object(),
+                 path + ": metadata 'changeable_settings' is not a JSON object",
+                 "the file is damaged");
+  std::string changes;
+  for (const auto& [flag, value] : run.changeable) {
+    if (!recorded.contains(flag)) continue;
+    MANTISSA_CHECK(recorded[flag].is_string(),
+                   path + ": metadata 'changeable_settings' holds a " + flag + " that is not text",
+                   "the file is damaged");
+    const std::string was = recorded[flag].get<std::string>();
+    if (was != value)
+      changes +=
+          (changes.empty() ? "" : ", ") + flag + " " + value + " (the checkpoint's: " + was + ")";
+  }
+  if (changes.empty()) return {};
+  return "resuming " + path + " at step " + std::to_string(step) +
+         " with settings that change the run from there: " + changes;
+}
+
 }  // namespace
+
+CheckpointRun checkpoint_run(const TrainConfig& c, const RunSettings& r, bool user_model) {
+  CheckpointRun run;
+  run.model = r.model;
+  run.user_model = user_model;
+  run.dataset = r.dataset;
+  run.precision = r.precision.mode.name;
+  run.seed = c.seed;
+  run.batch_size = c.batch_size;
+  run.gradient_accumulation = c.gradient_accumulation;
+  run.synthetic_size = c.synthetic_size;
+  run.train_limit = c.train_limit;
+  run.shuffle = c.shuffle;
+  run.augment = c.augment;
+  run.precision_settings = r.precision.describe();
+  auto flag = [](bool on) { return std::string(on ? "true" : "false"); };
+  run.changeable = {
+      {"--lr", number_text(c.lr)},
+      {"--lr-schedule", c.lr_schedule},
+      {"--warmup-steps", std::to_string(c.warmup_steps)},
+      {"--lr-step-size", std::to_string(c.lr_step_size)},
+      {"--lr-gamma", number_text(c.lr_gamma)},
+      {"--weight-decay", number_text(r.weight_decay)},
+      {"--momentum", number_text(c.momentum)},
+      {"--nesterov", flag(c.nesterov)},
+      {"--beta1", number_text(c.beta1)},
+      {"--beta2", number_text(c.beta2)},
+      {"--eps", number_text(c.eps)},
+      {"--no-bias-correction", flag(!c.bias_correction)},
+      {"--max-grad-norm", number_text(c.max_grad_norm)},
+      {"--accumulation-reduction", c.accumulation_reduction},
+  };
+  // The cosine schedule spans --epochs: there a different number of epochs changes the learning
+  // rates of the steps left (elsewhere it is just the run's length, which resuming may extend).
+  if (r.schedule.kind == optim::LrSchedule::Kind::kCosine)
+    run.changeable.emplace_back("--epochs", std::to_string(c.epochs));
+  return run;
+}
 
 void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                      const optim::Optimizer& optimizer, const amp::LossScaler* scaler, int64_t step,
@@ -209,6 +300,13 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
     m["synthetic_size"] = std::to_string(run.synthetic_size);
   }
   if (run.world_size > 1) m["world_size"] = std::to_string(run.world_size);
+  m["train_limit"] = std::to_string(run.train_limit);
+  m["shuffle"] = run.shuffle ? "true" : "false";
+  m["augment"] = run.augment ? "true" : "false";
+  m["precision_settings"] = run.precision_settings;
+  json changeable = json::object();
+  for (const auto& [flag, value] : run.changeable) changeable[flag] = value;
+  m["changeable_settings"] = changeable.dump();
   if (scaler) m["loss_scaler"] = scaler->to_json();
   if (fp8) m["fp8"] = fp8->to_json();
   if (optimizer.stochastic_rounding())
@@ -275,6 +373,45 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
         "accumulation = " +
             (saved ? std::to_string(*saved) : std::string("the original run's")));
   }
+  const std::string precision_flags =
+      "resume with the precision flags of the original run (--precision, --partials, "
+      "--accum-type, the state types, --loss-scaling and --loss-scale-*, --stochastic-rounding, "
+      "--stochastic-outputs, --keep-fp32, --half-modules, the op lists)";
+  check_recorded(f, path, "precision_settings", run.precision_settings, "the precision settings",
+                 "the dtypes of what is saved and how it is rounded", precision_flags);
+  // The data order: the batch of a step is a function of the seed, the global batch (above) and
+  // the data.
+  const std::string order = "a bit-exact continuation needs the same batches";
+  check_recorded(f, path, "seed", std::to_string(run.seed), "--seed", order, "");
+  check_recorded(f, path, "dataset", run.dataset, run.user_model ? "the examples of" : "--dataset",
+                 order,
+                 run.user_model ? "resume on the examples the checkpoint was trained on" : "");
+  if (!run.user_model && run.dataset == "synthetic")
+    check_recorded(f, path, "synthetic_size", std::to_string(run.synthetic_size),
+                   "--synthetic-size", order, "");
+  const bool no_limit = f.metadata.count("train_limit") && f.metadata.at("train_limit") == "0";
+  check_recorded(f, path, "train_limit", std::to_string(run.train_limit), "--train-limit", order,
+                 no_limit ? "drop --train-limit to resume it" : "");
+  check_recorded(f, path, "shuffle", run.shuffle ? "true" : "false", "shuffling", order,
+                 run.shuffle ? "pass --no-shuffle to resume it" : "drop --no-shuffle to resume it");
+  check_recorded(f, path, "augment", run.augment ? "true" : "false", "augmentation", order,
+                 run.augment ? "drop --augment to resume it" : "pass --augment to resume it");
+  // The stochastic-rounding streams: the seed the checkpoint's writes used, read back.
+  const std::optional<uint64_t> sr = optimizer.stochastic_rounding();
+  auto it = f.metadata.find("stochastic_rounding_seed");
+  const std::optional<std::string> recorded_sr =
+      it == f.metadata.end() ? std::nullopt : std::optional<std::string>(it->second);
+  MANTISSA_CHECK(
+      recorded_sr.has_value() == sr.has_value(),
+      path + (sr ? " was trained without stochastic rounding"
+                 : " was trained with stochastic rounding"),
+      sr ? "drop --stochastic-rounding to resume it" : "pass --stochastic-rounding to resume it");
+  if (sr)
+    MANTISSA_CHECK(*recorded_sr == std::to_string(*sr),
+                   path + " was trained with stochastic-rounding seed " + *recorded_sr + ", not " +
+                       std::to_string(*sr),
+                   "resume with the --seed of the original run (the rounding streams derive "
+                   "from it)");
   MANTISSA_CHECK(f.metadata.count("loss_scaler") == (scaler ? 1u : 0u),
                  path + (scaler ? " holds no loss-scaler state" : " holds loss-scaler state"),
                  "resume with the --loss-scaling of the original run");
@@ -317,6 +454,7 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
     throw Error(path + ": metadata 'step_losses' is not a JSON list of numbers",
                 "the file is damaged");
   }
+  r.note = changes_of(f, path, run, r.step);
   return r;
 }
 

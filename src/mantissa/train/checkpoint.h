@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mantissa/amp/fp8.h"
@@ -37,7 +38,20 @@ struct CheckpointRun {
   // world_size x batch_size x gradient_accumulation, whatever the number of ranks.
   int64_t world_size = 1;
   int64_t synthetic_size = 0;  // the synthetic dataset is made from the seed and its size
+  // The rest of the data order: a resume that differs here would repeat some examples and skip
+  // others.
+  int64_t train_limit = 0;
+  bool shuffle = true, augment = false;
+  // The precision settings as printed (amp::PrecisionSettings::describe()): the dtypes of what is
+  // saved, the loss scaler's options, stochastic rounding, module overrides, op lists.
+  std::string precision_settings;
+  // Settings a resume may change on purpose (a lower learning rate to fine-tune, ...), each a flag
+  // and its value as text: a resume reports those that differ, in one line.
+  std::vector<std::pair<std::string, std::string>> changeable;
 };
+
+// What a run's checkpoints record, from its configuration (`r` resolved from `c`).
+CheckpointRun checkpoint_run(const TrainConfig& c, const RunSettings& r, bool user_model);
 
 // The training state a checkpoint holds. `scaler` is null when the run has no loss scaling, `fp8`
 // when it has no FP8 state (the FP8 modes' scales and amax histories, in the metadata).
@@ -50,16 +64,21 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
                      const amp::Fp8State* fp8 = nullptr);
 
 // Restores a checkpoint into the run's model, optimizer, scaler and FP8 state after checking that
-// it is one of this run (the same model, image size, optimizer, precision, global batch, loss
-// scaling and FP8 recipe; any number of ranks), and returns its step count and losses. Throws
-// naming the first thing that differs and the setting that resumes it; for a different model, the
-// first tensor that does not match.
-// Every metadata number is range-checked before use (a step from 0 to kMaxCount, the geometry
-// within the built-in models' bounds), and a file holding fewer optimizer state tensors than it
-// was written with is refused rather than resumed with fresh state.
+// it is one of this run, and returns its step count and losses. A bit-exact continuation needs the
+// same model and image size, optimizer, precision settings (with the stochastic-rounding seed the
+// optimizer has, and the FP8 recipe), seed, global batch (ranks x batch size x gradient
+// accumulation; any number of ranks) and data (dataset, its size and limit, shuffling,
+// augmentation): a difference there throws naming the recorded and the given value and the flag
+// that resumes it (for a different model, the first tensor that does not match). The changeable
+// settings may differ: `note` then says which, and that they change the run. Keys that an older
+// checkpoint does not record are not compared. Every metadata number is range-checked before use (a
+// step from 0 to kMaxCount, the geometry within the built-in models' bounds), and a file holding
+// fewer optimizer state tensors than it was written with is refused rather than resumed with fresh
+// state.
 struct Resumed {
   int64_t step = 0;
   std::vector<float> step_losses;
+  std::string note;  // one line naming the settings that change the run, or empty
 };
 Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                         optim::Optimizer& optimizer, amp::LossScaler* scaler,

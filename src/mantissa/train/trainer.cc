@@ -591,15 +591,7 @@ double Trainer::evaluate(int64_t* examples) {
 // ---- Checkpoints (checkpoint.h) ----
 
 CheckpointRun Trainer::checkpoint_run() const {
-  CheckpointRun c;
-  c.model = run_.model;
-  c.user_model = user_model_;
-  c.dataset = run_.dataset;
-  c.precision = run_.precision.mode.name;
-  c.seed = config_.seed;
-  c.batch_size = config_.batch_size;
-  c.gradient_accumulation = config_.gradient_accumulation;
-  c.synthetic_size = config_.synthetic_size;
+  CheckpointRun c = train::checkpoint_run(config_, run_, user_model_);
   c.world_size = world_size();
   return c;
 }
@@ -623,6 +615,7 @@ void Trainer::load_checkpoint(const std::string& path) {
                      std::to_string(schedule_.total_steps) + " steps of this run's --epochs " +
                      std::to_string(config_.epochs),
                  "raise --epochs to continue it, or resume from a checkpoint of this run");
+  if (!r.note.empty() && streams_.out) *streams_.out << r.note << std::endl;
   step_ = r.step;
   step_losses_ = std::move(r.step_losses);
 }
