@@ -1,9 +1,13 @@
 // Independent references for the number-format tests. None of them shares code with the engine's
-// conversions: F16C is a hardware oracle for FP16, BF16 uses the classic integer formula, and FP8
-// rounds by searching the sorted table of all finite values.
+// conversions: FP16 by its textbook definition (scale, round to nearest even in FP64, assemble the
+// bits) and, on x86 processors that have it, the F16C instruction as a hardware oracle; BF16 by the
+// classic integer formula; FP8 by searching the sorted table of all finite values.
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define MANTISSA_TEST_HAVE_F16C_CODE 1
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -17,6 +21,42 @@
 
 namespace mantissa::testing {
 
+// FP32 -> FP16 bits by the definition: |x| as an integer multiple of the spacing of its binade
+// (2^-24 below the normals), rounded to nearest even in FP64 (exact: FP32 values and powers of
+// two), overflowing at 65520 (the midpoint above 65504); NaN quieted, keeping its top payload bits.
+inline uint16_t f16_reference_encode(float x) {
+  const uint32_t b = std::bit_cast<uint32_t>(x);
+  const uint16_t sign = static_cast<uint16_t>((b >> 16) & 0x8000u);
+  if (std::isnan(x)) return static_cast<uint16_t>(sign | 0x7e00u | ((b >> 13) & 0x3ffu));
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= 65520.0) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (a == 0) return sign;
+  int e = 0;
+  std::frexp(a, &e);
+  const int binade = std::max(e - 1, -14);                      // exponent of its spacing
+  const double q = std::nearbyint(std::ldexp(a, 10 - binade));  // units of 2^(binade-10)
+  if (binade == -14 && q < 1024) return static_cast<uint16_t>(sign | static_cast<uint16_t>(q));
+  // A normal (or a subnormal that rounded up to the smallest normal, q == 1024).
+  const int biased = binade + 15 + (q == 2048 ? 1 : 0);
+  const uint16_t mantissa = static_cast<uint16_t>(q == 2048 ? 0 : static_cast<int>(q) - 1024);
+  return static_cast<uint16_t>(sign | (biased << 10) | mantissa);
+}
+
+// FP16 bits -> FP32 by the definition: m 2^-24 for subnormals, (1 + m/1024) 2^(e-15) for normals;
+// NaN quieted with its payload in the top mantissa bits.
+inline float f16_reference_decode(uint16_t h) {
+  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const bool negative = (h & 0x8000u) != 0;
+  if (e == 31 && m != 0)
+    return std::bit_cast<float>((negative ? 0x80000000u : 0u) | 0x7fc00000u |
+                                (static_cast<uint32_t>(m) << 13));
+  const double magnitude = e == 31  ? INFINITY
+                           : e == 0 ? std::ldexp(static_cast<double>(m), -24)
+                                    : std::ldexp(1.0 + m / 1024.0, e - 15);
+  return static_cast<float>(negative ? -magnitude : magnitude);
+}
+
+#if MANTISSA_TEST_HAVE_F16C_CODE
 #define MANTISSA_TEST_F16C __attribute__((target("avx2,f16c")))
 
 inline bool have_f16c() { return cpu_features().f16c && cpu_features().avx2; }
@@ -30,6 +70,27 @@ MANTISSA_TEST_F16C inline void f16c_encode(const float* src, uint16_t* dst, size
   for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
 }
 MANTISSA_TEST_F16C inline float f16c_decode(uint16_t h) { return _cvtsh_ss(h); }
+#else
+inline bool have_f16c() { return false; }  // not an x86 processor
+#endif
+
+// The FP16 oracle of this processor: F16C where it has it (the definitions above are checked
+// against it there), else the definitions.
+inline void f16_oracle_encode(const float* src, uint16_t* dst, size_t n) {
+#if MANTISSA_TEST_HAVE_F16C_CODE
+  if (have_f16c()) {
+    f16c_encode(src, dst, n);
+    return;
+  }
+#endif
+  for (size_t i = 0; i < n; ++i) dst[i] = f16_reference_encode(src[i]);
+}
+inline float f16_oracle_decode(uint16_t h) {
+#if MANTISSA_TEST_HAVE_F16C_CODE
+  if (have_f16c()) return f16c_decode(h);
+#endif
+  return f16_reference_decode(h);
+}
 
 // FP32 bits -> BF16 bits: NaN quieted with its top payload bits, else add 0x7fff + lsb, truncate.
 inline uint16_t bf16_reference(uint32_t b) {
