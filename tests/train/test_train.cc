@@ -92,6 +92,7 @@ TEST(Trainer, ResultsDoNotDependOnTheThreadCount) {
       c.max_steps = 8;
       c.threads = threads;
       const train::TrainResult r = train::Trainer(c).run();
+      ASSERT_EQ(r.step_losses.size(), 8u) << model << " with " << threads << " threads";
       if (first.empty())
         first = r.step_losses;
       else
@@ -304,6 +305,8 @@ TEST(Trainer, ProfileTimesEveryLayerAndParameter) {
     ASSERT_NE(f, nullptr) << layer;
     EXPECT_EQ(f->calls, 3) << layer;
   }
+  ASSERT_NE(find("forward", "relu"), nullptr) << "the shared ReLU module runs";
+  EXPECT_EQ(find("forward", "relu")->calls, 9) << "after conv1, conv2 and fc1 in each step";
   for (const char* layer : {"conv1", "conv2", "norm", "fc1", "fc2"})
     EXPECT_NE(find("backward", layer), nullptr) << layer;
   ASSERT_NE(find("backward", "conv2"), nullptr);
@@ -316,10 +319,12 @@ TEST(Trainer, ProfileTimesEveryLayerAndParameter) {
   }
   // The phases include their rows; the loop includes the phases.
   double phases = 0;
+  int checked = 0;
   for (const ProfileRow& p : r.profile) {
     if (p.phase != "step") continue;
     phases += p.seconds;
     if (p.op == "forward" || p.op == "backward" || p.op == "optimizer") {
+      ++checked;
       double inside = 0;
       for (const ProfileRow& q : r.profile)
         if (q.phase == p.op) inside += q.seconds;
@@ -327,6 +332,7 @@ TEST(Trainer, ProfileTimesEveryLayerAndParameter) {
       EXPECT_GT(inside, 0.5 * p.seconds) << p.op;
     }
   }
+  EXPECT_EQ(checked, 3) << "the forward, backward and optimizer phases";
   EXPECT_GT(phases, 0);
   EXPECT_LE(phases, r.train_seconds);
   const std::string table = out.str();
@@ -368,7 +374,8 @@ TEST(Trainer, BadSettingsAreExplained) {
   const testing::TempDir dir;
   train::TrainConfig c = small();
   c.resume = dir.file("absent.safetensors");
-  EXPECT_NE(error_of([&] { train::Trainer t(c); }), "");
+  const std::string absent = error_of([&] { train::Trainer t(c); });
+  EXPECT_NE(absent.find(c.resume), std::string::npos) << absent;
 }
 
 TEST(Trainer, ScheduleDrivesTheLearningRate) {
