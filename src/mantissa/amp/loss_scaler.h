@@ -1,6 +1,7 @@
 // Loss scaling: the loss is multiplied by a scale S before backward so that small FP16 gradients
-// do not flush to zero; the optimizer multiplies the gradients by 1/S (once per step, in the pass
-// that also finds inf/NaN) and skips the step when one is not finite.
+// do not flush to zero; the optimizer checks the gradients for inf/NaN in a read-only pass, skips
+// the step when one is not finite, and otherwise multiplies them by 1/S in its update pass (once
+// per step). This class is the scale's state machine, updated after the step (amp::ScaledStep).
 //
 // Static: S is fixed. Dynamic: PyTorch GradScaler's rule (S0 = 2^16, x2 after 2000 clean steps in
 // a row, x0.5 on an overflow), plus optional clamps (MindSpore and DeepSpeed stop at 1, Apex

@@ -5,11 +5,13 @@
 //   autograd::backward(scaled.scale_loss(loss));          // backward of S * loss, in FP32
 //   optim::StepReport r = scaled.step(optimizer, {.max_grad_norm = 1.0});
 //
-// step() runs the optimizer's fused pass with the gradients multiplied by 1/S (unscaled once,
-// before clipping), skips the whole step when a gradient is inf/NaN, and tells the scaler whether
-// the step overflowed (it backs off, or grows after enough clean steps; at its floor it throws
-// naming the parameters). Without a scaler, S = 1, the loss is used as it is and no step is
-// skipped.
+// step() runs the optimizer's step (optim.h): a read-only pass over every gradient for inf/NaN
+// (and the global norm when clipping), both of the unscaled values; then, unless a gradient is
+// inf/NaN (the whole step is skipped), one update pass that multiplies each gradient by 1/S
+// (once, before clipping), clips, updates and rounds. Then, apart from the optimizer, it tells
+// the scaler whether the step overflowed (it backs off, or grows after enough clean steps; at its
+// floor it throws naming the parameters). Without a scaler, S = 1, the loss is used as it is, no
+// step is skipped, and the read-only pass runs only for clipping.
 #pragma once
 
 #include "mantissa/amp/loss_scaler.h"

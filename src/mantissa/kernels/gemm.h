@@ -5,8 +5,9 @@
 //   acc = (beta == 0) ? 0 : beta * C[m][n]            (beta == 1: C itself)
 //   for k = 0 .. K-1:  acc = fma(alpha * A[m][k], B[k][n], acc)   (alpha == 1: A itself)
 //   with Partials::kF16, acc is rounded to FP16 (nearest even) after every
-//   kF16PartialsGranularity products and at the end: the FP16 accumulation of an accelerator's
-//   matrix instruction (16 products per rounding, as in an m16n8k16 MMA), emulated on the CPU.
+//   kF16PartialsGranularity products and at the end, continuing in FP32 from that value: a
+//   nominal model of FP16 accumulation (one rounding per block of 16 products, the K of an
+//   m16n8k16 MMA), not any processor's bits (docs/mixed_precision.md says what it reproduces).
 //   C[m][n] = acc, rounded to nearest even into C's dtype.
 // beta == 0 never reads C (NaN there does not propagate).
 #pragma once

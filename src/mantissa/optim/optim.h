@@ -1,6 +1,10 @@
-// Optimizers with PyTorch's update formulas (torch.optim 1.13, single-tensor path), each a single
-// fused pass over a parameter, its gradient and its state, computed in FP32 whatever the storage
-// dtypes; gradient clipping by global norm; learning-rate schedules.
+// Optimizers with PyTorch's update formulas (torch.optim 1.13, single-tensor path), computed in
+// FP32 whatever the storage dtypes; gradient clipping by global norm; learning-rate schedules. A
+// step makes at most two passes over the gradients: a read-only one over all of them when the step
+// needs a global answer first (inf/NaN for loss scaling, the norm for clipping), then one update
+// pass that reads each parameter's gradient, state and value a chunk at a time and writes them
+// back (unscaled, clipped, updated, rounded to their storage types). The loss scaler's own update
+// is its caller's (amp::ScaledStep).
 #pragma once
 
 #include <cstdint>

@@ -440,12 +440,14 @@ int64_t Trainer::micro_batches_per_step() const {
 //      backward pass hands each bucket of gradients to the reducer as soon as it is complete
 //      (the earlier micro-batches accumulate locally, no_sync), and the step waits for the sums
 //      (with --zero 1, each rank receives the sum of its shard only);
-//   3. the optimizer's fused step (amp::ScaledStep): each gradient is unscaled by 1/S (and, for
-//      the "mean" reduction, divided by the micro-batches of every rank), checked for inf/NaN
-//      under loss scaling (an overflow skips the step and lowers S; the reduced gradients are
-//      the same on every rank, so is the decision; ZeRO's shards combine their checks), clipped
-//      (by the norm of the reduced gradients), and applied, one parameter chunk at a time; ZeRO
-//      then gathers the updated shards, and rank 0's batch-norm statistics go to every rank;
+//   3. the optimizer's step (amp::ScaledStep): under loss scaling or clipping, a read-only pass
+//      over the gradients first (inf/NaN of the unscaled values: an overflow skips the step; the
+//      global norm of the reduced gradients; the reduced gradients are the same on every rank, so
+//      is the decision; ZeRO's shards combine their findings); then one update pass that unscales
+//      each gradient by 1/S (and, for the "mean" reduction, divides it by the micro-batches of
+//      every rank), clips and applies it, one parameter chunk at a time; then the scaler's update
+//      (an overflow lowers S); ZeRO then gathers the updated shards, and rank 0's batch-norm
+//      statistics go to every rank;
 //   4. the gradients are dropped.
 // When a step needs nothing global (one micro-batch on one process, no loss scale, clipping,
 // anomaly detection, numerics report or recomputation), step 3 happens inside the backward pass
