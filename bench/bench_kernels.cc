@@ -1,6 +1,6 @@
-// The kernel benchmark table of issue #3: GEMM (against OpenBLAS and BLIS, loaded at run time if
-// installed), conv2d per layer of the tutorial CNN and ResNet-18, whole-network forward+backward,
-// and elementwise/norm bandwidth. Prints figures; asserts nothing.
+// The kernel benchmark table (docs/numerics.md): GEMM (against OpenBLAS and BLIS, loaded at run
+// time if installed), conv2d per layer of the tutorial CNN and ResNet-18, whole-network
+// forward+backward, and elementwise/norm bandwidth. Prints figures; asserts nothing.
 //
 //   build/bench/bench_kernels [--quick] [--threads N]
 #include <dlfcn.h>

@@ -2,9 +2,9 @@
 # Training speed, Mantissa against Debian's PyTorch 1.13 on this machine, FP32, same model and batch.
 #   [REPEATS=3] [THREADS=2] bash bench/train_vs_pytorch.sh [build-dir]   (needs: bash scripts/setup.sh --bench)
 # PyTorch runs twice: as Debian ships it (linked to the reference BLAS through libblas.so.3) and
-# with OpenBLAS in its place (LD_LIBRARY_PATH to OpenBLAS's libblas.so.3, OPENBLAS_NUM_THREADS=1,
-# as the issue measured). Mantissa trains on the synthetic dataset (data preparation is measured
-# and reported separately by mantissa train: "waited ... s for data").
+# with OpenBLAS in its place (LD_LIBRARY_PATH to OpenBLAS's libblas.so.3, OPENBLAS_NUM_THREADS=1).
+# Mantissa trains on the synthetic dataset (data preparation is measured and reported separately
+# by mantissa train: "waited ... s for data").
 set -euo pipefail
 BUILD=${1:-build}
 THREADS=${THREADS:-2}
