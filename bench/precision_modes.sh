@@ -60,8 +60,10 @@ run() {
   fi
   [[ -n "$size" ]] && flags+=(--image-size "$size")
   [[ -n "$threads" ]] && flags+=(--threads "$threads")
+  # The synthetic dataset's size: enough batches for the steps (other datasets have theirs).
+  [[ "$dataset" == synthetic ]] && flags+=(--synthetic-size $(((steps + 2) * batch)))
   local line
-  line=$("$bin" train --model "$model" --dataset "$dataset" --synthetic-size $(((steps + 2) * batch)) \
+  line=$("$bin" train --model "$model" --dataset "$dataset" \
     --batch-size "$batch" --max-steps "$steps" --no-progress --no-eval "${flags[@]}" |
     grep '^training:') || { echo "precision_modes.sh: $model batch $batch $mode failed" >&2; exit 1; }
   sed -E 's/^training: ([0-9.]+) images.*peak memory ([0-9.]+) MiB.*/\1 \2/' <<<"$line"
