@@ -83,7 +83,7 @@ file(READ ${cmd}/cmd_cast.cc cast_src)
 file(READ ${cmd}/cmd_peak.cc peak_src)
 check(train "${train_src}" "### `mantissa train" "")
 check(eval "${eval_src}" "### `mantissa eval" "--save")
-check(memory "${memory_src}" "### `mantissa memory" "")
+check(memory "${memory_src}" "### `mantissa memory" "--zero")
 check(cast "${cast_src}" "### `mantissa cast" "")
 check(peak "${peak_src}" "### `mantissa peak" "")
 
