@@ -63,13 +63,20 @@ TEST(BadInputs, EachIsRefusedWithItsStatusAndAMessageNamingTheFix) {
   save.insert(save.end(), {"--save", d + "/good.safetensors"});
   ASSERT_EQ(run(save).status, cli::kExitOk);
   const io::SafetensorsFile good = io::load_safetensors(d + "/good.safetensors");
+  // The same run under dynamic loss scaling, whose checkpoint holds the scaler's state.
+  std::vector<std::string> save_scaled = tiny;
+  save_scaled.insert(save_scaled.end(),
+                     {"--loss-scaling", "dynamic", "--save", d + "/good_scaled.safetensors"});
+  ASSERT_EQ(run(save_scaled).status, cli::kExitOk);
+  const io::SafetensorsFile good_scaled = io::load_safetensors(d + "/good_scaled.safetensors");
   const auto damaged = [&](const std::string& name, std::map<std::string, std::string> edits,
-                           bool drop_state = false) {
-    std::map<std::string, std::string> m = good.metadata;
+                           bool drop_state = false, const io::SafetensorsFile* from = nullptr) {
+    const io::SafetensorsFile& source = from ? *from : good;
+    std::map<std::string, std::string> m = source.metadata;
     for (auto& [k, v] : edits) m[k] = v;
     std::vector<std::pair<std::string, Tensor>> ts;
     bool dropped = false;
-    for (auto& [n, t] : good.tensors) {
+    for (auto& [n, t] : source.tensors) {
       if (drop_state && !dropped && n.rfind("optimizer.", 0) == 0) {
         dropped = true;
         continue;
@@ -82,7 +89,8 @@ TEST(BadInputs, EachIsRefusedWithItsStatusAndAMessageNamingTheFix) {
   damaged("step_huge.safetensors", {{"step", "9223372036854775807"}});
   damaged("geometry.safetensors", {{"image_size", "16384"}});
   damaged("lost_state.safetensors", {}, /*drop_state=*/true);
-  damaged("scaler_type.safetensors", {{"loss_scaler", "{\"dynamic\": \"yes\"}"}});
+  damaged("scaler_type.safetensors", {{"loss_scaler", "{\"dynamic\": \"yes\"}"}}, false,
+          &good_scaled);
   write(d + "/wrong_type.safetensors", safetensors_bytes("{\"w\": {\"dtype\": 5, \"shape\": [1], "
                                                          "\"data_offsets\": [0, 4]}}"));
   write(d + "/truncated.safetensors", safetensors_bytes("{\"w\": {\"dtype\": \"F32\", \"shape\": "
@@ -126,11 +134,11 @@ TEST(BadInputs, EachIsRefusedWithItsStatusAndAMessageNamingTheFix) {
        {"unknown model 'mmmm", "... (1048576 bytes)"}},
       // Files.
       {"an op list that is a directory",
-       {"{TINY}", "--autocast-lower-list", "{D}/a_directory"},
+       {"{TINY}", "--precision", "16-mixed", "--autocast-lower-list", "{D}/a_directory"},
        2,
        {"{D}/a_directory is a directory, not a regular file"}},
       {"an op list with a huge token",
-       {"{TINY}", "--autocast-lower-list", "{D}/huge_token.txt"},
+       {"{TINY}", "--precision", "16-mixed", "--autocast-lower-list", "{D}/huge_token.txt"},
        2,
        {"line 2: 'xxxx", "bytes)' is not an op name", "one op name per line"}},
       {"weights that are a FIFO",
