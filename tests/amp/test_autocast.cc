@@ -183,7 +183,7 @@ TEST(Autocast, WeightsAreCastOncePerScopeAndGradientsReachThemInFp32) {
   // The weight's gradient is computed in FP32 from the 16-bit activations and activation
   // gradients (no FP16 rounding of the weight gradient), one use at a time, last use first.
   {
-    autograd::NoGradGuard no_grad;
+    autograd::NoGradScope no_grad;
     const Tensor wh = cast(w, DType::f16), xh = cast(x, DType::f16);
     const Tensor y1 = linear(xh, wh), y2 = linear(y1, wh);
     const Tensor g3 = Tensor::full({1, 3}, 1.0, DType::f16);

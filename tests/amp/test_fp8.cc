@@ -447,7 +447,7 @@ TEST(Fp8State, KeptLayersRunInBf16) {
   train::Trainer bf16(c);
   const Tensor x = Tensor::from_floats(dyadic(2 * 1 * 16 * 16, 50, 0.0173f, 9), {2, 1, 16, 16});
   auto run = [&](train::Trainer& t, const char* layer, const Tensor& in) {
-    autograd::NoGradGuard no_grad;
+    autograd::NoGradScope no_grad;
     const amp::ForwardPrecision p(t.precision_settings(), nullptr, 0, t.fp8_state());
     return t.model().submodule(layer)(in);
   };
@@ -709,7 +709,7 @@ TEST(Fp8Training, EvaluatesInFp8WithoutChangingTheState) {
   std::map<std::string, int64_t> counts;
   for (auto& [name, x] : s.tensors()) counts[name] = x->step_stats().count;
   auto outputs = [&](ops::Fp8Provider* fp8) {
-    autograd::NoGradGuard no_grad;
+    autograd::NoGradScope no_grad;
     t.model().eval();
     const Tensor x = Tensor::from_floats(dyadic(8 * 16 * 16, 50, 0.02f, 11), {8, 1, 16, 16});
     ops::AutocastScope autocast(DType::bf16, t.precision_settings().policy);

@@ -92,6 +92,8 @@ expect(train_synthetic 0 "epoch 1: loss [0-9.]+, train accuracy [0-9.]+%, [0-9.]
        "" train --model lenet5 ${TRAIN_SMALL} --save ${WORK}/lenet.safetensors --metrics-json ${WORK}/m.json)
 expect(train_progress_bar 0 "" "epoch 1/1 100%\\|#+\\| 6/6 \\[.*it/s.*loss=.*acc=" train --model lenet5 --dataset synthetic --synthetic-size 96 --batch-size 16 --image-size 16 --no-eval)
 expect(train_print_model 0 "\\(conv1\\): Conv2d\\(1, 6, kernel_size=\\(5, 5\\), stride=\\(1, 1\\), bias=False\\)" "" train --model lenet5 ${TRAIN_SMALL} --max-steps 1 --no-eval --print-model)
+# Data-parallel settings in one process: accepted, and named once as changing nothing here.
+expect(train_dp_flags_one_process 0 "note: --allreduce-dtype, --zero act between the ranks of a data-parallel job \\(mpirun -n N, N > 1\\); this run has one process, so they change nothing\n" "" train --model lenet5 ${TRAIN_SMALL} --max-steps 1 --no-eval --allreduce-dtype fp16 --zero 1)
 expect(eval_checkpoint 0 "^lenet5: test accuracy [0-9.]+% \\(24 images\\), mean loss [0-9.]+\n$" "" eval --checkpoint ${WORK}/lenet.safetensors)
 expect(eval_needs_checkpoint 2 "" "needs --checkpoint FILE" eval)
 expect(eval_missing_file 2 "" "nothing.safetensors" eval --checkpoint ${WORK}/nothing.safetensors)

@@ -34,7 +34,7 @@ TEST(Anomaly, ForwardNamesTheFirstOpItsModuleDtypeAndInputs) {
   // 4 * 300 * 100 + 300 = 120300 > 65504: the linear layer overflows; ReLU is never reached.
   const Tensor quiet = (*seq)(x);  // without the guard: infinities pass silently
   EXPECT_TRUE(std::isinf(quiet.to_float_vector()[0]));
-  autograd::DetectAnomalyGuard guard;
+  autograd::DetectAnomalyScope guard;
   const std::string e = anomaly_of([&] { (*seq)(x); });
   EXPECT_NE(
       e.find("anomaly in forward: linear in module '0' produced 4 inf/nan values (f16 (1, 4)"),
@@ -65,7 +65,7 @@ TEST(Anomaly, BackwardNamesTheNodeAndTheModuleThatRecordedIt) {
   w.set_requires_grad(true);
   auto loss = [&] { return ops::sum(ops::mul_scalar(ops::cast(w, DType::f32), 1e6)); };
   {
-    autograd::DetectAnomalyGuard guard;
+    autograd::DetectAnomalyScope guard;
     const Tensor l = loss();
     const std::string e = anomaly_of([&] { autograd::backward(l); });
     EXPECT_NE(e.find("anomaly in backward: the gradient of "), std::string::npos) << e;
@@ -76,7 +76,7 @@ TEST(Anomaly, BackwardNamesTheNodeAndTheModuleThatRecordedIt) {
   }
   {
     // Under loss scaling an infinite gradient is the scaler's signal: only NaN stops.
-    autograd::DetectAnomalyGuard guard(/*inf_in_backward=*/false);
+    autograd::DetectAnomalyScope guard(/*inf_in_backward=*/false);
     EXPECT_EQ(anomaly_of([&] { autograd::backward(loss()); }), "");
     const Tensor l = ops::sum(ops::cast(w, DType::f32));
     const std::string e =

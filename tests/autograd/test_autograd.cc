@@ -58,7 +58,7 @@ TEST(Autograd, NoGradScopeRecordsNothing) {
   Tensor x = leaf({1, 2}, {2});
   Tensor y;
   {
-    autograd::NoGradGuard guard;
+    autograd::NoGradScope guard;
     EXPECT_FALSE(autograd::grad_enabled());
     y = ops::mul_scalar(x, 2.0);
   }

@@ -257,7 +257,7 @@ TEST(OpTable, UnderAutocastEachOpRunsInTheCategoryItsPolicyGives) {
 }
 
 TEST(OpTable, AnomalyDetectionChecksEveryOp) {
-  autograd::DetectAnomalyGuard guard;
+  autograd::DetectAnomalyScope guard;
   auto anomaly_of = [](const std::function<void()>& fn) -> std::string {
     try {
       fn();

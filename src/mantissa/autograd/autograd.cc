@@ -22,10 +22,10 @@ thread_local int t_backward_depth = 0;
 
 bool grad_enabled() { return t_grad_enabled; }
 
-DetectAnomalyGuard::DetectAnomalyGuard(bool inf_in_backward) : previous_(t_anomaly) {
+DetectAnomalyScope::DetectAnomalyScope(bool inf_in_backward) : previous_(t_anomaly) {
   t_anomaly = inf_in_backward ? 1 : 2;
 }
-DetectAnomalyGuard::~DetectAnomalyGuard() { t_anomaly = previous_; }
+DetectAnomalyScope::~DetectAnomalyScope() { t_anomaly = previous_; }
 bool detect_anomaly() { return t_anomaly != 0; }
 
 int64_t count_nonfinite(const Tensor& t) {
@@ -60,10 +60,10 @@ std::string describe_values(const Tensor& t) {
   return s + buf;
 }
 
-NoGradGuard::NoGradGuard() : previous_(t_grad_enabled) { t_grad_enabled = false; }
-NoGradGuard::~NoGradGuard() { t_grad_enabled = previous_; }
-EnableGradGuard::EnableGradGuard() : previous_(t_grad_enabled) { t_grad_enabled = true; }
-EnableGradGuard::~EnableGradGuard() { t_grad_enabled = previous_; }
+NoGradScope::NoGradScope() : previous_(t_grad_enabled) { t_grad_enabled = false; }
+NoGradScope::~NoGradScope() { t_grad_enabled = previous_; }
+EnableGradScope::EnableGradScope() : previous_(t_grad_enabled) { t_grad_enabled = true; }
+EnableGradScope::~EnableGradScope() { t_grad_enabled = previous_; }
 
 bool needs_grad(std::initializer_list<const Tensor*> inputs) {
   if (!t_grad_enabled) return false;
@@ -191,7 +191,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
   MANTISSA_CHECK(
       root.requires_grad(),
       "backward: the root does not require grad (no input of it requires grad, or it was computed "
-      "under NoGradGuard)",
+      "under NoGradScope)",
       "mark the leaves with set_requires_grad() before computing the root");
   Tensor seed = grad_root;
   if (!seed.defined()) {
@@ -206,7 +206,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
                  "backward: gradient of shape " + shape_str(seed.shape()) +
                      " for a root of shape " + shape_str(root.shape()),
                  "pass a gradient of the root's shape");
-  NoGradGuard no_record;
+  NoGradScope no_record;
   // Ready hooks belong to the outermost pass: a pass nested in a node (a recomputed module
   // accumulating its parameters' gradients) contributes to gradients the outer pass has edges
   // for, and the outer pass calls the hooks once those edges are done.

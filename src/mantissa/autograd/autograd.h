@@ -21,12 +21,12 @@ namespace mantissa::autograd {
 bool grad_enabled();
 
 // Ops called while one of these is alive record nothing (the optimizer step, evaluation).
-class NoGradGuard {
+class NoGradScope {
  public:
-  NoGradGuard();
-  ~NoGradGuard();
-  NoGradGuard(const NoGradGuard&) = delete;
-  NoGradGuard& operator=(const NoGradGuard&) = delete;
+  NoGradScope();
+  ~NoGradScope();
+  NoGradScope(const NoGradScope&) = delete;
+  NoGradScope& operator=(const NoGradScope&) = delete;
 
  private:
   bool previous_;
@@ -44,12 +44,12 @@ using mantissa::ModulePathScope;
 // first one throws AnomalyError naming the op, the module path, the dtype and statistics of
 // the op's inputs. inf_in_backward = false lets infinite gradients through (only NaN stops):
 // under loss scaling an infinite scaled gradient is the scaler's overflow signal, not a fault.
-class DetectAnomalyGuard {
+class DetectAnomalyScope {
  public:
-  explicit DetectAnomalyGuard(bool inf_in_backward = true);
-  ~DetectAnomalyGuard();
-  DetectAnomalyGuard(const DetectAnomalyGuard&) = delete;
-  DetectAnomalyGuard& operator=(const DetectAnomalyGuard&) = delete;
+  explicit DetectAnomalyScope(bool inf_in_backward = true);
+  ~DetectAnomalyScope();
+  DetectAnomalyScope(const DetectAnomalyScope&) = delete;
+  DetectAnomalyScope& operator=(const DetectAnomalyScope&) = delete;
 
  private:
   int previous_;
@@ -66,14 +66,14 @@ int64_t count_nonfinite(const Tensor& t);
 // "f16 (12, 100): min -3.25, max 4.5, largest |x| 4.5, 0 of 1200 inf/nan".
 std::string describe_values(const Tensor& t);
 
-// Ops record again while one of these is alive, inside a NoGradGuard (recomputation runs a
+// Ops record again while one of these is alive, inside a NoGradScope (recomputation runs a
 // forward inside the backward pass).
-class EnableGradGuard {
+class EnableGradScope {
  public:
-  EnableGradGuard();
-  ~EnableGradGuard();
-  EnableGradGuard(const EnableGradGuard&) = delete;
-  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
+  EnableGradScope();
+  ~EnableGradScope();
+  EnableGradScope(const EnableGradScope&) = delete;
+  EnableGradScope& operator=(const EnableGradScope&) = delete;
 
  private:
   bool previous_;

@@ -84,7 +84,7 @@ class RecomputeNode : public autograd::Node {
     std::vector<Tensor> grads(inputs().size());
     Tensor y, x;
     {
-      autograd::EnableGradGuard grad;
+      autograd::EnableGradScope grad;
       ops::OpContextRestore context(context_);
       Replay replay(*this);
       x = input_.detach();
@@ -185,7 +185,7 @@ Tensor Module::recomputed(const Tensor& x) {
   auto node = std::make_shared<RecomputeNode>(this, x.detach(), std::move(rng));
   Tensor y;
   {
-    autograd::NoGradGuard no_record;  // nothing inside is kept for backward
+    autograd::NoGradScope no_record;  // nothing inside is kept for backward
     y = call(x);
   }
   ops::ModulePathScope scope(&path_);

@@ -235,7 +235,7 @@ void check_output(OpId op, const Tensor& y, const std::vector<Tensor>& inputs);
 // What an op does at its entry: the inputs it should use (cast where the policy says), the
 // options (output dtype and partials resolved), and at its exit the output it should return.
 // Inactive (no copies, no changes) when neither autocast, stochastic outputs nor anomaly
-// detection (autograd::DetectAnomalyGuard: the output is checked for inf/NaN) are on, or when the
+// detection (autograd::DetectAnomalyScope: the output is checked for inf/NaN) are on, or when the
 // op is called from inside another op's call.
 class OpCall {
  public:

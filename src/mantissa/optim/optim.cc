@@ -259,7 +259,7 @@ CastOptions Optimizer::rounding(size_t i, size_t buffer, int64_t begin) const {
 }
 
 StepReport Optimizer::step(const StepOptions& so) {
-  autograd::NoGradGuard no_grad;
+  autograd::NoGradScope no_grad;
   ops::AutocastDisabled no_autocast;
   StepReport report;
   // Gradients kept as their producers (defer_gradients), taken for this step: dropped with it.
@@ -806,7 +806,7 @@ double grad_norm(const ParamList& params) {
 
 double clip_grad_norm(const ParamList& params, double max_norm) {
   MANTISSA_CHECK(max_norm > 0, "max_grad_norm must be positive", "");
-  autograd::NoGradGuard no_grad;
+  autograd::NoGradScope no_grad;
   ops::AutocastDisabled no_autocast;
   const double norm = grad_norm(params);
   if (!std::isfinite(norm)) return norm;

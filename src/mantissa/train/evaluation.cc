@@ -23,7 +23,7 @@ int64_t count_correct(const Tensor& out, const Tensor& labels) {
 
 EvalResult evaluate_model(nn::Classifier& m, data::Loader& loader,
                           const amp::PrecisionSettings* precision, ops::Fp8Provider* fp8) {
-  autograd::NoGradGuard no_grad;
+  autograd::NoGradScope no_grad;
   const bool was_training = m.is_training();
   m.eval();
   EvalResult r;

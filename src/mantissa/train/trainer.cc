@@ -145,6 +145,24 @@ void Trainer::set_up() {
   // The gradient reducer's hooks, ZeRO's shards and the synchronised batch norms, on the model
   // as it will train.
   if (dp_) dp_->attach(*model_, *optimizer_);
+  // The data-parallel settings act between ranks; a run of one process accepts them (mpirun -n 1
+  // is a job like any other) and says once that they change nothing here.
+  if (!dp_ && streams_.out) {
+    const TrainConfig d;
+    std::string unused;
+    for (const auto& [flag, set] :
+         {std::pair{"--bucket-size", config_.bucket_size_mib != d.bucket_size_mib},
+          std::pair{"--allreduce-dtype", config_.allreduce_dtype != d.allreduce_dtype},
+          std::pair{"--sync-batchnorm", config_.sync_batchnorm},
+          std::pair{"--zero", config_.zero != d.zero},
+          std::pair{"--check-replicas", config_.check_replicas}})
+      if (set) unused += (unused.empty() ? "" : ", ") + std::string(flag);
+    if (!unused.empty())
+      *streams_.out << "note: " << unused
+                    << " act between the ranks of a data-parallel job (mpirun -n N, N > 1); "
+                       "this run has one process, so they change nothing"
+                    << std::endl;
+  }
   if (run_.precision.loss_scaling) scaler_.emplace(*run_.precision.loss_scaling);
   std::function<void(const std::string&)> sink;
   if (config_.autocast_log && streams_.out) {
@@ -464,7 +482,7 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   const int64_t N = config_.gradient_accumulation;
   const auto t0 = Clock::now();
   amp::ScaledStep scaled(loss_scaler());  // S is read once: every micro-batch is scaled alike
-  std::optional<autograd::DetectAnomalyGuard> anomaly;
+  std::optional<autograd::DetectAnomalyScope> anomaly;
   if (config_.detect_anomaly) anomaly.emplace(/*inf_in_backward=*/!scaler_.has_value());
   nn::NumericsRecorder* numerics =
       numerics_ && step_ % config_.numerics_every == 0 ? numerics_.get() : nullptr;
