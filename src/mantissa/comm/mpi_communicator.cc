@@ -1,5 +1,6 @@
 #include "mantissa/comm/mpi_communicator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -100,6 +101,7 @@ class CommThread {
   std::vector<Job> running_;
   std::vector<int> done_;  // MPI_Testsome's outputs, kept between polls
   std::vector<MPI_Status> statuses_;
+  int idle_polls_ = 0;  // polls in a row that finished nothing (the back-off's step)
 
   std::thread thread_;  // last: started once everything above exists
 };
@@ -331,9 +333,18 @@ void CommThread::poll() {
     return;
   }
   if (count == 0 || count == MPI_UNDEFINED) {
-    std::this_thread::yield();  // let the ranks' compute threads have the core
+    // Nothing finished: let the rank's compute threads have the core. A few polls yield only
+    // (a collective's next segment is often a few microseconds away); then the thread sleeps,
+    // 10 us doubling to 160 us, so a rank whose collectives run during its backward pass does
+    // not take half of a core that its compute thread needs (2 ranks on 2 cores).
+    ++idle_polls_;
+    if (idle_polls_ <= 16)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(10 << std::min(idle_polls_ - 17, 4)));
     return;
   }
+  idle_polls_ = 0;
   for (int k = 0; k < count; ++k) {
     const size_t i = static_cast<size_t>(done[static_cast<size_t>(k)]);
     const int error =
