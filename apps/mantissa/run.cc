@@ -51,40 +51,45 @@ int failed(int status) {
 }  // namespace
 
 int exit_status_of(const std::exception_ptr& error, std::ostream& err) {
+  // The report is made whole, then written at once: the ranks of a job share one terminal or
+  // pipe, and a report written in pieces interleaves with another rank's.
   const std::string name = who();
+  std::string report;
+  int status = kExitFailure;
   try {
     std::rethrow_exception(error);
   } catch (const UsageError& e) {
-    err << name << ": error: " << e.what() << std::endl;
-    return kExitBadInput;
+    report = name + ": error: " + e.what();
+    status = kExitBadInput;
   } catch (const OutOfMemoryError& e) {
-    err << name << ": " << e.what() << std::endl;
-    return kExitOutOfMemory;
+    report = name + ": " + e.what();
+    status = kExitOutOfMemory;
   } catch (const autograd::AnomalyError& e) {
-    err << name << ": " << e.what() << std::endl;
-    return kExitAnomaly;
+    report = name + ": " + e.what();
+    status = kExitAnomaly;
   } catch (const Error& e) {
     // One line: the problem, then how to fix it.
-    err << name << ": error: " << e.message();
-    if (!e.hint().empty()) err << " (" << e.hint() << ")";
-    err << std::endl;
-    return kExitBadInput;
+    report = name + ": error: " + e.message();
+    if (!e.hint().empty()) report += " (" + e.hint() + ")";
+    status = kExitBadInput;
   } catch (const std::bad_alloc&) {
     // An allocation outside the accounted tensors (a container, a string) that the system refused.
-    err << name
-        << ": out of memory: the system refused an allocation\n---> HINT: lower the batch size, "
-           "the image size or the model, or free memory on the machine"
-        << std::endl;
-    return kExitOutOfMemory;
+    report = name +
+             ": out of memory: the system refused an allocation\n---> HINT: lower the batch size, "
+             "the image size or the model, or free memory on the machine";
+    status = kExitOutOfMemory;
   } catch (const InternalError& e) {
     // A bug in Mantissa: the place it was detected, and where it belongs.
-    err << name << ": " << e.what() << " -- please report this as a bug" << std::endl;
-    return kExitFailure;
+    report = name + ": " + e.what() + " -- please report this as a bug";
+    status = kExitFailure;
   } catch (const std::exception& e) {
-    err << name << ": internal error: " << e.what() << " -- please report this as a bug"
-        << std::endl;
-    return kExitFailure;
+    report = name + ": internal error: " + e.what() + " -- please report this as a bug";
+    status = kExitFailure;
   }
+  report += '\n';
+  err.write(report.data(), static_cast<std::streamsize>(report.size()));
+  err.flush();
+  return status;
 }
 
 int run_command(std::vector<std::string> args, std::istream& in, std::ostream& out,
