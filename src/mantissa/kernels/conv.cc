@@ -222,8 +222,7 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
       flip(uint16_t{});
       break;
     default:
-      MANTISSA_CHECK(esize(w.dtype()) == 1, "conv2d backward: unexpected weight dtype",
-                     "report this as a bug");
+      MANTISSA_ASSERT(esize(w.dtype()) == 1, "conv2d backward: unexpected weight dtype");
       flip(uint8_t{});
   }
   const detail::ImplicitConv t = detail::flipped_conv(g);

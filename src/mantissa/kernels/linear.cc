@@ -90,12 +90,10 @@ bool linear_weight_grad_parts_fit(int64_t rows) { return rows >= 1 && rows <= kP
 
 void linear_weight_grad_parts(const Tensor& g_in, const Tensor& x_in, DType out,
                               const GradPartConsumer& consume) {
-  MANTISSA_CHECK(g_in.dim() == 2 && x_in.dim() == 2 && g_in.size(0) == x_in.size(0) &&
-                     linear_weight_grad_parts_fit(g_in.size(0)),
-                 "internal: linear_weight_grad_parts takes (rows, out) and (rows, in) matrices of "
-                 "at most " +
-                     str(kPartsMaxRows) + " rows",
-                 "report this as a bug");
+  MANTISSA_ASSERT(g_in.dim() == 2 && x_in.dim() == 2 && g_in.size(0) == x_in.size(0) &&
+                      linear_weight_grad_parts_fit(g_in.size(0)),
+                  "linear_weight_grad_parts takes (rows, out) and (rows, in) matrices of at most " +
+                      str(kPartsMaxRows) + " rows");
   require_float(g_in, "linear backward", "gradient");
   require_float(x_in, "linear backward", "input");
   const int64_t rows = g_in.size(0), outf = g_in.size(1), in = x_in.size(1);

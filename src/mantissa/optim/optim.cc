@@ -305,9 +305,8 @@ StepReport Optimizer::step(const StepOptions& so) {
   }
   // Pass 2: unscale, clip, update, round.
   if (backward_step_) {
-    MANTISSA_CHECK(so.grad_scale == 1 && so.max_grad_norm <= 0 && !so.skip_nonfinite,
-                   "internal: a step begun in the backward pass cannot scale, clip or skip",
-                   "report this as a bug");
+    MANTISSA_ASSERT(so.grad_scale == 1 && so.max_grad_norm <= 0 && !so.skip_nonfinite,
+                    "a step begun in the backward pass cannot scale, clip or skip");
     backward_step_ = false;
     for (auto& p : params_) {
       AutogradMeta* meta = p.tensor->autograd_meta().get();
