@@ -13,6 +13,8 @@
 #include <filesystem>
 #include <string>
 
+#include "mantissa/core/tensor.h"
+
 namespace mantissa::fuzz {
 
 // A directory of this process (under $TMPDIR, or /dev/shm when it exists: no disk writes per
@@ -49,6 +51,16 @@ inline std::string write_input(const std::string& name, const uint8_t* data, siz
   }
   ::close(fd);
   return path;
+}
+
+// Reads every byte a reader says the tensor holds (a sanitizer reports one that is not there); the
+// sum goes to a volatile so the loads are not optimised away.
+inline void read_every_byte(const Tensor& t) {
+  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+  unsigned sum = 0;
+  for (size_t i = 0; i < t.nbytes(); ++i) sum += p[i];
+  volatile unsigned sink = sum;
+  (void)sink;
 }
 
 }  // namespace mantissa::fuzz
