@@ -221,6 +221,17 @@ TEST(Trainer, DamagedCheckpointMetadataIsRefusedBeforeUse) {
   // A file written before the count was recorded: the optimizer's own check still refuses one
   // that lost all its state.
   EXPECT_EQ(resume_error(damaged("optimizer_state_tensors", nullptr)), "");
+  // ... and one that lost one buffer of a parameter whose other buffers are there.
+  std::map<std::string, std::string> no_count = good.metadata;
+  no_count.erase("optimizer_state_tensors");
+  std::vector<std::pair<std::string, Tensor>> partial;
+  for (auto& [name, t] : good.tensors)
+    if (name != first_state) partial.emplace_back(name, t);
+  const std::string partial_path = dir.file("partial.safetensors");
+  io::save_safetensors(partial_path, partial, no_count);
+  EXPECT_NE(resume_error(partial_path).find("'" + first_state.substr(10) + "' is missing"),
+            std::string::npos)
+      << resume_error(partial_path);
 }
 
 TEST(Trainer, InitFromRejectsWrongShapesAndLoadsPyTorchNames) {

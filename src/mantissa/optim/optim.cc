@@ -620,6 +620,13 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, int64_t
       loaded[i].resize(names.size());
       loaded[i][k] = std::move(t);
     }
+    // A parameter's buffers are created together at its first update: some without the others
+    // is a damaged file, and the missing ones would restart from zero.
+    for (size_t k = 0; !loaded[i].empty() && k < buffers_used(); ++k)
+      MANTISSA_CHECK(loaded[i][k].defined(),
+                     source + ": optimizer state '" + params_[i].name + "." + names[k] +
+                         "' is missing while the parameter's other state is there",
+                     "resume from an undamaged checkpoint of this run");
     load(params_[i].name + ".master", shape, DType::f32, MemoryCategory::master_weights,
          masters[i]);
     MANTISSA_CHECK(!masters_[i].defined() || masters[i].defined() || steps == 0,
