@@ -157,6 +157,48 @@ TEST(Reducer, AParameterNotReachedGetsAZeroGradient) {
   EXPECT_EQ(unused.grad().to_float_vector(), (std::vector<float>{0, 0, 0}));
 }
 
+// FP32 wire, FP32 gradients, sum: finish() leaves each gradient as a view of its place in the
+// bucket (no copy), with the values a copy would hold; a pass that adds to such a gradient (not
+// zeroed in between) accumulates as without the reducer, and a gradient the pass does not reach
+// keeps its value. Other wires and the mean leave gradients of their own.
+TEST(Reducer, Fp32SumsLeaveGradientsAsViewsOfTheBucket) {
+  auto comm = comm::make_single_process();
+  auto model = testing::small_model(5);
+  auto reference = testing::small_model(5);
+  Tensor unused = Tensor::from_floats({7, 7, 7}, {3});
+  unused.set_requires_grad();
+  auto params = model->named_parameters();
+  params.push_back({"unused", &unused});
+  Reducer r(*comm, params);
+  ASSERT_EQ(r.buckets().size(), 1u);
+  autograd::backward(testing::slice_loss(*model, 0, 4));
+  r.finish();
+  autograd::backward(testing::slice_loss(*reference, 0, 4));
+  EXPECT_EQ(testing::gradients(*model), testing::gradients(*reference));
+  for (const auto& p : params)
+    EXPECT_EQ(p.tensor->grad().storage().get(), r.storage(0).storage().get()) << p.name;
+  unused.grad().fill(5.0);  // writes its place in the bucket
+  autograd::backward(testing::slice_loss(*model, 4, 4));
+  r.finish();
+  autograd::backward(testing::slice_loss(*reference, 4, 4));
+  EXPECT_EQ(testing::gradients(*model), testing::gradients(*reference));
+  EXPECT_EQ(unused.grad().to_float_vector(), (std::vector<float>{5, 5, 5}));
+  for (const DType wire : {DType::f32, DType::bf16})
+    for (const auto result : {ReducerOptions::Result::kSum, ReducerOptions::Result::kMean}) {
+      if (wire == DType::f32 && result == ReducerOptions::Result::kSum) continue;
+      auto other = testing::small_model(5);
+      ReducerOptions o;
+      o.wire = wire;
+      o.result = result;
+      Reducer ro(*comm, other->named_parameters(), o);
+      autograd::backward(testing::slice_loss(*other, 0, 4));
+      ro.finish();
+      for (const auto& p : other->named_parameters())
+        EXPECT_NE(p.tensor->grad().storage().get(), ro.storage(0).storage().get())
+            << dtype_name(wire) << " " << p.name;
+    }
+}
+
 TEST(Reducer, MisuseIsAnErrorNamingTheFix) {
   auto comm = comm::make_single_process();
   auto model = testing::small_model(5);

@@ -221,6 +221,9 @@ void Reducer::copy_in(size_t param) {
   }
   const Tensor g = meta.grad->contiguous();
   MANTISSA_ASSERT(static_cast<size_t>(g.numel()) == n, "a gradient of another size");
+  // A gradient left as a view of this very place by the last finish() (not zeroed since, and not
+  // reached by this pass): already there (an f32 wire divides by nothing).
+  if (g.data_ptr() == static_cast<const void*>(dst) && g.dtype() == options_.wire) return;
   // 16-bit wires carry g / N, rounded once (see the header).
   const float ranks = options_.wire == DType::f32 ? 1.0f : static_cast<float>(comm_.size());
   scaled_convert(g.data_ptr(), g.dtype(), dst, options_.wire, n, 1.0f, ranks);
@@ -242,6 +245,16 @@ void Reducer::copy_out(size_t bucket) {
     // The elements written: all of them, or (scatter) those in this rank's part.
     const auto [begin, end] = owned(p);
     if (begin == end) continue;
+    if (f32 && sum && !options_.scatter && gd == DType::f32) {
+      // The bucket holds the sum in the gradient's type already: the gradient becomes a view of
+      // it (PyTorch DDP's gradient_as_bucket_view, on the way out) instead of a copy, sparing a
+      // pass over the gradients' memory every step. Autograd never writes into a gradient (a
+      // pass that adds to it makes a new tensor), and only this parameter's copy_in() writes
+      // its place in the bucket, so the view holds the sum until the gradient is replaced.
+      meta.grad = std::make_unique<Tensor>(
+          storage_[bucket].narrow(0, bk.offsets[s], t.numel()).view(t.shape()));
+      continue;
+    }
     if (!meta.grad || !meta.grad->defined() || !meta.grad->is_contiguous() ||
         meta.grad->dtype() != gd) {
       TensorOptions o = charged_to(MemoryCategory::gradients);

@@ -25,7 +25,10 @@
 // or zeros), starts the remaining buckets, waits for all of them in order and writes each result
 // back into the gradients (created where a parameter had none: after finish() every parameter
 // in a bucket has a gradient, the same on every rank). Every rank must call it after every
-// synchronised backward pass.
+// synchronised backward pass. Where the bucket already holds the result in the gradient's type
+// (an f32 wire, FP32 gradients, kSum, no scatter) the gradient becomes a view of its place in
+// the bucket instead of a copy (PyTorch DDP's gradient_as_bucket_view): it keeps the bucket's
+// storage alive, and holds the sum until the gradient is zeroed or replaced.
 //
 // Wire type. f32: the bucket holds the gradients converted to FP32 and the all-reduce sums them.
 // f16/bf16 (DDP's fp16_compress_hook): each gradient is divided by the number of ranks N in FP32
