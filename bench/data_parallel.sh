@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Data-parallel training speed (docs/distributed.md), in two parts:
 #   1. one host: 2 ranks x 1 thread (mpirun) against 1 process x 2 threads, the same global batch,
-#      for each wire type (--allreduce-dtype fp32, fp16, bf16): images/s, the ratio to the one
-#      process (the target is at least 0.9), the time a step waited for communication, the time
-#      collectives ran, and the gradients' payload per step;
+#      for each wire type (--allreduce-dtype fp32, fp16, bf16), with --zero 1, and with Open MPI's
+#      default all-reduce algorithm: images/s, the ratio to the one process (the target is at
+#      least 0.9), the time a step waited for communication, the time collectives ran, and the
+#      gradients' payload per step;
 #   2. two simulated hosts: two network namespaces joined by a veth pair whose egress is limited
 #      by tc (token bucket, --rate), one rank in each, mpirun across them over TCP: the FP16 wire
 #      and the overlap of communication with the backward pass (4 MiB buckets, which start while
@@ -11,6 +12,11 @@
 #      starts when it ends; and PyTorch's default of 25 MiB, which for the tutorial CNN holds its
 #      16 MiB fc1 with the convolutions, so it too waits for the end) when the network is the
 #      bottleneck; tc's byte counters give the bytes each rank sent.
+# The ranks run with Open MPI's ring algorithm for the non-blocking all-reduce
+# (--mca coll_libnbc_iallreduce_algorithm 1, docs/distributed.md): its default for fewer than 4
+# ranks, or in place, is a binomial tree, in which one rank receives and adds the whole buffer and
+# sends the sum back, while the ring's reduce-scatter and all-gather share the work between the
+# ranks and use both directions of each link at once. "$MCA_DEFAULT" rows run without it.
 # Each configuration runs --rounds times, interleaved (round 1 of every configuration, then round
 # 2, ...), and the table shows the median with the range of the rounds. Rates are global images
 # per second over the steps after the first --warmup, from rank 0's step times.
@@ -92,7 +98,7 @@ def cell(xs, fmt):
     return f"{fmt.format(median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]"
 print(sys.argv[2])
 base = rows.get(sys.argv[3])
-print(f"{'configuration':<44} {'images/s':>22} {'vs base':>7} {'step ms':>18} {'waited ms':>18} "
+print(f"{'configuration':<64} {'images/s':>22} {'vs base':>7} {'step ms':>18} {'waited ms':>18} "
       f"{'collectives ms':>18} {'payload/step':>13} {'sent/step':>10}")
 base_ips = median(list(zip(*base))[0]) if base else float('nan')
 for label, rs in rows.items():
@@ -100,7 +106,7 @@ for label, rs in rows.items():
     ratio = median(cols[0]) / base_ips
     payload = median(cols[4]) / 2**20
     sent_mib = f"{median(cols[5]) / 2**20:.2f} MiB" if len(cols) > 5 else '-'
-    print(f"{label:<44} {cell(cols[0], '{:.1f}'):>22} {ratio:>6.2f}x {cell(cols[1], '{:.1f}'):>18} "
+    print(f"{label:<64} {cell(cols[0], '{:.1f}'):>22} {ratio:>6.2f}x {cell(cols[1], '{:.1f}'):>18} "
           f"{cell(cols[2], '{:.1f}'):>18} {cell(cols[3], '{:.1f}'):>18} {payload:>9.2f} MiB {sent_mib:>10}")
 print()
 PYEOF
@@ -111,6 +117,8 @@ echo "rounds $ROUNDS, $STEPS timed steps after $WARMUP, $(date -u +%Y-%m-%d)"
 echo
 
 # ---- 1. one host -------------------------------------------------------------------------------
+RING=(--mca coll_libnbc_iallreduce_algorithm 1)
+MCA_DEFAULT="Open MPI's default all-reduce"
 MPI1=(mpirun -np 2 --oversubscribe --bind-to none)
 for model in $MODELS; do
   b=$(batch_of "$model")
@@ -119,10 +127,16 @@ for model in $MODELS; do
   for _ in $(seq "$ROUNDS"); do
     printf '%s\t%s\n' "1 process x 2 threads, batch $g" \
       "$(run_one $g -- --model "$model" --batch-size $g --threads 2 --synthetic-size $((g * 8)))" >>"$TMP/rows"
-    for wire in fp32 fp16 bf16; do
-      printf '%s\t%s\n' "2 ranks x 1 thread x batch $b, $wire wire" \
-        "$(run_one $g "${MPI1[@]}" -- --model "$model" --batch-size $b --threads 1 \
-           --synthetic-size $((g * 8)) --allreduce-dtype $wire)" >>"$TMP/rows"
+    for cfg in "fp32" "fp16" "bf16" "fp32 zero" "fp32 default"; do
+      read -r wire extra <<<"$cfg"
+      label="2 ranks x 1 thread x batch $b, $wire wire" flags=() mca=("${RING[@]}")
+      case $extra in
+        zero) label="$label, --zero 1" flags=(--zero 1) ;;
+        default) label="$label, $MCA_DEFAULT" mca=() ;;
+      esac
+      printf '%s\t%s\n' "$label" \
+        "$(run_one $g "${MPI1[@]}" "${mca[@]}" -- --model "$model" --batch-size $b --threads 1 \
+           --synthetic-size $((g * 8)) --allreduce-dtype $wire "${flags[@]}")" >>"$TMP/rows"
     done
   done
   report "== $model, one host (global batch $g): median [min-max] of $ROUNDS rounds" \
@@ -157,7 +171,7 @@ EOF
 chmod +x "$TMP/agent.sh"
 # mpirun runs in the first namespace; TCP only (the shared-memory transport would bypass the
 # veth: the namespaces share the machine's memory).
-MPI2=(ip netns exec "$NS1" mpirun -H "$IP1:1,$IP2:1" -np 2 --bind-to none
+MPI2=(ip netns exec "$NS1" mpirun -H "$IP1:1,$IP2:1" -np 2 --bind-to none "${RING[@]}"
       --mca plm_rsh_agent "$TMP/agent.sh" --mca btl tcp,self
       --mca btl_tcp_if_include 10.9.0.0/24 --mca oob_tcp_if_include 10.9.0.0/24
       -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM)
