@@ -335,6 +335,36 @@ TEST(Conv2d, WinogradTransformsMatchTheirDefinitionBitForBit) {
     }
 }
 
+// The Winograd filter transform against its definition (vector_kernels.h), bit for bit: whole
+// vectors of eight filters, and the tail of fewer.
+TEST(Conv2d, WinogradFilterTransformMatchesItsDefinitionBitForBit) {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> d(-2.0f, 2.0f);
+  for (const int64_t n : {1, 5, 8, 13, 24}) {
+    std::vector<float> f(static_cast<size_t>(9 * n));
+    for (float& v : f) v = d(gen);
+    const int64_t us = n + 3;
+    std::vector<float> u(static_cast<size_t>(16 * us), 0.0f), want = u;
+    detail::winograd_filter_f32(f.data(), n, u.data(), us);
+    for (int64_t c = 0; c < n; ++c) {
+      auto g = [&](int a, int b) { return f[static_cast<size_t>(9 * c + 3 * a + b)]; };
+      float t[4][3];
+      for (int j = 0; j < 3; ++j) {
+        t[0][j] = g(0, j);
+        t[1][j] = 0.5f * ((g(0, j) + g(1, j)) + g(2, j));
+        t[2][j] = 0.5f * ((g(0, j) - g(1, j)) + g(2, j));
+        t[3][j] = g(2, j);
+      }
+      for (int i = 0; i < 4; ++i) {
+        const float r[4] = {t[i][0], 0.5f * ((t[i][0] + t[i][1]) + t[i][2]),
+                            0.5f * ((t[i][0] - t[i][1]) + t[i][2]), t[i][2]};
+        for (int j = 0; j < 4; ++j) want[static_cast<size_t>((i * 4 + j) * us + c)] = r[j];
+      }
+    }
+    EXPECT_EQ(0, std::memcmp(u.data(), want.data(), u.size() * sizeof(float))) << n << " filters";
+  }
+}
+
 // The register-tiled convolution rows against their definitions (vector_kernels.h), bit for bit,
 // for every block shape and tail: channels 1-13, taps 1-11, 1-40 columns.
 TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {

@@ -24,31 +24,22 @@ namespace mantissa::kernels::detail {
 namespace {
 
 // U[xi] (16, nO, C) = G g G^T for output channels [o0, o0 + nO) of w (O, C, 3, 3), stored in any
-// float dtype (widened exactly), xi = 4 * row + column of the 4x4 tile.
+// float dtype (widened exactly), xi = 4 * row + column of the 4x4 tile (winograd_filter_f32).
 void transform_filters(const void* w, DType wt, int64_t o0, int64_t nO, int64_t C, float* U) {
   const int64_t es = static_cast<int64_t>(dtype_size(wt));
   parallel_for(static_cast<size_t>(nO), 1, nO * C >= 4096 ? default_num_threads() : 1,
                [&](size_t b0, size_t b1) {
-                 std::vector<float> row(static_cast<size_t>(C * 9));  // (C, 3, 3) of one output
+                 // (C, 3, 3) of one output: FP32 weights read in place, others widened.
+                 std::vector<float> row(wt == DType::f32 ? 0 : static_cast<size_t>(C * 9));
                  for (size_t ob = b0; ob < b1; ++ob) {
                    const int64_t o = o0 + static_cast<int64_t>(ob);
-                   load_f32(static_cast<const char*>(w) + o * C * 9 * es, wt, 1, C * 9, row.data());
-                   for (int64_t c = 0; c < C; ++c) {
-                     const float* k9 = row.data() + c * 9;
-                     float t[4][3];  // G g
-                     for (int j = 0; j < 3; ++j) {
-                       t[0][j] = k9[j];
-                       t[1][j] = 0.5f * (k9[j] + k9[3 + j] + k9[6 + j]);
-                       t[2][j] = 0.5f * (k9[j] - k9[3 + j] + k9[6 + j]);
-                       t[3][j] = k9[6 + j];
-                     }
-                     for (int i = 0; i < 4; ++i) {
-                       const float r[4] = {t[i][0], 0.5f * (t[i][0] + t[i][1] + t[i][2]),
-                                           0.5f * (t[i][0] - t[i][1] + t[i][2]), t[i][2]};
-                       for (int j = 0; j < 4; ++j)
-                         U[((i * 4 + j) * nO + static_cast<int64_t>(ob)) * C + c] = r[j];
-                     }
+                   const char* src = static_cast<const char*>(w) + o * C * 9 * es;
+                   const float* f = reinterpret_cast<const float*>(src);
+                   if (wt != DType::f32) {
+                     load_f32(src, wt, 1, C * 9, row.data());
+                     f = row.data();
                    }
+                   winograd_filter_f32(f, C, U + static_cast<int64_t>(ob) * C, nO * C);
                  }
                });
 }

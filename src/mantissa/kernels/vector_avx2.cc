@@ -124,6 +124,31 @@ __attribute__((target("avx2"))) void winograd_input_gather8_avx2(const float* co
   winograd_input_lanes(d, v, vs);
 }
 
+// Eight 3x3 filters, filter l's nine values at f + 9 l: value k of every filter gathered into
+// one vector (lane l), then the transform of vector_kernels.h lane by lane.
+__attribute__((target("avx2"))) void winograd_filter8_avx2(const float* f, float* u, int64_t us) {
+  const __m256i at = _mm256_setr_epi32(0, 9, 18, 27, 36, 45, 54, 63);
+  __m256 g[3][3];
+  for (int a = 0; a < 3; ++a)
+    for (int b = 0; b < 3; ++b) g[a][b] = _mm256_i32gather_ps(f + 3 * a + b, at, 4);
+  const __m256 half = _mm256_set1_ps(0.5f);
+  __m256 t[4][3];  // G g
+  for (int j = 0; j < 3; ++j) {
+    t[0][j] = g[0][j];
+    t[1][j] = _mm256_mul_ps(half, _mm256_add_ps(_mm256_add_ps(g[0][j], g[1][j]), g[2][j]));
+    t[2][j] = _mm256_mul_ps(half, _mm256_add_ps(_mm256_sub_ps(g[0][j], g[1][j]), g[2][j]));
+    t[3][j] = g[2][j];
+  }
+  for (int i = 0; i < 4; ++i) {  // (G g) G^T
+    _mm256_storeu_ps(u + (i * 4 + 0) * us, t[i][0]);
+    _mm256_storeu_ps(u + (i * 4 + 1) * us,
+                     _mm256_mul_ps(half, _mm256_add_ps(_mm256_add_ps(t[i][0], t[i][1]), t[i][2])));
+    _mm256_storeu_ps(u + (i * 4 + 2) * us,
+                     _mm256_mul_ps(half, _mm256_add_ps(_mm256_sub_ps(t[i][0], t[i][1]), t[i][2])));
+    _mm256_storeu_ps(u + (i * 4 + 3) * us, t[i][2]);
+  }
+}
+
 // The two rows of eight tiles side by side: row a's 16 outputs in column order.
 __attribute__((target("avx2,f16c,fma"))) void winograd_output_row8_avx2(const float* m, int64_t ms,
                                                                         float bias, void* out,

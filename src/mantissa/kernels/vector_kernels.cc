@@ -58,6 +58,30 @@ void winograd_input_f32(const float* const* in, int n, int64_t ld, float* v, int
   }
 }
 
+void winograd_filter_f32(const float* f, int64_t n, float* u, int64_t us) {
+  int64_t c = 0;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors())
+    for (; c + 8 <= n; c += 8) winograd_filter8_avx2(f + 9 * c, u + c, us);
+#endif
+  for (; c < n; ++c) {
+    const float* g = f + 9 * c;
+    float t[4][3];  // G g
+    for (int j = 0; j < 3; ++j) {
+      t[0][j] = g[j];
+      t[1][j] = 0.5f * ((g[j] + g[3 + j]) + g[6 + j]);
+      t[2][j] = 0.5f * ((g[j] - g[3 + j]) + g[6 + j]);
+      t[3][j] = g[6 + j];
+    }
+    for (int i = 0; i < 4; ++i) {  // (G g) G^T
+      u[(i * 4 + 0) * us + c] = t[i][0];
+      u[(i * 4 + 1) * us + c] = 0.5f * ((t[i][0] + t[i][1]) + t[i][2]);
+      u[(i * 4 + 2) * us + c] = 0.5f * ((t[i][0] - t[i][1]) + t[i][2]);
+      u[(i * 4 + 3) * us + c] = t[i][2];
+    }
+  }
+}
+
 void winograd_output(const float* m, int64_t ms, int n, float bias, void* const* out, int64_t ld,
                      DType t) {
   MANTISSA_ASSERT(t == DType::f32 || t == DType::f16 || t == DType::bf16,

@@ -81,6 +81,12 @@ void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float
 // Every path does these operations in this order: identical bits.
 inline constexpr int kWinoTiles = 8;
 void winograd_input_f32(const float* const* in, int n, int64_t ld, float* v, int64_t vs);
+// Filters: n 3x3 filters (filter c's rows g[0..2] at f + 9 c, row-major) to their 4x4 transforms,
+// u[xi * us + c] = (G g G^T)[xi], computed as
+//   t[0][j] = g[0][j], t[1][j] = 0.5 * ((g[0][j] + g[1][j]) + g[2][j]),
+//   t[2][j] = 0.5 * ((g[0][j] - g[1][j]) + g[2][j]), t[3][j] = g[2][j];
+// then the same along each row of t. Eight filters a vector on the AVX2 path.
+void winograd_filter_f32(const float* f, int64_t n, float* u, int64_t us);
 void winograd_output(const float* m, int64_t ms, int n, float bias, void* const* out, int64_t ld,
                      DType t);
 
@@ -91,6 +97,8 @@ void winograd_output_row8_avx2(const float* m, int64_t ms, float bias, void* out
                                DType t);
 // Eight tiles anywhere (tile l at in[l], out[l]).
 void winograd_input_gather8_avx2(const float* const* in, int64_t ld, float* v, int64_t vs);
+// Eight filters (filter l at f + 9 l) to u[xi * us + l].
+void winograd_filter8_avx2(const float* f, float* u, int64_t us);
 void winograd_output_gather8_avx2(const float* m, int64_t ms, float bias, void* const* out,
                                   int64_t ld, DType t);
 // Tiles of up to 3 rows of A by 4 rows of B, columns [k0, k1) (k0 a multiple of 8).
