@@ -62,9 +62,52 @@ double sum_sq_f(const float* p, int64_t n, float mu) {
   });
 }
 
-// FP64 (sums over whole batches lose too much in FP32).
+// Calls fn(stat index, [begin, end) within the row, channel) for each run of row r's elements
+// that share an affine channel (an element e's channel is (e / channel_inner) % channels).
+template <typename Fn>
+void for_each_channel_run(const NormLayout& L, int64_t r, Fn&& fn) {
+  const int64_t o = r / L.groups, grp = r % L.groups;
+  const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
+  const int64_t base = r * L.inner;
+  for (int64_t i = 0; i < L.inner;) {
+    const int64_t e = base + i;
+    const int64_t end = std::min(L.inner, i + (L.channel_inner - e % L.channel_inner));
+    fn(s, i, end, static_cast<size_t>((e / L.channel_inner) % L.channels));
+    i = end;
+  }
+}
+
+// y = (x - mean) * rstd * w[c] + b[c], computed in FP32 and stored in yt, a row at a time (w and
+// b null for no affine parameters). mean and rstd are read when a row is normalized.
+struct NormApply {
+  FloatRows x;
+  const NormLayout& L;
+  const std::vector<float>& mean;
+  const std::vector<float>& rstd;
+  const std::vector<float>* w;
+  const std::vector<float>* b;
+  void* y;
+  DType yt;
+  // Row r; xbuf and ybuf hold L.inner floats when x or y is not FP32.
+  void row(int64_t r, float* xbuf, float* ybuf) const {
+    const float* xs = x.row(r * L.inner, L.inner, xbuf);
+    char* dst = static_cast<char*>(y) + r * L.inner * static_cast<int64_t>(esize(yt));
+    float* out = yt == DType::f32 ? reinterpret_cast<float*>(dst) : ybuf;
+    for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
+      const float scale = w ? rstd[s] * (*w)[c] : rstd[s];
+      const float shift = w ? (*b)[c] - mean[s] * scale : -mean[s] * scale;
+      for (int64_t i = i0; i < i1; ++i) out[i] = xs[i] * scale + shift;
+    });
+    if (yt != DType::f32) store_f32(out, L.inner, dst, yt, 1);
+  }
+};
+
+// FP64 (sums over whole batches lose too much in FP32). With `apply`, each stat group's rows are
+// normalized as soon as its statistics are known, while they are still in cache (the same values
+// as norm_apply after it).
 void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>& mean,
-                std::vector<float>& rstd, std::vector<double>* var_out) {
+                std::vector<float>& rstd, std::vector<double>* var_out,
+                const NormApply* apply = nullptr) {
   const int64_t stats = L.across_outer ? L.groups : L.outer * L.groups;
   mean.assign(static_cast<size_t>(stats), 0.0f);
   rstd.assign(static_cast<size_t>(stats), 0.0f);
@@ -72,6 +115,8 @@ void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>
   parallel_for(static_cast<size_t>(stats), 1, threads_for(L.outer * L.groups * L.inner),
                [&](size_t s0, size_t s1) {
                  std::vector<float> buf(x.dtype == DType::f32 ? 0 : static_cast<size_t>(L.inner));
+                 std::vector<float> ybuf(
+                     apply && apply->yt != DType::f32 ? static_cast<size_t>(L.inner) : 0);
                  auto row = [&](int64_t o, int64_t grp) {
                    return x.row((o * L.groups + grp) * L.inner, L.inner, buf.data());
                  };
@@ -91,6 +136,9 @@ void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>
                    mean[s] = static_cast<float>(mu);
                    rstd[s] = static_cast<float>(1.0 / std::sqrt(var + eps));
                    if (var_out) (*var_out)[s] = var;
+                   if (apply)
+                     for (int64_t o = o_begin; o < o_end; ++o)
+                       apply->row(o * L.groups + grp, buf.data(), ybuf.data());
                  }
                });
 }
@@ -139,44 +187,15 @@ double synced_batch_stats(FloatRows x, const NormLayout& L, double eps, const Ch
   return count;
 }
 
-// Calls fn(row, stat index, [begin, end) within the row, channel) for each run of a row's elements
-// that share an affine channel (an element e's channel is (e / channel_inner) % channels).
-template <typename Fn>
-void for_each_channel_run(const NormLayout& L, int64_t r, Fn&& fn) {
-  const int64_t o = r / L.groups, grp = r % L.groups;
-  const size_t s = static_cast<size_t>(L.across_outer ? grp : o * L.groups + grp);
-  const int64_t base = r * L.inner;
-  for (int64_t i = 0; i < L.inner;) {
-    const int64_t e = base + i;
-    const int64_t end = std::min(L.inner, i + (L.channel_inner - e % L.channel_inner));
-    fn(s, i, end, static_cast<size_t>((e / L.channel_inner) % L.channels));
-    i = end;
-  }
-}
-
-// y = (x - mean) * rstd * w[c] + b[c], computed in FP32 and stored in yt (a row at a time).
-void norm_apply(FloatRows x, const NormLayout& L, const std::vector<float>& mean,
-                const std::vector<float>& rstd, const std::vector<float>* w,
-                const std::vector<float>* b, void* y, DType yt) {
-  const int64_t rows = L.outer * L.groups;
-  const int64_t ys = static_cast<int64_t>(esize(yt));
-  parallel_for(static_cast<size_t>(rows), 1, threads_for(rows * L.inner),
-               [&](size_t r0, size_t r1) {
-                 std::vector<float> xbuf(x.dtype == DType::f32 ? 0 : static_cast<size_t>(L.inner)),
-                     ybuf(yt == DType::f32 ? 0 : static_cast<size_t>(L.inner));
-                 for (size_t rr = r0; rr < r1; ++rr) {
-                   const int64_t r = static_cast<int64_t>(rr);
-                   const float* xs = x.row(r * L.inner, L.inner, xbuf.data());
-                   char* dst = static_cast<char*>(y) + r * L.inner * ys;
-                   float* row = yt == DType::f32 ? reinterpret_cast<float*>(dst) : ybuf.data();
-                   for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
-                     const float scale = w ? rstd[s] * (*w)[c] : rstd[s];
-                     const float shift = w ? (*b)[c] - mean[s] * scale : -mean[s] * scale;
-                     for (int64_t i = i0; i < i1; ++i) row[i] = xs[i] * scale + shift;
-                   });
-                   if (yt != DType::f32) store_f32(row, L.inner, dst, yt, 1);
-                 }
-               });
+// norm_apply's rows, in parallel.
+void norm_apply(const NormApply& a) {
+  const int64_t rows = a.L.outer * a.L.groups;
+  parallel_for(
+      static_cast<size_t>(rows), 1, threads_for(rows * a.L.inner), [&](size_t r0, size_t r1) {
+        std::vector<float> xbuf(a.x.dtype == DType::f32 ? 0 : static_cast<size_t>(a.L.inner)),
+            ybuf(a.yt == DType::f32 ? 0 : static_cast<size_t>(a.L.inner));
+        for (size_t r = r0; r < r1; ++r) a.row(static_cast<int64_t>(r), xbuf.data(), ybuf.data());
+      });
 }
 
 // y = norm_apply(...) as a tensor of `out` dtype: written in place when FP32.
@@ -186,8 +205,31 @@ Tensor normalized(FloatRows x, const Shape& shape, const NormLayout& L,
   std::vector<float> wv, bv;
   if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
   Tensor y = Tensor::empty(shape, out, charged_to(MemoryCategory::activations));
-  norm_apply(x, L, mean, rstd, weight.defined() ? &wv : nullptr, weight.defined() ? &bv : nullptr,
-             y.data_ptr(), out);
+  norm_apply({x, L, mean, rstd, weight.defined() ? &wv : nullptr, weight.defined() ? &bv : nullptr,
+              y.data_ptr(), out});
+  return y;
+}
+
+// The statistics (norm_stats) and y = norm_apply(...) together, each stat group normalized as
+// soon as its statistics are known: the same values, one pass less over x from memory. For group
+// and layer norm, whose stat group is one row (batch norm's is a channel's rows, which stay in
+// cache no better than a second pass in memory order: norm_backward says why).
+Tensor stats_and_normalized(FloatRows x, const Shape& shape, const NormLayout& L, double eps,
+                            const Tensor& weight, const Tensor& bias, DType out,
+                            std::vector<float>& mean, std::vector<float>& rstd,
+                            std::vector<double>* var) {
+  std::vector<float> wv, bv;
+  if (weight.defined()) wv = load_all(weight), bv = load_all(bias);
+  Tensor y = Tensor::empty(shape, out, charged_to(MemoryCategory::activations));
+  const NormApply apply{x,
+                        L,
+                        mean,
+                        rstd,
+                        weight.defined() ? &wv : nullptr,
+                        weight.defined() ? &bv : nullptr,
+                        y.data_ptr(),
+                        out};
+  norm_stats(x, L, eps, mean, rstd, var, &apply);
   return y;
 }
 
@@ -233,21 +275,51 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
   auto buffer = [&](DType t) {
     return std::vector<float>(t == DType::f32 ? 0 : static_cast<size_t>(L.inner));
   };
-  // Pass 1, per stat group: sums of g = dy*w and g*xhat; per channel: sums of dy and dy*xhat.
-  // Tasks own whole stat groups; channel sums are per task, added at the end.
+  // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per stat group, as
+  // dx = dy * (rstd * w) - (rstd * mean(g)) - xhat * (rstd * mean(g * xhat)), for row r once its
+  // stat group's sums are complete.
+  double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
   std::vector<double> sum_g(static_cast<size_t>(stats), 0.0),
       sum_gx(static_cast<size_t>(stats), 0.0);
+  const size_t dx_size = esize(dx_type);
+  auto dx_row = [&](int64_t r, float* dybuf, float* xbuf, float* outbuf) {
+    const float* dr = dy.row(r * L.inner, L.inner, dybuf);
+    const float* xr = x.row(r * L.inner, L.inner, xbuf);
+    char* dst = static_cast<char*>(dx) + r * L.inner * static_cast<int64_t>(dx_size);
+    float* out = dx_type == DType::f32 ? reinterpret_cast<float*>(dst) : outbuf;
+    for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
+      const double wc = w ? (*w)[c] : 1.0;
+      const float mu = mean[s], rs = rstd[s];
+      const float scale = static_cast<float>(rs * wc);
+      const float shift = through_stats ? static_cast<float>(rs * (sum_g[s] / count)) : 0.0f;
+      const float slope = through_stats ? static_cast<float>(rs * (sum_gx[s] / count)) : 0.0f;
+      for (int64_t i = i0; i < i1; ++i)
+        out[i] = dr[i] * scale - shift - ((xr[i] - mu) * rs) * slope;
+    });
+    if (dx_type != DType::f32) store_f32(out, L.inner, dst, dx_type, 1);
+  };
+  // A stat group of one row (group and layer norm) computes its dx right after its sums, while
+  // the row is still in cache. Batch norm's stat group is a channel's rows, one per image, a
+  // whole (C, H, W) apart: at ResNet's sizes those strides map the rows onto the same few cache
+  // sets, which cannot hold them until a second look, so it makes dx in a second pass in memory
+  // order (which sync batch norm needs anyway: the sums added over processes come first).
+  const bool second_pass = L.across_outer || (sync && through_stats);
+  // Pass 1, per stat group: sums of g = dy*w and g*xhat; per channel: sums of dy and dy*xhat.
+  // Tasks own whole stat groups; channel sums are per task, added at the end.
   std::mutex merge;
   parallel_for(static_cast<size_t>(stats), 1, threads_for(elements), [&](size_t s0, size_t s1) {
     std::vector<double> tdw(static_cast<size_t>(L.channels), 0.0),
         tdb(static_cast<size_t>(L.channels), 0.0);
-    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype);
+    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype),
+                       outbuf = buffer(second_pass ? DType::f32 : dx_type);
     for (size_t st = s0; st < s1; ++st) {
       // The rows of stat group st: one row, or (batch norm) row o * groups + st for every o.
       const int64_t n_rows = L.across_outer ? L.outer : 1;
+      auto row_of = [&](int64_t k) {
+        return L.across_outer ? k * L.groups + static_cast<int64_t>(st) : static_cast<int64_t>(st);
+      };
       for (int64_t k = 0; k < n_rows; ++k) {
-        const int64_t r =
-            L.across_outer ? k * L.groups + static_cast<int64_t>(st) : static_cast<int64_t>(st);
+        const int64_t r = row_of(k);
         const float* dr = dy.row(r * L.inner, L.inner, dybuf.data());
         const float* xr = x.row(r * L.inner, L.inner, xbuf.data());
         for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
@@ -260,13 +332,14 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
           tdb[c] += sd;
         });
       }
+      if (!second_pass)
+        for (int64_t k = 0; k < n_rows; ++k)
+          dx_row(row_of(k), dybuf.data(), xbuf.data(), outbuf.data());
     }
     std::lock_guard<std::mutex> lock(merge);
     for (size_t c = 0; c < tdw.size(); ++c) dw[c] += tdw[c], db[c] += tdb[c];
   });
-  // Pass 2: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per stat group, as
-  // dx = dy * (rstd * w) - (rstd * mean(g)) - xhat * (rstd * mean(g * xhat)).
-  double count = static_cast<double>(L.across_outer ? L.outer * L.inner : L.inner);
+  if (!second_pass) return;
   if (sync && through_stats) {
     std::vector<double> sums(2 * static_cast<size_t>(stats) + 1);
     std::copy(sum_g.begin(), sum_g.end(), sums.begin());
@@ -277,26 +350,11 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
     std::copy(sums.begin() + stats, sums.end() - 1, sum_gx.begin());
     count = sums.back();
   }
-  const size_t dx_size = esize(dx_type);
+  // Pass 2, every row.
   parallel_for(static_cast<size_t>(rows), 1, threads_for(elements), [&](size_t r0, size_t r1) {
     std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype), outbuf = buffer(dx_type);
-    for (size_t rr = r0; rr < r1; ++rr) {
-      const int64_t r = static_cast<int64_t>(rr);
-      const float* dr = dy.row(r * L.inner, L.inner, dybuf.data());
-      const float* xr = x.row(r * L.inner, L.inner, xbuf.data());
-      char* dst = static_cast<char*>(dx) + r * L.inner * static_cast<int64_t>(dx_size);
-      float* out = dx_type == DType::f32 ? reinterpret_cast<float*>(dst) : outbuf.data();
-      for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
-        const double wc = w ? (*w)[c] : 1.0;
-        const float mu = mean[s], rs = rstd[s];
-        const float scale = static_cast<float>(rs * wc);
-        const float shift = through_stats ? static_cast<float>(rs * (sum_g[s] / count)) : 0.0f;
-        const float slope = through_stats ? static_cast<float>(rs * (sum_gx[s] / count)) : 0.0f;
-        for (int64_t i = i0; i < i1; ++i)
-          out[i] = dr[i] * scale - shift - ((xr[i] - mu) * rs) * slope;
-      });
-      if (dx_type != DType::f32) store_f32(out, L.inner, dst, dx_type, 1);
-    }
+    for (size_t r = r0; r < r1; ++r)
+      dx_row(static_cast<int64_t>(r), dybuf.data(), xbuf.data(), outbuf.data());
   });
 }
 
@@ -358,7 +416,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm(const Tensor& x, const Tensor& wei
     double n = static_cast<double>(x.size(0) * inner);
     if (sync)
       n = synced_batch_stats(xv, L, eps, *sync, mean, rstd, var);
-    else
+    else  // normalized in a second pass, in memory order (see norm_backward)
       norm_stats(xv, L, eps, mean, rstd, &var);
     if (running_mean.defined()) {
       MANTISSA_CHECK(running_mean.dtype() == DType::f32 && running_var.dtype() == DType::f32 &&
@@ -413,9 +471,8 @@ std::tuple<Tensor, Tensor, Tensor> group_norm(const Tensor& x, int64_t groups, c
   const Tensor xc = x.contiguous();  // read a row at a time, converted when 16-bit
   const FloatRows xv{static_cast<const char*>(xc.data_ptr()), xc.dtype()};
   std::vector<float> mean, rstd;
-  norm_stats(xv, L, eps, mean, rstd, nullptr);
-  return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
-          from_vector(mean, {N, groups}, DType::f32, MemoryCategory::activations),
+  Tensor y = stats_and_normalized(xv, x.shape(), L, eps, weight, bias, out, mean, rstd, nullptr);
+  return {y, from_vector(mean, {N, groups}, DType::f32, MemoryCategory::activations),
           from_vector(rstd, {N, groups}, DType::f32, MemoryCategory::activations)};
 }
 
@@ -444,9 +501,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, int64_t normalize
   const Tensor xc = x.contiguous();  // read a row at a time, converted when 16-bit
   const FloatRows xv{static_cast<const char*>(xc.data_ptr()), xc.dtype()};
   std::vector<float> mean, rstd;
-  norm_stats(xv, L, eps, mean, rstd, nullptr);
-  return {normalized(xv, x.shape(), L, mean, rstd, weight, bias, out),
-          from_vector(mean, {rows}, DType::f32, MemoryCategory::activations),
+  Tensor y = stats_and_normalized(xv, x.shape(), L, eps, weight, bias, out, mean, rstd, nullptr);
+  return {y, from_vector(mean, {rows}, DType::f32, MemoryCategory::activations),
           from_vector(rstd, {rows}, DType::f32, MemoryCategory::activations)};
 }
 
