@@ -232,11 +232,23 @@ TEST(Gemm, OffsetMatrixNeedsATable) {
 // An FP32 B with contiguous rows is packed by copying straight from its rows: the edges of that
 // path (a partial last sliver, several column blocks, beta, FP16 partials, strided C).
 TEST(Gemm, Fp32RowsOfBPackedDirectly) {
-  for (const Case& c : {Case{12, 2061, 100}, Case{1, 17, 3}, Case{64, 40, 700}, Case{5, 16, 1}})
+  for (const Case& c : {Case{13, 2061, 100}, Case{64, 40, 700}, Case{14, 16, 1}, Case{5, 15, 3}})
     for (int layout : {0, 4})
       for (Partials p : {Partials::kF32, Partials::kF16})
         expect_same(c.M, c.N, c.K, DType::f16, DType::f32, DType::f32, false, false, layout & 4,
                     1.0f, 0.25f, p, 2);
+}
+
+// An FP32 B with contiguous rows against at most 12 rows of A is read in place by its rows: a
+// partial last sliver (packed), several column blocks and depth panels, beta, FP16 partials,
+// strided C, one and two threads.
+TEST(Gemm, SmallMFp32RowsOfBReadInPlace) {
+  for (const Case& c : {Case{12, 2061, 100}, Case{1, 17, 3}, Case{7, 40, 700}, Case{6, 16, 1}})
+    for (int layout : {0, 4})
+      for (Partials p : {Partials::kF32, Partials::kF16})
+        for (int threads : {1, 2})
+          expect_same(c.M, c.N, c.K, DType::f32, DType::f32, DType::f32, false, false, layout & 4,
+                      1.0f, 0.25f, p, threads);
 }
 
 TEST(Gemm, ExactOnSmallIntegers) {
