@@ -80,6 +80,7 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
   GemmOptions go;
   go.threads = 1;  // the 16 GEMMs of a block are the parallel tasks
   std::vector<int64_t> v_rows(static_cast<size_t>(C));
+  std::vector<int64_t> tile_in(static_cast<size_t>(Tb_max)), tile_out(static_cast<size_t>(Tb_max));
   for (int64_t o0 = 0; o0 < O; o0 += Ob) {
     const int64_t nO = std::min(Ob, O - o0);
     transform_filters(w, wt, o0, nO, C, U);
@@ -89,11 +90,15 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
       pad_images(x, g, n0, nb, xp);
       for (int64_t t0 = 0; t0 < T; t0 += Tb_max) {
         const int64_t Tb = std::min(Tb_max, T - t0);
-        // Where tile t of the chunk starts in a channel's padded planes: image, tile row, column.
-        auto tile_at = [&](int64_t t) {
-          const int64_t img = t / P, p = t % P;
-          return img * g.plane + (p / tw) * 2 * g.Wp + (p % tw) * 2;
-        };
+        // Where tile t0 + t of the chunk starts in a channel's padded planes (image, tile row,
+        // column), and where its first output is in y's channel 0: found once for the block, not
+        // once per channel.
+        for (int64_t t = 0; t < Tb; ++t) {
+          const int64_t img = (t0 + t) / P, p = (t0 + t) % P;
+          tile_in[static_cast<size_t>(t)] = img * g.plane + (p / tw) * 2 * g.Wp + (p % tw) * 2;
+          tile_out[static_cast<size_t>(t)] =
+              (n0 + img) * O * g.H * g.W + (p / tw) * 2 * g.W + (p % tw) * 2;
+        }
         // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, kWinoTiles tiles at a time.
         parallel_for(
             static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
@@ -102,7 +107,7 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
                 const float* plane = xp + static_cast<int64_t>(c) * nb * g.plane;
                 for (int64_t t = 0; t < Tb; t += kWinoTiles) {
                   const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
-                  for (int l = 0; l < n; ++l) in[l] = plane + tile_at(t0 + t + l);
+                  for (int l = 0; l < n; ++l) in[l] = plane + tile_in[static_cast<size_t>(t + l)];
                   winograd_input_f32(in, n, g.Wp, V + static_cast<int64_t>(c) * Tb + t, C * Tb);
                 }
               }
@@ -121,32 +126,31 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
         });
         // Y = A^T M A + bias for each tile, into y (rounded once into y's dtype from the
         // registers; other dtypes staged in FP32).
-        parallel_for(
-            static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16), [&](size_t b0, size_t b1) {
-              void* out[kWinoTiles];
-              float stage[kWinoTiles * 4];  // tile l's 2 x 2 at 4 l, rows 2 apart
-              for (size_t ob = b0; ob < b1; ++ob) {
-                const int64_t o = o0 + static_cast<int64_t>(ob);
-                const float bo = bias.empty() ? 0.0f : bias[static_cast<size_t>(o)];
-                for (int64_t t = 0; t < Tb; t += kWinoTiles) {
-                  const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
-                  int64_t at[kWinoTiles];  // where tile l's first output is in y
-                  for (int l = 0; l < n; ++l) {
-                    const int64_t tt = t0 + t + l, img = tt / P, p = tt % P;
-                    at[l] = ((n0 + img) * O + o) * g.H * g.W + (p / tw) * 2 * g.W + (p % tw) * 2;
-                    out[l] = direct ? static_cast<void*>(bytes(y) + at[l] * es)
-                                    : static_cast<void*>(stage + 4 * l);
-                  }
-                  winograd_output(M + static_cast<int64_t>(ob) * Tb + t, nO * Tb, n, bo, out,
-                                  direct ? g.W : 2, direct ? out_dtype : DType::f32);
-                  if (!direct)
-                    for (int l = 0; l < n; ++l)
-                      for (int r = 0; r < 2; ++r)
-                        store_f32(stage + 4 * l + 2 * r, 2, bytes(y) + (at[l] + r * g.W) * es,
-                                  out_dtype, 1);
-                }
-              }
-            });
+        parallel_for(static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16),
+                     [&](size_t b0, size_t b1) {
+                       void* out[kWinoTiles];
+                       float stage[kWinoTiles * 4];  // tile l's 2 x 2 at 4 l, rows 2 apart
+                       for (size_t ob = b0; ob < b1; ++ob) {
+                         const int64_t o = o0 + static_cast<int64_t>(ob);
+                         const float bo = bias.empty() ? 0.0f : bias[static_cast<size_t>(o)];
+                         for (int64_t t = 0; t < Tb; t += kWinoTiles) {
+                           const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
+                           int64_t at[kWinoTiles];  // where tile l's first output is in y
+                           for (int l = 0; l < n; ++l) {
+                             at[l] = tile_out[static_cast<size_t>(t + l)] + o * g.H * g.W;
+                             out[l] = direct ? static_cast<void*>(bytes(y) + at[l] * es)
+                                             : static_cast<void*>(stage + 4 * l);
+                           }
+                           winograd_output(M + static_cast<int64_t>(ob) * Tb + t, nO * Tb, n, bo,
+                                           out, direct ? g.W : 2, direct ? out_dtype : DType::f32);
+                           if (!direct)
+                             for (int l = 0; l < n; ++l)
+                               for (int r = 0; r < 2; ++r)
+                                 store_f32(stage + 4 * l + 2 * r, 2,
+                                           bytes(y) + (at[l] + r * g.W) * es, out_dtype, 1);
+                         }
+                       }
+                     });
       }
     }
   }
