@@ -16,6 +16,7 @@
 // GEMM's arithmetic) read the padded buffer in place. The weight gradient takes lane-split dot
 // products (few output channels, stride 1) or the GEMM over positions x taps.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "mantissa/core/parallel.h"
@@ -65,10 +66,17 @@ void pad_images(const Tensor& x, const ImplicitConv& g, int64_t n0, int64_t nb, 
           std::fill(dst, dst + g.pad_h * g.Wp, 0.0f);
           std::fill(dst + (g.pad_h + g.H) * g.Wp, dst + g.plane, 0.0f);
           const char* src = bytes(x) + ((n0 + img) * g.C + c) * g.H * g.W * es;
+          // FP32 rows are copied inline: ResNet's rows of 4 to 32 values cost more as calls of
+          // the conversion table than as copies.
+          const bool f32 = x.dtype() == DType::f32;
           for (int64_t h = 0; h < g.H; ++h) {
             float* row = dst + (g.pad_h + h) * g.Wp;
             std::fill(row, row + g.pad_w, 0.0f);
-            load_f32(src + h * g.W * es, x.dtype(), 1, g.W, row + g.pad_w);
+            if (f32)
+              std::memcpy(row + g.pad_w, src + h * g.W * es,
+                          static_cast<size_t>(g.W) * sizeof(float));
+            else
+              load_f32(src + h * g.W * es, x.dtype(), 1, g.W, row + g.pad_w);
             std::fill(row + g.pad_w + g.W, row + g.Wp, 0.0f);
           }
         }
