@@ -4,7 +4,9 @@
 // loss scaling holds no linear weight gradient whole (mantissa memory's peak).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -198,6 +200,129 @@ TEST(DeferredGradients, SharedWeightsAreStoredAndZeroGradDrops) {
   m.opt->zero_grad();
   EXPECT_EQ(m.opt->deferred_gradients(), 0u);
   EXPECT_FALSE(m.w.autograd_meta()->defer_grad_parts) << "the hooks go with them";
+}
+
+// linear_weight_grad_bound bounds every value the parts give (and is not loose by more than the
+// rows' sum allows), and is infinite when an operand is not finite or a value could overflow.
+TEST(DeferredGradients, TheLinearWeightGradientBoundHoldsEveryPart) {
+  for (const DType out : {DType::f32, DType::f16, DType::bf16}) {
+    for (const float magnitude : {0.1f, 30.0f}) {
+      const Tensor g = random({12, 30}, 11, magnitude), x = random({12, 3000}, 12, magnitude);
+      const double bound = kernels::linear_weight_grad_bound(g, x.to(DType::f16), out);
+      double largest = 0;
+      bool finite = true;
+      kernels::linear_weight_grad_parts(
+          g, x.to(DType::f16), out, [&](int64_t, int64_t n, const void* v, DType dt) {
+            std::vector<float> f(static_cast<size_t>(n));
+            convert(v, dt, f.data(), DType::f32, static_cast<size_t>(n));
+            for (float e : f) {
+              finite = finite && std::isfinite(e);
+              if (std::isfinite(e)) largest = std::max(largest, static_cast<double>(std::fabs(e)));
+            }
+          });
+      if (out == DType::f16 && magnitude > 1) {
+        // 12 rows' amaxes near 100 (3 sigma) by near 100: a bound past FP16's 65504.
+        EXPECT_TRUE(std::isinf(bound)) << dtype_name(out) << " " << magnitude;
+        continue;
+      }
+      ASSERT_TRUE(std::isfinite(bound)) << dtype_name(out) << " " << magnitude;
+      EXPECT_TRUE(finite);
+      EXPECT_GE(bound, largest) << dtype_name(out) << " " << magnitude;
+      // Each row's amax product is at most (5 sigma)^2: the sum of 12 of them.
+      EXPECT_LE(bound, 12 * 25.0 * magnitude * magnitude) << dtype_name(out);
+    }
+  }
+  const Tensor g = random({4, 8}, 13), x = random({4, 2048}, 14);
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    std::vector<float> xv = x.to_float_vector();
+    xv[3 * 2048 + 100] = bad;
+    EXPECT_TRUE(std::isinf(
+        kernels::linear_weight_grad_bound(g, Tensor::from_floats(xv, {4, 2048}), DType::f32)));
+    std::vector<float> gv = g.to_float_vector();
+    gv[7] = bad;
+    EXPECT_TRUE(std::isinf(
+        kernels::linear_weight_grad_bound(Tensor::from_floats(gv, {4, 8}), x, DType::bf16)));
+  }
+}
+
+// An overflow in the deferred gradient itself skips the step: loss = sum(linear(x * a, w, b))
+// scaled by 4096 gives w the gradient 4096 * (the sum of 8 rows of x * a), past FP16's range,
+// while a's (w is tiny) and b's (8 * 4096) stay finite.
+TEST(DeferredGradients, AnOverflowInTheDeferredGradientSkipsTheStep) {
+  for (const bool defer : {false, true}) {
+    Tensor a = random({2100}, 21, 0.01f, 1.0f).to(DType::f16),
+           w = random({24, 2100}, 22, 1e-4f).to(DType::f16), b = random({24}, 23).to(DType::f16);
+    for (Tensor* t : {&a, &w, &b}) t->set_requires_grad(true);
+    optim::Sgd opt({{"a", &a}, {"w", &w}, {"b", &b}}, optim::SgdOptions{});
+    amp::LossScalerOptions lo;
+    lo.init_scale = 4096;
+    amp::LossScaler scaler(lo);
+    const Tensor x = random({8, 2100}, 24, 20.0f).to(DType::f16);
+    const std::vector<std::vector<float>> before = values({&a, &w, &b});
+    amp::ScaledStep scaled(&scaler);
+    const Tensor loss = ops::sum(ops::linear(ops::mul(x, a), w, b));
+    if (defer) {
+      EXPECT_EQ(opt.defer_gradients(), 3u);
+    }
+    autograd::backward(scaled.scale_loss(loss));
+    EXPECT_EQ(opt.deferred_gradients(), defer ? 1u : 0u);
+    const optim::StepReport r = scaled.step(opt, {});
+    EXPECT_TRUE(r.skipped) << defer;
+    EXPECT_EQ(r.nonfinite, std::vector<std::string>{"w"}) << defer;
+    EXPECT_EQ(values({&a, &w, &b}), before) << defer;
+    EXPECT_EQ(scaler.scale(), 2048.0) << defer;
+  }
+}
+
+// A deferred gradient whose bound proves it finite is computed once, for the update; without a
+// bound, with clipping (which needs the norm) or where the unscaled values could overflow, twice.
+// The parameter's update is the same bits every way.
+TEST(DeferredGradients, AFiniteBoundSkipsTheCheckPass) {
+  struct Case {
+    double bound;
+    float grad_scale;
+    double max_grad_norm;
+    DType dtype;
+    int produced;  // calls of the producer
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<Case> cases = {
+      {2.0, 0.5f, 0, DType::f32, 1},         {inf, 0.5f, 0, DType::f32, 2},
+      {2.0, 0.5f, 100, DType::f32, 2},       {2.0, 1e38f, 0, DType::f32, 2},
+      {2.0, 0.5f, 0, DType::f16, 1},         {65000, 0.5f, 0, DType::f16, 2},
+      {std::nan(""), 0.5f, 0, DType::f32, 2}};
+  std::vector<float> first;
+  for (const Case& c : cases) {
+    Tensor w = Tensor::from_floats(std::vector<float>(64, 1.0f), {4, 16}).to(c.dtype);
+    w.set_requires_grad(true);
+    optim::SgdOptions o;
+    o.lr = 0.125;
+    optim::Sgd opt({{"w", &w}}, o);
+    ASSERT_EQ(opt.defer_gradients(), 1u);
+    int produced = 0;
+    std::vector<float> values(64);
+    for (size_t j = 0; j < values.size(); ++j) values[j] = static_cast<float>(j) / 64;
+    w.autograd_meta()->defer_grad_parts(
+        [&](const GradPartConsumer& consume) {
+          ++produced;
+          std::vector<char> part(values.size() * dtype_size(c.dtype));
+          convert(values.data(), DType::f32, part.data(), c.dtype, values.size());
+          consume(0, 64, part.data(), c.dtype);
+        },
+        c.bound);
+    optim::StepOptions so;
+    so.grad_scale = c.grad_scale;
+    so.max_grad_norm = c.max_grad_norm;
+    so.skip_nonfinite = true;
+    const optim::StepReport r = opt.step(so);
+    EXPECT_FALSE(r.skipped);
+    EXPECT_EQ(produced, c.produced) << c.bound << " " << c.grad_scale << " " << c.max_grad_norm;
+    EXPECT_EQ(r.grad_norm.has_value(), c.produced == 2);
+    if (c.grad_scale == 0.5f && c.max_grad_norm == 0) {
+      if (first.empty()) first = w.to_float_vector();
+      EXPECT_EQ(w.to_float_vector(), first) << c.bound << " " << dtype_name(c.dtype);
+    }
+  }
 }
 
 // The trainer defers under loss scaling: the same losses, skips and weights as the ordinary

@@ -117,9 +117,9 @@ GradPartConsumer take_grad_part_consumer(const Node& node, size_t i);
 // The same for a gradient kept as its producer (AutogradMeta::defer_grad_parts): the deferral
 // of input i of `node` when that input is a leaf whose only gradient of this pass the optimizer
 // takes that way, and anomaly detection is off; empty otherwise. Taking it clears the leaf's
-// hook: the op must then give the deferral a producer of every element of the gradient and
-// return no gradient for that input.
-std::function<void(GradPartProducer)> take_grad_part_deferral(const Node& node, size_t i);
+// hook: the op must then give the deferral a producer of every element of the gradient (with an
+// upper bound of their magnitudes, or +infinity) and return no gradient for that input.
+std::function<void(GradPartProducer, double)> take_grad_part_deferral(const Node& node, size_t i);
 
 // Whether an op on these inputs must record: grad mode is on and an input requires grad.
 bool needs_grad(std::initializer_list<const Tensor*> inputs);

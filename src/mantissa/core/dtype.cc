@@ -2,10 +2,24 @@
 
 #include <algorithm>
 #include <cctype>
+#include <limits>
 
 #include "mantissa/core/error.h"
 
 namespace mantissa {
+
+double max_finite(DType t) {
+  switch (t) {
+    case DType::f32:
+      return std::numeric_limits<float>::max();
+    case DType::f16:
+      return decode<kF16Format>(kF16Format.max_finite_bits());
+    case DType::bf16:
+      return decode<kBF16Format>(kBF16Format.max_finite_bits());
+    default:
+      return 0;
+  }
+}
 
 const FloatFormat* float_format(DType t) {
   switch (t) {

@@ -93,6 +93,9 @@ constexpr bool is_narrow_float(DType t) {
 }
 // Parameters of a narrow float format; nullptr for the other dtypes.
 const FloatFormat* float_format(DType t);
+// The largest finite value of a compute float (f32 3.4e38, f16 65504, bf16 3.39e38); 0 for the
+// other dtypes.
+double max_finite(DType t);
 
 // The canonical name or a common alias ("float32", "fp16", "half", "bfloat16", "fp8_e4m3",
 // "int64", ...), case-insensitive. std::nullopt when unknown.

@@ -121,10 +121,12 @@ struct AutogradMeta {
   // Set on a leaf by an optimizer that keeps the step's gradients as what computes them
   // (optim::Optimizer::defer_gradients): an op that can compute the leaf's gradient in parts
   // (a linear layer's weight gradient) hands this function a producer of those parts (holding
-  // the small operands it needs) instead of storing the gradient; the optimizer's step then
-  // computes the parts twice, once to check them and once to apply them. Cleared as
-  // consume_grad is: where the leaf would get more than one gradient or already has one.
-  std::function<void(GradPartProducer produce)> defer_grad_parts;
+  // the small operands it needs) instead of storing the gradient, and an upper bound of |v| over
+  // every value v the producer gives (+infinity when none is known); the optimizer's step then
+  // computes the parts twice, once to check them and once to apply them, or only to apply them
+  // when the bound alone proves them finite. Cleared as consume_grad is: where the leaf would get
+  // more than one gradient or already has one.
+  std::function<void(GradPartProducer produce, double bound)> defer_grad_parts;
   // Set on a leaf by code that needs the leaf's gradient as soon as a backward pass has finished
   // computing it (dist::Reducer starts the gradient's all-reduce from here, while the pass goes
   // on with the layers below). Called once per backward pass whose graph reaches the leaf, on the

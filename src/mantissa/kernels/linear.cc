@@ -3,10 +3,12 @@
 #include "mantissa/kernels/linear.h"
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "mantissa/core/parallel.h"
 #include "mantissa/kernels/nn_internal.h"
+#include "mantissa/kernels/quantize.h"
 #include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels {
@@ -132,6 +134,31 @@ void linear_weight_grad_parts(const Tensor& g_in, const Tensor& x_in, DType out,
       }
     }
   });
+}
+
+double linear_weight_grad_bound(const Tensor& g_in, const Tensor& x_in, DType out) {
+  MANTISSA_ASSERT(g_in.dim() == 2 && x_in.dim() == 2 && g_in.size(0) == x_in.size(0) &&
+                      linear_weight_grad_parts_fit(g_in.size(0)),
+                  "linear_weight_grad_bound takes (rows, out) and (rows, in) matrices of at most " +
+                      str(kPartsMaxRows) + " rows");
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const double largest = max_finite(out);
+  if (largest == 0) return kInf;
+  const Tensor g = g_in.contiguous(), x = x_in.contiguous();
+  const int64_t rows = g.size(0), outf = g.size(1), in = x.size(1);
+  // amax is +inf for a row holding an inf or NaN, and so is the sum then.
+  double t = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    t += static_cast<double>(
+             amax(bytes(g) + r * outf * esize(g.dtype()), g.dtype(), static_cast<size_t>(outf))) *
+         static_cast<double>(
+             amax(bytes(x) + r * in * esize(x.dtype()), x.dtype(), static_cast<size_t>(in)));
+  // Each of at most kPartsMaxRows FMAs grows |acc| by at most a factor (1 + 2^-24), and the
+  // double sum above is off by far less: 2^-10 covers both. A value at most `largest` rounds
+  // to at most `largest`, and by at most half a unit (bf16: a factor 1 + 2^-8) above itself.
+  t *= 1 + 0x1p-10;
+  if (!(t <= largest)) return kInf;
+  return std::min(t * (1 + 0x1p-7), largest);
 }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, MemoryCategory cat) {

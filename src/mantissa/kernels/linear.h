@@ -25,6 +25,13 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, DType out,
 // costs more than the products.
 void linear_weight_grad_parts(const Tensor& g, const Tensor& x, DType out,
                               const GradPartConsumer& consume);
+// An upper bound of |v| over every value v that linear_weight_grad_parts(g, x, out, ...) gives:
+// the sum over rows r of max_o |g[r][o]| * max_j |x[r][j]| (which bounds each exact dot
+// product), widened for the FP32 chain's roundings and the one rounding into `out`; +infinity when
+// g or x holds an inf or NaN, or when a value could round past out's largest finite value. It
+// reads g and x once (no product): a finite bound proves every value of the gradient finite
+// without computing it (the optimizer's inf/NaN check of a deferred gradient).
+double linear_weight_grad_bound(const Tensor& g, const Tensor& x, DType out);
 // Whether linear's backward gives its weight gradient in parts at this many rows (a batch small
 // enough that computing dw costs less than storing and re-reading it).
 bool linear_weight_grad_parts_fit(int64_t rows);

@@ -336,7 +336,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
           // Or the optimizer keeps the gradient as its producer (g and x, small at such a
           // batch) and computes the parts at its step.
           GradPartConsumer parts;
-          std::function<void(GradPartProducer)> defer;
+          std::function<void(GradPartProducer, double)> defer;
           if (p == Partials::kF32 && kernels::linear_weight_grad_parts_fit(rows)) {
             parts = autograd::take_grad_part_consumer(n, 1);
             if (!parts) defer = autograd::take_grad_part_deferral(n, 1);
@@ -344,9 +344,11 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
           if (parts)
             kernels::linear_weight_grad_parts(g2, x2, n.input_dtype(1), parts);
           else if (defer)
-            defer([g2, x2, dt = n.input_dtype(1)](const GradPartConsumer& consume) {
-              kernels::linear_weight_grad_parts(g2, x2, dt, consume);
-            });
+            defer(
+                [g2, x2, dt = n.input_dtype(1)](const GradPartConsumer& consume) {
+                  kernels::linear_weight_grad_parts(g2, x2, dt, consume);
+                },
+                kernels::linear_weight_grad_bound(g2, x2, n.input_dtype(1)));
           else
             out[1] = kernels::matmul(g2.transpose(0, 1), x2, n.input_dtype(1), p,
                                      MemoryCategory::gradients);

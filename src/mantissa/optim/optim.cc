@@ -116,6 +116,16 @@ std::pair<double, bool> sum_of_squares(const Tensor& g, float scale, int64_t fir
   return {total, ok};
 }
 
+// Whether every value of a deferred gradient bounded by `bound` in magnitude (its producer's
+// dtype) is finite once converted to gt and multiplied by scale in FP32, as sum_of_squares checks
+// it: the conversion rounds by at most half a unit (a factor 1 + 2^-8 for bf16) and stays finite
+// below gt's largest value, and the FP32 product rounds by 1 + 2^-24; 2^-6 covers both.
+bool proven_finite(double bound, DType gt, float scale) {
+  const double b = bound * (1 + 0x1p-6);
+  return b <= max_finite(gt) && b * std::fabs(static_cast<double>(scale)) <=
+                                    static_cast<double>(std::numeric_limits<float>::max()) / 2;
+}
+
 // The same over a gradient kept as its producer (Optimizer::defer_gradients): the parts,
 // converted to gt as `grad` would hold them, each summed as chunks are above; the parts' sums
 // are added in the order of their offsets (the parts arrive from several threads).
@@ -264,8 +274,10 @@ StepReport Optimizer::step(const StepOptions& so) {
   StepReport report;
   // Gradients kept as their producers (defer_gradients), taken for this step: dropped with it.
   std::vector<GradPartProducer> deferred = std::move(deferred_);
+  std::vector<double> bounds = std::move(deferred_bounds_);
   clear_deferrals();
   deferred.resize(params_.size());
+  bounds.resize(params_.size(), std::numeric_limits<double>::infinity());
   std::vector<Tensor> grads(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) grads[i] = checked_grad(params_[i]);
   for (size_t i = 0; i < params_.size(); ++i)
@@ -275,9 +287,15 @@ StepReport Optimizer::step(const StepOptions& so) {
   // Pass 1 (read only): inf/NaN and the global norm of the unscaled gradients.
   if (so.skip_nonfinite || so.max_grad_norm > 0) {
     double total = 0;
+    bool all_summed = true;
     for (size_t i = 0; i < params_.size(); ++i) {
       const ElementRange r = shard(i);
       if ((!grads[i].defined() && !deferred[i]) || r.size() == 0) continue;
+      if (deferred[i] && so.max_grad_norm <= 0 && !so.combine &&
+          proven_finite(bounds[i], grad_type(i), so.grad_scale)) {
+        all_summed = false;  // no norm is needed, and the check could only pass
+        continue;
+      }
       const auto [sq, finite] = grads[i].defined()
                                     ? sum_of_squares(grads[i], so.grad_scale, r.begin, r.size())
                                     : sum_of_squares(deferred[i], grad_type(i), so.grad_scale);
@@ -293,7 +311,7 @@ StepReport Optimizer::step(const StepOptions& so) {
     }
     const double norm =
         report.nonfinite.empty() ? std::sqrt(total) : std::numeric_limits<double>::infinity();
-    report.grad_norm = norm;
+    if (all_summed || !report.nonfinite.empty()) report.grad_norm = norm;
     if (!report.nonfinite.empty() && so.skip_nonfinite) {
       report.skipped = true;
       return report;
@@ -522,13 +540,15 @@ size_t Optimizer::defer_gradients() {
   MANTISSA_ASSERT(!backward_step_, "defer_gradients during a step begun in the backward pass");
   clear_deferrals();
   deferred_.resize(params_.size());
+  deferred_bounds_.assign(params_.size(), std::numeric_limits<double>::infinity());
   size_t installed = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = *params_[i].tensor;
     AutogradMeta* meta = p.autograd_meta().get();
     if (!meta || !p.requires_grad() || !p.is_contiguous() || meta->grad) continue;
-    meta->defer_grad_parts = [this, i](GradPartProducer produce) {
+    meta->defer_grad_parts = [this, i](GradPartProducer produce, double bound) {
       deferred_[i] = std::move(produce);
+      deferred_bounds_[i] = bound;
     };
     ++installed;
   }
@@ -543,6 +563,7 @@ size_t Optimizer::deferred_gradients() const {
 
 void Optimizer::clear_deferrals() {
   deferred_.clear();
+  deferred_bounds_.clear();
   for (auto& p : params_) {
     AutogradMeta* meta = p.tensor->autograd_meta().get();
     if (meta) meta->defer_grad_parts = nullptr;

@@ -53,7 +53,8 @@ struct ElementRange {
 
 struct StepReport {
   bool skipped = false;
-  std::optional<double> grad_norm;     // of the unscaled gradients, when computed
+  std::optional<double> grad_norm;     // of the unscaled gradients, when computed (see
+                                       // Optimizer::defer_gradients for when it is not)
   std::vector<std::string> nonfinite;  // parameters whose gradients hold inf/NaN
 };
 
@@ -99,7 +100,10 @@ class Optimizer {
   // small operands, g and x) instead of the gradient; other ops store theirs as usual. step()
   // then computes each deferred gradient twice in parts: in the read-only pass (inf/NaN and the
   // sum of squares, in the parts' order) and, unless the step is skipped, in the update pass,
-  // where each part is applied while in cache, before the stored gradients. The parts are the
+  // where each part is applied while in cache, before the stored gradients. Without clipping
+  // (no norm needed), a gradient whose bound (AutogradMeta::defer_grad_parts) proves every
+  // unscaled value finite skips the read-only pass (StepReport::grad_norm is then not computed):
+  // the check could only have passed. The parts are the
   // bits the stored gradient would hold, so the step (and its skip) is the ordinary step's, bit
   // for bit, clipping aside (the norm sums the parts in another order: the trainer defers only
   // without clipping). An overflow anywhere, also in the last gradient the backward pass
@@ -232,6 +236,7 @@ class Optimizer {
   std::optional<uint64_t> sr_seed_;
   bool backward_step_ = false;              // begin_backward_step() ran; step() has not yet
   std::vector<GradPartProducer> deferred_;  // [param] when defer_gradients() ran, else empty
+  std::vector<double> deferred_bounds_;     // [param]: the bound each producer came with
 };
 
 struct SgdOptions {
