@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "mantissa/mantissa.h"
 
@@ -149,6 +150,38 @@ TEST(Convert, BetweenAllDtypes) {
   EXPECT_EQ(e[0], 0x3c);
   EXPECT_EQ(e[1], 0x41);
   EXPECT_EQ(e[2], 0xc5);
+}
+
+// Every length from 0 to 40 at every start within a 32-value block: the SIMD path's full blocks
+// and its padded last block (a kernel's short rows) give the scalar path's bits, to and from FP16
+// and BF16, with and without saturation, on values that take every branch of the rounding
+// (ties, overflow, subnormals, infinities, NaNs) and nothing past the last element is written.
+TEST(Convert, SimdPathAgreesWithScalarAtEveryLengthAndStart) {
+  if (!simd_path_supported(SimdPath::kAvx2)) GTEST_SKIP() << "no AVX2 path on this processor";
+  std::vector<float> in;
+  for (uint32_t b : {0x3f801000u, 0x3f803000u, 0x477ff000u, 0x477fefffu, 0x7f7fffffu, 0x7f800000u,
+                     0xff800000u, 0x7fc00001u, 0xffa00000u, 0x33000000u, 0x33000001u, 0x00000001u,
+                     0x80000000u, 0x387fc000u, 0xc2f6e979u, 0x3eaaaaabu})
+    in.push_back(std::bit_cast<float>(b));
+  for (int i = 0; in.size() < 72; ++i) in.push_back(std::ldexp(1.0f + 0.37f * i, i % 40 - 20));
+  CastOptions sat;
+  sat.saturate = true;
+  for (DType t : {DType::f16, DType::bf16})
+    for (const CastOptions& o : {CastOptions{}, sat})
+      for (size_t start = 0; start < 32; ++start)
+        for (size_t n = 0; n <= 40; ++n) {
+          std::vector<uint16_t> want(48, 0xabcd), got(48, 0xabcd);
+          convert(in.data() + start, DType::f32, want.data(), t, n, o, SimdPath::kScalar);
+          convert(in.data() + start, DType::f32, got.data(), t, n, o, SimdPath::kAvx2);
+          ASSERT_EQ(got, want) << dtype_name(t) << " from f32, start " << start << ", n " << n
+                               << (o.saturate ? ", saturating" : "");
+          std::vector<float> back_want(48, -7.0f), back_got(48, -7.0f);
+          convert(want.data(), t, back_want.data(), DType::f32, n, {}, SimdPath::kScalar);
+          convert(want.data(), t, back_got.data(), DType::f32, n, {}, SimdPath::kAvx2);
+          for (size_t j = 0; j < back_want.size(); ++j)
+            ASSERT_EQ(bits(back_got[j]), bits(back_want[j]))
+                << dtype_name(t) << " to f32, n " << n << ", element " << j;
+        }
 }
 
 TEST(Convert, SimdPathsAreReported) {

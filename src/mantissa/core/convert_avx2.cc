@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 
 #include "mantissa/core/convert_kernels.h"
 
@@ -190,39 +191,53 @@ MANTISSA_AVX2 inline __m256i load_bits(const float* p) {
 
 // ---- FP32 -> narrow ----------------------------------------------------------------------------
 
-template <FloatFormat F, typename Storage>
-MANTISSA_AVX2 void from_f32_rne(const float* src, Storage* dst, size_t n, const CastOptions& opt) {
-  size_t i = 0;
+// Eight FP32 values (as bits) to FP16 or BF16 by nearest even, as 32-bit lanes (each < 2^16).
+template <FloatFormat F>
+MANTISSA_AVX2 inline __m256i rne16_v(__m256i b, bool saturate) {
   if constexpr (F.exp_bits == kF16Format.exp_bits && F.man_bits == kF16Format.man_bits) {
     // F16C rounds to nearest even exactly; saturation clamps first (NaN passes through min/max
     // as the second operand).
-    const __m256 hi = _mm256_set1_ps(65504.0f), lo = _mm256_set1_ps(-65504.0f);
-    for (; i + 8 <= n; i += 8) {
-      __m256 x = _mm256_loadu_ps(src + i);
-      if (opt.saturate) x = _mm256_max_ps(lo, _mm256_min_ps(hi, x));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                       _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-  } else if constexpr (F.exp_bits == kBF16Format.exp_bits) {
+    __m256 x = _mm256_castsi256_ps(b);
+    if (saturate)
+      x = _mm256_max_ps(_mm256_set1_ps(-65504.0f), _mm256_min_ps(_mm256_set1_ps(65504.0f), x));
+    return _mm256_cvtepu16_epi32(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    static_assert(F.exp_bits == kBF16Format.exp_bits && F.man_bits == kBF16Format.man_bits);
     // BF16 is the top half of FP32: add 0x7fff plus the lowest kept bit, truncate. A carry past
     // the largest finite value lands exactly on infinity.
-    const __m256i quiet = set1(0x40u), low = set1(0x7fffu), one = set1(1);
-    for (; i + 32 <= n; i += 32) {
-      __m256i v[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m256i b = load_bits(src + i + 8 * j);
-        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, low), lsb), 16);
-        const __m256i a = _mm256_and_si256(b, set1(0x7fffffffu));
-        if (opt.saturate) {
-          const __m256i over =
-              _mm256_cmpeq_epi32(_mm256_and_si256(r, set1(0x7fffu)), set1(0x7f80u));
-          r = _mm256_blendv_epi8(r, _mm256_sub_epi32(r, one), over);
-        }
-        const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(b, 16), quiet);
-        v[j] = _mm256_blendv_epi8(r, nan, _mm256_cmpgt_epi32(a, set1(0x7f800000u)));
-      }
-      store32(dst + i, v);
+    const __m256i one = set1(1);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, set1(0x7fffu)), lsb), 16);
+    const __m256i a = _mm256_and_si256(b, set1(0x7fffffffu));
+    if (saturate) {
+      const __m256i over = _mm256_cmpeq_epi32(_mm256_and_si256(r, set1(0x7fffu)), set1(0x7f80u));
+      r = _mm256_blendv_epi8(r, _mm256_sub_epi32(r, one), over);
+    }
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(b, 16), set1(0x40u));
+    return _mm256_blendv_epi8(r, nan, _mm256_cmpgt_epi32(a, set1(0x7f800000u)));
+  }
+}
+
+// Stores 8 lanes (each < 2^16) as 8 consecutive 16-bit values.
+MANTISSA_AVX2 inline void store8(uint16_t* dst, __m256i v) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+
+template <FloatFormat F, typename Storage>
+MANTISSA_AVX2 void from_f32_rne(const float* src, Storage* dst, size_t n, const CastOptions& opt) {
+  size_t i = 0;
+  if constexpr (sizeof(Storage) == 2) {
+    // FP16 and BF16: eight at a time, and the last one to seven through a zero-padded block, so
+    // that a kernel's short rows (a 59-wide output row: 7 blocks and 3) never take the scalar
+    // loop. Every lane is rounded on its own: the same bits as the scalar encoder.
+    for (; i + 8 <= n; i += 8) store8(dst + i, rne16_v<F>(load_bits(src + i), opt.saturate));
+    if (i < n) {
+      alignas(32) float in[8] = {};
+      alignas(16) uint16_t out[8];
+      std::memcpy(in, src + i, (n - i) * sizeof(float));
+      store8(out, rne16_v<F>(load_bits(in), opt.saturate));
+      std::memcpy(dst + i, out, (n - i) * sizeof(uint16_t));
     }
   } else {
     for (; i + 32 <= n; i += 32) {
@@ -230,10 +245,10 @@ MANTISSA_AVX2 void from_f32_rne(const float* src, Storage* dst, size_t n, const 
       for (int j = 0; j < 4; ++j) v[j] = encode_rne_v<F>(load_bits(src + i + 8 * j), opt.saturate);
       store32(dst + i, v);
     }
+    CastOptions tail = opt;
+    tail.index = opt.index + i;
+    scalar_from_f32<F>(src + i, dst + i, n - i, tail);
   }
-  CastOptions tail = opt;
-  tail.index = opt.index + i;
-  scalar_from_f32<F>(src + i, dst + i, n - i, tail);
 }
 
 template <FloatFormat F, typename Storage>
@@ -270,24 +285,35 @@ MANTISSA_AVX2 void from_f32(const float* src, void* dst, size_t n, const CastOpt
 
 // ---- narrow -> FP32 ----------------------------------------------------------------------------
 
-MANTISSA_AVX2 void f16_to_f32(const void* src_v, float* dst, size_t n) {
-  const uint16_t* src = static_cast<const uint16_t*>(src_v);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  scalar_to_f32<kF16Format>(src + i, dst + i, n - i);
+// Eight FP16 or BF16 values widened to FP32 (exactly).
+MANTISSA_AVX2 inline __m256 f16_to_f32_v(const uint16_t* src) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+MANTISSA_AVX2 inline __m256 bf16_to_f32_v(const uint16_t* src) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-MANTISSA_AVX2 void bf16_to_f32(const void* src_v, float* dst, size_t n) {
+// Eight at a time, and the last one to seven through a zero-padded block (as from_f32_rne).
+template <__m256 (*Widen)(const uint16_t*)>
+MANTISSA_AVX2 inline void widen16(const void* src_v, float* dst, size_t n) {
   const uint16_t* src = static_cast<const uint16_t*>(src_v);
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i w =
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, Widen(src + i));
+  if (i < n) {
+    alignas(16) uint16_t in[8] = {};
+    alignas(32) float out[8];
+    std::memcpy(in, src + i, (n - i) * sizeof(uint16_t));
+    _mm256_store_ps(out, Widen(in));
+    std::memcpy(dst + i, out, (n - i) * sizeof(float));
   }
-  scalar_to_f32<kBF16Format>(src + i, dst + i, n - i);
+}
+
+MANTISSA_AVX2 void f16_to_f32(const void* src, float* dst, size_t n) {
+  widen16<f16_to_f32_v>(src, dst, n);
+}
+MANTISSA_AVX2 void bf16_to_f32(const void* src, float* dst, size_t n) {
+  widen16<bf16_to_f32_v>(src, dst, n);
 }
 
 // E5M2 is the top byte of an FP16: shift and let F16C decode it.
