@@ -725,6 +725,35 @@ TEST(Fp8Training, EvaluatesInFp8WithoutChangingTheState) {
   for (auto& [name, x] : s.tensors()) EXPECT_EQ(x->step_stats().count, counts.at(name)) << name;
 }
 
+// A damaged checkpoint's FP8 state is refused with a clear error, never cast: scales and amax
+// histories are 32-bit patterns, so a float, a negative or a too-large number is damage.
+TEST(Fp8Training, DamagedStateBitsAreRefused) {
+  train::TrainConfig c = fp8_run();
+  c.max_steps = 2;
+  train::Trainer t(c);
+  t.run();
+  amp::Fp8State& s = *t.fp8_state();
+  const nlohmann::json good = nlohmann::json::parse(s.to_json());
+  const std::string name = good.at("tensors").begin().key();
+  for (const nlohmann::json& bad : {nlohmann::json(2.05e27), nlohmann::json(-1),
+                                    nlohmann::json(int64_t{1} << 32), nlohmann::json(1.5)}) {
+    for (const char* field : {"scale", "amax_history"}) {
+      nlohmann::json j = good;
+      if (std::string(field) == "scale")
+        j["tensors"][name]["scale"] = bad;
+      else
+        j["tensors"][name]["amax_history"][0] = bad;
+      EXPECT_NE(error_of([&] { s.load_json(j.dump(), "ck.safetensors"); })
+                    .find("ck.safetensors: the FP8 state of " + name +
+                          " holds a value that is not a 32-bit pattern"),
+                std::string::npos)
+          << field << " = " << bad.dump();
+    }
+  }
+  s.load_json(good.dump(), "ck.safetensors");
+  EXPECT_EQ(s.to_json(), good.dump());
+}
+
 // One epoch of a real Fashion-MNIST subset (3,000 training images at 28x28, the tutorial CNN,
 // the CLI's defaults otherwise): fp8-hybrid lands within 2 points of 32-true on 1,000 test
 // images. The full epoch at 128x128 is in docs/mixed_precision.md.

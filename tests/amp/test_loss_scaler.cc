@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <nlohmann/json.hpp>
 
 #include "mantissa/mantissa.h"
 #include "support/errors.h"
@@ -168,6 +169,37 @@ TEST(LossScaler, StateRoundTripsThroughJson) {
   EXPECT_NE(error_of([&] { b.load_json("{\"scale\": 1}", "x.safetensors"); }).find("x.safetensors"),
             std::string::npos);
   EXPECT_NE(error_of([&] { b.load_json("not json", "x.safetensors"); }), "");
+}
+
+// Counters of a damaged checkpoint are refused, never cast: a float where an integer belongs
+// (2e27 converted to int64_t would be undefined behaviour), a negative count, a zero interval.
+TEST(LossScaler, DamagedCountersAreRefused) {
+  LossScaler a(dynamic(3));
+  for (bool inf : {false, true, false}) a.update(inf);
+  const nlohmann::json good = nlohmann::json::parse(a.to_json());
+  const std::pair<const char*, nlohmann::json> damaged[] = {
+      {"growth_interval", 2.0555555555555555e27},
+      {"growth_interval", 0},
+      {"growth_interval", 2.5},
+      {"steps", -1},
+      {"steps", 1e300},
+      {"skipped_steps", uint64_t{1} << 63},
+      {"growth_tracker", "3"},
+      {"hysteresis", 0},
+      {"hysteresis_left", 1e19}};
+  for (const auto& [field, value] : damaged) {
+    nlohmann::json j = good;
+    j[field] = value;
+    LossScaler b;
+    EXPECT_NE(error_of([&] { b.load_json(j.dump(), "x.safetensors"); }).find("x.safetensors"),
+              std::string::npos)
+        << field << " = " << value.dump();
+  }
+  nlohmann::json j = good;
+  j["history"][0]["step"] = 1e40;
+  LossScaler b;
+  EXPECT_NE(error_of([&] { b.load_json(j.dump(), "x.safetensors"); }).find("'history step'"),
+            std::string::npos);
 }
 
 TEST(PrecisionModes, EachNameMapsToItsSettings) {

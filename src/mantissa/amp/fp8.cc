@@ -8,6 +8,7 @@
 
 #include "mantissa/comm/communicator.h"
 #include "mantissa/core/error.h"
+#include "mantissa/io/json_fields.h"
 #include "mantissa/nn/layers.h"
 #include "mantissa/nn/module.h"
 #include "mantissa/nn/numerics.h"
@@ -308,14 +309,22 @@ void Fp8State::load_json(const std::string& text, const std::string& source) {
       MANTISSA_CHECK(tensors_.count(name),
                      source + " holds FP8 state for " + name + ", which this run does not scale",
                      "resume with the --fp8-keep-layers and model of the original run");
+      // Floats are stored as their bit patterns: integers in [0, 2^32).
+      const auto bits = [&](const json& v) {
+        const std::optional<int64_t> x = io::json_integer(v, 0, UINT32_MAX);
+        MANTISSA_CHECK(
+            x.has_value(),
+            source + ": the FP8 state of " + name + " holds a value that is not a 32-bit pattern",
+            "the file is damaged");
+        return std::bit_cast<float>(static_cast<uint32_t>(*x));
+      };
       std::vector<float> h;
-      for (const json& b : it.value().at("amax_history"))
-        h.push_back(std::bit_cast<float>(b.get<uint32_t>()));
+      for (const json& b : it.value().at("amax_history")) h.push_back(bits(b));
       MANTISSA_CHECK(static_cast<int64_t>(h.size()) == recipe_.amax_history,
                      source + ": the amax history of " + name + " has " + std::to_string(h.size()) +
                          " steps, not " + std::to_string(recipe_.amax_history),
                      "the file is damaged");
-      const float scale = std::bit_cast<float>(it.value().at("scale").get<uint32_t>());
+      const float scale = bits(it.value().at("scale"));
       MANTISSA_CHECK(std::isfinite(scale) && scale > 0,
                      source + ": the FP8 scale of " + name + " is not a finite positive number",
                      "the file is damaged");

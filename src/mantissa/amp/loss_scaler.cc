@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "mantissa/core/error.h"
+#include "mantissa/io/json_fields.h"
 
 namespace mantissa::amp {
 namespace {
@@ -119,26 +120,34 @@ std::string LossScaler::to_json() const {
 void LossScaler::load_json(const std::string& text, const std::string& source) {
   try {
     const json j = json::parse(text);
+    // A counter or interval of the file: an integer in [lo, hi], never cast from a float.
+    const auto integer = [&](const json& v, const char* name, int64_t lo) {
+      const std::optional<int64_t> x = io::json_integer(v, lo, INT64_MAX);
+      MANTISSA_CHECK(x.has_value(),
+                     source + ": loss-scaler field '" + name + "' is not an integer of at least " +
+                         std::to_string(lo),
+                     "the file is damaged");
+      return *x;
+    };
     LossScalerOptions o;
     o.dynamic = j.at("dynamic").get<bool>();
     o.init_scale = j.at("scale").get<double>();
     o.growth_factor = j.at("growth_factor").get<double>();
     o.backoff_factor = j.at("backoff_factor").get<double>();
-    o.growth_interval = j.at("growth_interval").get<int64_t>();
+    o.growth_interval = integer(j.at("growth_interval"), "growth_interval", 1);
     if (!j.at("min_scale").is_null()) o.min_scale = j["min_scale"].get<double>();
     if (!j.at("max_scale").is_null()) o.max_scale = j["max_scale"].get<double>();
-    o.hysteresis = j.at("hysteresis").get<int64_t>();
+    o.hysteresis = integer(j.at("hysteresis"), "hysteresis", 1);
     LossScaler s(o);
     s.scale_ = o.init_scale;
-    s.hysteresis_left_ = j.at("hysteresis_left").get<int64_t>();
-    s.growth_tracker_ = j.at("growth_tracker").get<int64_t>();
-    s.steps_ = j.at("steps").get<int64_t>();
-    s.skipped_ = j.at("skipped_steps").get<int64_t>();
+    s.hysteresis_left_ = integer(j.at("hysteresis_left"), "hysteresis_left", 1);
+    s.growth_tracker_ = integer(j.at("growth_tracker"), "growth_tracker", 0);
+    s.steps_ = integer(j.at("steps"), "steps", 0);
+    s.skipped_ = integer(j.at("skipped_steps"), "skipped_steps", 0);
     for (const json& c : j.at("history"))
-      s.history_.push_back(
-          {c.at("step").get<int64_t>(), c.at("scale").get<double>(), c.at("overflow").get<bool>()});
-    MANTISSA_CHECK(s.steps_ >= s.skipped_ && s.skipped_ >= 0 && s.growth_tracker_ >= 0 &&
-                       s.hysteresis_left_ >= 1 && s.hysteresis_left_ <= o.hysteresis,
+      s.history_.push_back({integer(c.at("step"), "history step", 0), c.at("scale").get<double>(),
+                            c.at("overflow").get<bool>()});
+    MANTISSA_CHECK(s.steps_ >= s.skipped_ && s.hysteresis_left_ <= o.hysteresis,
                    source + ": loss-scaler counters are inconsistent", "the file is damaged");
     *this = std::move(s);
   } catch (const json::exception& e) {
