@@ -444,5 +444,44 @@ TEST(Linear, SmallBatchDeepLayerMatchesFp64) {
     }
 }
 
+// An FP32 weight read as if stored in f16 or bf16 (linear's round_w, matmul's round_b, the GEMM's
+// round_b) gives exactly the result of its 16-bit copy, on the lane-split dot products (10 rows
+// through 2051 inputs), on the GEMM (40 rows; FP16 partials) and in the product with the weight
+// that linear's backward computes; the weights' values are random FP32, so most of them round.
+TEST(Linear, Fp32WeightReadAsSixteenBitsEqualsItsSixteenBitCopy) {
+  for (DType t : {DType::f16, DType::bf16})
+    for (int64_t rows : {10, 40})
+      for (Partials p : {Partials::kF32, Partials::kF16}) {
+        const int64_t in = 2051, outf = 37;
+        std::mt19937 gen(7);
+        std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+        std::vector<float> xv(static_cast<size_t>(rows * in)), wv(static_cast<size_t>(outf * in)),
+            bv(static_cast<size_t>(outf)), gv(static_cast<size_t>(rows * outf));
+        for (float& v : xv) v = d(gen);
+        for (float& v : wv) v = d(gen);
+        for (float& v : bv) v = d(gen);
+        for (float& v : gv) v = d(gen);
+        const Tensor x = Tensor::from_floats(xv, {rows, in}, t),
+                     w32 = Tensor::from_floats(wv, {outf, in}, DType::f32), w16 = w32.to(t),
+                     b = Tensor::from_floats(bv, {outf}, DType::f32),
+                     g = Tensor::from_floats(gv, {rows, outf}, t);
+        ASSERT_NE(w16.to_float_vector(), w32.to_float_vector());
+        const std::string where = std::string(dtype_name(t)) + " rows " + std::to_string(rows);
+        EXPECT_EQ(linear(x, w32, b, t, p, t).to_float_vector(),
+                  linear(x, w16, b, t, p).to_float_vector())
+            << where;
+        EXPECT_EQ(matmul(g, w32, DType::f32, p, MemoryCategory::gradients, t).to_float_vector(),
+                  matmul(g, w16, DType::f32, p, MemoryCategory::gradients).to_float_vector())
+            << where;
+      }
+  // round_b takes an FP32 B and a 16-bit type.
+  const Tensor a = Tensor::zeros({2, 3}, DType::f32), b16 = Tensor::zeros({3, 2}, DType::f16);
+  EXPECT_THROW(matmul(a, b16, DType::f32, Partials::kF32, MemoryCategory::activations, DType::bf16),
+               Error);
+  EXPECT_THROW(matmul(a, a.transpose(0, 1), DType::f32, Partials::kF32, MemoryCategory::activations,
+                      DType::e4m3),
+               Error);
+}
+
 }  // namespace
 }  // namespace mantissa::kernels

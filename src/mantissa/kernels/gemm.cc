@@ -17,6 +17,7 @@
 #include "mantissa/core/tensor.h"
 #include "mantissa/kernels/elementwise.h"
 #include "mantissa/kernels/gemm_kernels.h"
+#include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels {
 namespace detail {
@@ -217,6 +218,7 @@ void check_dtypes(ConstMatrix A, ConstMatrix B, Matrix C) {
 struct BSource {
   ConstMatrix plain{};
   OffsetMatrix offsets{};
+  DType round = DType::f32;  // GemmOptions::round_b (a plain FP32 B only)
 };
 
 // Packs columns [j0, j0 + lines) of a column-listed B, depth [pc, pc + kc), into 16-wide slivers
@@ -393,6 +395,8 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
         const ConstMatrix& Bm = B.plain;
         pack(at(Bm.data, Bm.dtype, pc * Bm.rs + jc * Bm.cs), Bm.dtype, Bm.cs, Bm.rs, nc, kc, kNR,
              bp);
+        // The packed panel rounded as B's 16-bit copy would hold it (zero padding stays zero).
+        if (B.round != DType::f32) detail::round_through(bp, n_packed * kc * kNR, B.round);
       }
       // One 6 x 16 tile: sliver s of B against the packed A sliver as.
       auto tile = [&](int64_t s, const float* as, float* c, int64_t ldc, bool load_c,
@@ -536,14 +540,23 @@ void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B, float beta,
           Matrix C, const GemmOptions& opt) {
   check_dtypes(A, B, C);
+  MANTISSA_CHECK(
+      opt.round_b == DType::f32 ||
+          ((opt.round_b == DType::f16 || opt.round_b == DType::bf16) && B.dtype == DType::f32),
+      "gemm: round_b " + std::string(dtype_name(opt.round_b)) + " for a " +
+          std::string(dtype_name(B.dtype)) + " B",
+      "round_b rounds an f32 B to f16 or bf16");
   BSource src;
   src.plain = B;
+  src.round = opt.round_b;
   // An FP32 B with contiguous rows against at most two slivers of A (a small batch's rows: the
   // tutorial CNN's fc1 input gradient, 12 x 100 by 100 x 41772) is listed by its rows, so that
   // gemm_block reads its full slivers in place: packing would copy every value of B for one or
-  // two tiles' use. The same arithmetic (the rows micro-kernel's), so the same bits.
+  // two tiles' use. The same arithmetic (the rows micro-kernel's), so the same bits. A B rounded
+  // as it is packed (round_b) is packed.
   std::vector<int64_t> rows;
-  if (B.dtype == DType::f32 && B.cs == 1 && M <= 2 * kMR && K > 0 && N >= kNR) {
+  if (B.dtype == DType::f32 && opt.round_b == DType::f32 && B.cs == 1 && M <= 2 * kMR && K > 0 &&
+      N >= kNR) {
     rows.resize(static_cast<size_t>(K));
     for (int64_t k = 0; k < K; ++k) rows[static_cast<size_t>(k)] = k * B.rs;
     src.offsets = {static_cast<const float*>(B.data), rows.data(), nullptr};

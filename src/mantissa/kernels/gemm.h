@@ -38,6 +38,10 @@ struct Matrix {
 struct GemmOptions {
   Partials partials = Partials::kF32;
   int threads = 0;  // 0: default_num_threads()
+  // f16 or bf16: an FP32 B is read as if stored in that type, each value rounded to nearest even
+  // as B is packed, so the product is exactly that of B's 16-bit copy, which is never made
+  // (autocast's linear reads its FP32 weight so). f32: B as it is.
+  DType round_b = DType::f32;
 };
 
 // C (M x N) = alpha * A (M x K) * B (K x N) + beta * C. A and B: any float dtype; C: f32, f16 or

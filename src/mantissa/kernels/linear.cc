@@ -24,7 +24,8 @@ constexpr int64_t kPartsMaxRows = 16, kPartRows = 6, kPartColumns = 2048;
 
 }  // namespace
 
-Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out, Partials p) {
+Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out, Partials p,
+              DType round_w) {
   require_float(x_in, "linear", "input");
   require_float(w_in, "linear", "weight");
   MANTISSA_CHECK(w_in.dim() == 2,
@@ -35,6 +36,9 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
                      shape_str(w_in.shape()) + " (last dimension " +
                      str(x_in.dim() ? x_in.size(-1) : 0) + " vs " + str(w_in.size(1)) + ")",
                  "the input's last dimension must equal the weight's in_features");
+  MANTISSA_ASSERT(round_w == DType::f32 || ((round_w == DType::f16 || round_w == DType::bf16) &&
+                                            w_in.dtype() == DType::f32),
+                  "linear rounds an f32 weight to f16 or bf16");
   const int64_t in = w_in.size(1), outf = w_in.size(0);
   if (b.defined())
     MANTISSA_CHECK(b.dim() == 1 && b.size(0) == outf,
@@ -58,9 +62,14 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
     std::fill(lanes.data<float>(), lanes.data<float>() + lanes.numel(), 0.0f);
     std::vector<int64_t> w_rows(static_cast<size_t>(outf));
     for (int64_t j = 0; j < outf; ++j) w_rows[static_cast<size_t>(j)] = j * w_in.stride(0);
-    detail::dot_lanes_accumulate(rows, outf, in, x32.data<float>(), in, w_in.data_ptr(),
-                                 w_in.dtype(), w_rows.data(), lanes.data<float>(),
-                                 default_num_threads());
+    if (round_w != DType::f32)
+      detail::dot_lanes_accumulate_rounded(rows, outf, in, x32.data<float>(), in,
+                                           w_in.data<float>(), round_w, w_rows.data(),
+                                           lanes.data<float>(), default_num_threads());
+    else
+      detail::dot_lanes_accumulate(rows, outf, in, x32.data<float>(), in, w_in.data_ptr(),
+                                   w_in.dtype(), w_rows.data(), lanes.data<float>(),
+                                   default_num_threads());
     const std::vector<float> bias = bias_f32(b, outf);
     std::vector<float> row(static_cast<size_t>(outf));
     for (int64_t i = 0; i < rows; ++i) {
@@ -74,6 +83,7 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
   }
   GemmOptions go;
   go.partials = p;
+  go.round_b = round_w;
   const ConstMatrix A{x.data_ptr(), x.dtype(), in, 1};
   const ConstMatrix B{w_in.data_ptr(), w_in.dtype(), w_in.stride(1), w_in.stride(0)};
   // With a bias, C starts from it and beta = 1, so the sum is rounded once, in FP32.
@@ -161,7 +171,8 @@ double linear_weight_grad_bound(const Tensor& g_in, const Tensor& x_in, DType ou
   return std::min(t * (1 + 0x1p-7), largest);
 }
 
-Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, MemoryCategory cat) {
+Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, MemoryCategory cat,
+              DType round_b) {
   require_float(a_in, "matmul", "left operand");
   require_float(b_in, "matmul", "right operand");
   MANTISSA_CHECK(a_in.dim() >= 2 && b_in.dim() >= 2,
@@ -190,6 +201,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, Mem
   const Tensor b = b_batched ? b_in.reshape({batches, K, N}) : b_in;
   GemmOptions go;
   go.partials = p;
+  go.round_b = round_b;
   for (int64_t i = 0; i < batches; ++i) {
     const Tensor ai = a.select(0, i);
     const Tensor bi = b_batched ? b.select(0, i) : b;

@@ -13,9 +13,11 @@ namespace mantissa::kernels {
 // y = x w^T + b, x (*, in), w (out, in), b (out) or undefined. A batch of at most 16 rows through
 // a layer at least 1024 deep (FP32 partials) takes lane-split dot products that read w in place
 // (vector_kernels.h); everything else takes the GEMM, starting from the bias so that the sum is
-// rounded once.
+// rounded once. round_w f16 or bf16: an FP32 w is read as if stored in that type (each value
+// rounded to nearest even as it is staged or packed), so y is exactly that of w's 16-bit copy,
+// which is never made.
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, DType out,
-              Partials p = Partials::kF32);
+              Partials p = Partials::kF32, DType round_w = DType::f32);
 // The weight gradient of linear, dw = g^T x (g: (rows, out), x: (rows, in), float dtypes), given
 // to `consume` in parts instead of stored (AutogradMeta::consume_grad_parts): blocks of a few
 // outputs by a few thousand inputs, each computed into a buffer that stays in cache and handed
@@ -36,8 +38,9 @@ double linear_weight_grad_bound(const Tensor& g, const Tensor& x, DType out);
 // enough that computing dw costs less than storing and re-reading it).
 bool linear_weight_grad_parts_fit(int64_t rows);
 
-// a (..., M, K) @ b (..., K, N) with equal batch dimensions, or b 2-D.
+// a (..., M, K) @ b (..., K, N) with equal batch dimensions, or b 2-D. round_b: an FP32 b read as
+// if stored in f16 or bf16 (GemmOptions::round_b).
 Tensor matmul(const Tensor& a, const Tensor& b, DType out, Partials p = Partials::kF32,
-              MemoryCategory cat = MemoryCategory::activations);
+              MemoryCategory cat = MemoryCategory::activations, DType round_b = DType::f32);
 
 }  // namespace mantissa::kernels

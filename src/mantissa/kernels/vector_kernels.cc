@@ -330,4 +330,34 @@ void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64
                 });
 }
 
+void dot_lanes_accumulate_rounded(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                                  const float* b, DType round_to, const int64_t* b_row, float* P,
+                                  int threads) {
+  MANTISSA_ASSERT(round_to == DType::f16 || round_to == DType::bf16,
+                  "dot_lanes_accumulate_rounded rounds to f16 or bf16");
+  dot_lanes_run(M, N, K, a, lda, P, threads,
+                [&](int64_t j0, int rb, int64_t k0, int64_t k1, const float** brows,
+                    std::vector<float>& stage) -> int64_t {
+                  stage.resize(static_cast<size_t>(kDotRowsB * kDotDepth));
+                  for (int j = 0; j < rb; ++j) {
+                    float* row = stage.data() + j * kDotDepth;
+                    std::copy(b + b_row[j0 + j] + k0, b + b_row[j0 + j] + k1, row);
+                    round_through(row, k1 - k0, round_to);
+                    brows[j] = row;
+                  }
+                  return k0;
+                });
+}
+
+void round_through(float* v, int64_t n, DType t) {
+  MANTISSA_ASSERT(t == DType::f16 || t == DType::bf16, "round_through rounds to f16 or bf16");
+  constexpr int64_t kChunk = 512;
+  uint16_t bits[kChunk];
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const size_t m = static_cast<size_t>(std::min(kChunk, n - i));
+    convert(v + i, DType::f32, bits, t, m);
+    convert(bits, t, v + i, DType::f32, m);
+  }
+}
+
 }  // namespace mantissa::kernels::detail

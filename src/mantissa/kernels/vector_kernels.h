@@ -64,6 +64,15 @@ float dot_lanes_finish(const float* lanes);
 // the same values (a 16-bit model's linear layer reads its weights once, in 16 bits).
 void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                           const void* b, DType bt, const int64_t* b_row, float* P, int threads);
+// The same with FP32 B rows read as if stored in `round_to` (f16 or bf16): each staged value is
+// rounded to nearest even to that type, so the sums are those of the 16-bit copy of B, which is
+// never made (autocast's linear reads its FP32 weight so).
+void dot_lanes_accumulate_rounded(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                                  const float* b, DType round_to, const int64_t* b_row, float* P,
+                                  int threads);
+// v[0, n) rounded to nearest even to `t` (f16 or bf16) and back to FP32, in place: the values a
+// 16-bit copy would hold.
+void round_through(float* v, int64_t n, DType t);
 // The scalar reference of the same arithmetic (the oracle of the tests).
 void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                                     const float* b, const int64_t* b_row, float* P);

@@ -308,10 +308,19 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::span<const Tensor* const> inp
     switch (cat) {
       case AutocastCategory::kLowerPrecision:
         target = ctx.lower;
-        for (Tensor& t : inputs_) {
+        for (size_t i = 0; i < inputs_.size(); ++i) {
+          Tensor& t = inputs_[i];
           if (!t.defined() || !is_compute_float(t.dtype()) || t.dtype() == ctx.lower) continue;
-          t = t.requires_grad() && !t.grad_fn() && ctx.cache ? cached_cast(t, ctx.lower)
-                                                             : cast(t, ctx.lower);
+          const bool weight = t.requires_grad() && !t.grad_fn() && ctx.cache;
+          if (weight && (op == OpId::linear || op == OpId::conv2d) && i == 1 &&
+              t.dtype() == DType::f32) {
+            // linear and conv2d read the FP32 weight as its 16-bit copy (OpOptions::weight_as):
+            // the same values and gradient as the cached copy's, without a copy held from the
+            // forward pass to the backward pass.
+            opt_->weight_as = ctx.lower;
+            continue;
+          }
+          t = weight ? cached_cast(t, ctx.lower) : cast(t, ctx.lower);
         }
         break;
       case AutocastCategory::kFp32:

@@ -315,19 +315,26 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
   detail::OpCall call(OpId::linear, opt, {&x, &w, &b});
   if (call.active()) return call.finish(linear(call.in(0), call.in(1), call.in(2), call.options()));
   const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
-  Tensor y = kernels::linear(xd, wd, bd, out_or(opt, promote_types(x.dtype(), w.dtype())),
-                             partials_of(opt));
+  const DType w_as = opt.weight_as.value_or(w.dtype());
+  MANTISSA_CHECK(w_as == w.dtype() || (w.dtype() == DType::f32 && is_16bit_float(w_as)),
+                 std::string("linear: weight_as ") + std::string(dtype_name(w_as)) + " for an " +
+                     std::string(dtype_name(w.dtype())) + " weight",
+                 "weight_as reads an f32 weight as f16 or bf16");
+  // The type the kernels round w's values to as they read them (f32: none).
+  const DType round_w = w_as == w.dtype() ? DType::f32 : w_as;
+  Tensor y = kernels::linear(xd, wd, bd, out_or(opt, promote_types(x.dtype(), w_as)),
+                             partials_of(opt), round_w);
   count_macs(y.numel() * wd.size(1));
   const Partials p = partials_of(opt);
   return recorded(
       y, OpId::linear, {&x, &w, &b},
-      [xd, wd, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+      [xd, wd, p, round_w](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(3);
         const int64_t in = wd.size(1), outf = wd.size(0),
                       rows = xd.numel() / std::max<int64_t>(in, 1);
         const Tensor g2 = g.reshape({rows, outf});
         if (n.needs_input_grad(0))  // dx = g w
-          out[0] = kernels::matmul(g2, wd, n.input_dtype(0), p, MemoryCategory::gradients)
+          out[0] = kernels::matmul(g2, wd, n.input_dtype(0), p, MemoryCategory::gradients, round_w)
                        .view(xd.shape());
         if (n.needs_input_grad(1)) {  // dw = g^T x
           // After dx, which read the weights: an update in the backward pass may take dw in
@@ -395,16 +402,27 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dPar
   if (call.active())
     return call.finish(conv2d(call.in(0), call.in(1), call.in(2), prm, call.options()));
   const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
-  Tensor y = kernels::conv2d(xd, wd, bd, prm, out_or(opt, promote_types(x.dtype(), w.dtype())),
+  const DType w_as = opt.weight_as.value_or(w.dtype());
+  MANTISSA_CHECK(w_as == w.dtype() || (w.dtype() == DType::f32 && is_16bit_float(w_as)),
+                 std::string("conv2d: weight_as ") + std::string(dtype_name(w_as)) + " for an " +
+                     std::string(dtype_name(w.dtype())) + " weight",
+                 "weight_as reads an f32 weight as f16 or bf16");
+  // With weight_as the kernels read a 16-bit copy made for the call (workspace), in the forward
+  // and again in the backward: the graph keeps only the FP32 weight, which the model holds anyway.
+  auto read_as = [w_as](const Tensor& t) {
+    return t.dtype() == w_as ? t : kernels::cast(t, w_as, {}, MemoryCategory::workspace);
+  };
+  Tensor y = kernels::conv2d(xd, read_as(wd), bd, prm, out_or(opt, promote_types(x.dtype(), w_as)),
                              partials_of(opt));
   count_macs(y.numel() * wd.size(1) * wd.size(2) * wd.size(3));  // per output: C/groups x KH x KW
   const Partials p = partials_of(opt);
   return recorded(
       y, OpId::conv2d, {&x, &w, &b},
-      [xd, wd, prm, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+      [xd, wd, prm, p, read_as](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(3);
         if (n.needs_input_grad(0))
-          out[0] = kernels::conv2d_backward_input(g, wd, xd.shape(), prm, n.input_dtype(0), p);
+          out[0] =
+              kernels::conv2d_backward_input(g, read_as(wd), xd.shape(), prm, n.input_dtype(0), p);
         if (n.needs_input_grad(1))
           out[1] = kernels::conv2d_backward_weight(g, xd, wd.shape(), prm, n.input_dtype(1), p);
         if (n.needs_input_grad(2))

@@ -25,6 +25,13 @@ struct OpOptions {
   // Accumulation type of the matrix ops (linear, matmul, conv2d: OpKind::kMatrix); default: the
   // op context's (FP32 unless a PartialsScope says otherwise, see autocast.h).
   std::optional<Partials> partials = std::nullopt;
+  // linear and conv2d: an FP32 weight read as if cast to this type (f16 or bf16, rounded to
+  // nearest even), forward and backward, without a 16-bit copy saved for the backward pass:
+  // linear's kernels round each value as they stage or pack it (no copy at all); conv2d casts a
+  // copy for each call (workspace, freed when the call returns). Autocast sets it instead of
+  // casting the weight (a leaf that requires grad) of these two ops; the gradient reaches the FP32
+  // weight as it reached the cast copy's stand-in (computed in FP32, never reading the weight).
+  std::optional<DType> weight_as = std::nullopt;
 };
 
 // ---- Matrix ops ----
