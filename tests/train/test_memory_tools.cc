@@ -192,7 +192,7 @@ TEST(MemoryProfile, AnAllocationRefusedWithoutABudgetOfItsOwnIsTheError) {
 
 // The mixed modes read each FP32 weight of linear and conv2d as its 16-bit copy without keeping
 // one for the backward pass, so on the tutorial CNN at batch 12 they hold less than 32-true at
-// the peak (90.1%; 102.3% while the graph held the f16 copy of fc1's weight until the backward
+// the peak (90.7%; 102.9% while the graph held the f16 copy of fc1's weight until the backward
 // pass ended).
 TEST(MemoryProfile, MixedModesHoldLessThanFp32WithoutSavedWeightCopies) {
   train::TrainConfig c = testing::small_run("tutorial-cnn", 64);
