@@ -1,6 +1,7 @@
 // The fast GEMM against the scalar reference, bit for bit (both follow the arithmetic in gemm.h),
 // for every storage combination, layout, edge size and thread count; and against exact results.
 #include <gtest/gtest.h>
+#include <bit>
 
 #include <algorithm>
 #include <cmath>
@@ -251,6 +252,68 @@ TEST(Gemm, SmallMFp32RowsOfBReadInPlace) {
                       1.0f, 0.25f, p, threads);
 }
 
+// The same in-place reading of B's full slivers for a 16-bit B (widened as read), against the
+// reference bit for bit: FP32 and BF16 outputs, both partials, two depth panels, a partial last
+// sliver (packed), 1 and 2 threads.
+TEST(Gemm, SmallMSixteenBitRowsOfBReadInPlace) {
+  for (const Case& c :
+       {Case{12, 2061, 100}, Case{1, 17, 3}, Case{7, 40, 700}, Case{6, 16, 1}, Case{12, 50, 385}})
+    for (DType tb : {DType::f16, DType::bf16})
+      for (DType tc : {DType::f32, DType::bf16})
+        for (Partials p : {Partials::kF32, Partials::kF16})
+          for (int threads : {1, 2})
+            expect_same(c.M, c.N, c.K, DType::f32, tb, tc, false, false, false, 1.0f, 0.25f, p,
+                        threads);
+}
+
+// An FP32 B read as its 16-bit copy (round_b) at a small M, where its full slivers are rounded as
+// they are read: the reference's product with the rounded copy, bit for bit, with ties of both
+// parities, values past the 16-bit range, subnormals, infinities and NaNs among B's values.
+TEST(Gemm, SmallMRoundedRowsOfBEqualTheSixteenBitCopy) {
+  const float specials[] = {1.0f + 0x1p-11f,
+                            1.0f + 3 * 0x1p-11f,
+                            1.0f + 0x1p-8f,
+                            1.0f + 3 * 0x1p-8f,
+                            65520.0f,
+                            -70000.0f,
+                            3e38f,
+                            0x1p-20f,
+                            0x1p-25f,
+                            -0x1p-30f,
+                            1e-40f,
+                            INFINITY,
+                            -INFINITY,
+                            std::bit_cast<float>(0x7fc12345u),
+                            std::bit_cast<float>(0xff812345u)};
+  for (const Case& c : {Case{12, 2061, 100}, Case{1, 33, 7}, Case{6, 48, 385}})
+    for (DType t : {DType::f16, DType::bf16})
+      for (Partials p : {Partials::kF32, Partials::kF16})
+        for (int threads : {1, 2}) {
+          std::mt19937 gen(static_cast<uint32_t>(c.M * 31 + c.N + c.K));
+          std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+          std::vector<float> a(static_cast<size_t>(c.M * c.K)), b(static_cast<size_t>(c.K * c.N));
+          for (float& v : a) v = d(gen);
+          for (float& v : b) v = d(gen);
+          for (size_t q = 0; q < std::size(specials); ++q)
+            b[(q * 977 + 5) % b.size()] = specials[q];
+          std::vector<float> held = b;
+          detail::round_through(held.data(), static_cast<int64_t>(held.size()), t);
+          std::vector<float> want(static_cast<size_t>(c.M * c.N), 0.5f), got = want;
+          gemm_reference(c.M, c.N, c.K, 1.0f, {a.data(), DType::f32, c.K, 1},
+                         {held.data(), DType::f32, c.N, 1}, 0.25f,
+                         {want.data(), DType::f32, c.N, 1}, p);
+          GemmOptions opt;
+          opt.partials = p;
+          opt.threads = threads;
+          opt.round_b = t;
+          gemm(c.M, c.N, c.K, 1.0f, {a.data(), DType::f32, c.K, 1}, {b.data(), DType::f32, c.N, 1},
+               0.25f, {got.data(), DType::f32, c.N, 1}, opt);
+          EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+              << c.M << " x " << c.N << " x " << c.K << " " << dtype_name(t) << " threads "
+              << threads;
+        }
+}
+
 TEST(Gemm, ExactOnSmallIntegers) {
   // Products and sums of small integers are exact in FP32 and in FP16 partials (below 2048).
   const int64_t M = 20, N = 30, K = 40;
@@ -386,6 +449,61 @@ TEST(DotLanes, SixteenBitRowsGiveTheFp32RowsSums) {
                            threads);
       dot_lanes_accumulate(M, N, K - split, a.data() + split, lda, b16.data(), bt, rows2.data(),
                            got.data(), threads);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+          << dtype_name(bt) << ", threads " << threads;
+    }
+  }
+}
+
+// FP32 B rows read as their 16-bit copies (dot_lanes_accumulate_rounded, autocast's linear): the
+// same sums, bit for bit, as FP32 rows holding the rounded values, where the rows hold ties of both
+// parities, values past the 16-bit range, FP16 subnormals and values that round to zero, infinities
+// and NaNs with payloads (several depth passes, partial tiles, tails of K, 1-3 threads).
+TEST(DotLanes, RoundedRowsGiveTheSumsOfTheSixteenBitCopy) {
+  const int64_t M = 5, N = 7, K = 2500, ldb = K + 5, lda = K + 3;
+  std::mt19937 gen(29);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> a(static_cast<size_t>(M * lda)), b32(static_cast<size_t>(N * ldb));
+  for (float& v : a) v = d(gen);
+  const float specials[] = {1.0f + 0x1p-11f,
+                            1.0f + 3 * 0x1p-11f,
+                            1.0f + 0x1p-8f,
+                            1.0f + 3 * 0x1p-8f,
+                            65520.0f,
+                            -70000.0f,
+                            3e38f,
+                            0x1p-20f,
+                            0x1p-25f,
+                            -0x1p-30f,
+                            1e-40f,
+                            INFINITY,
+                            -INFINITY,
+                            std::bit_cast<float>(0x7fc12345u),
+                            std::bit_cast<float>(0xff812345u)};
+  for (const DType bt : {DType::f16, DType::bf16}) {
+    for (float& v : b32) v = d(gen);
+    // The specials at scattered places of every row (the vector part and the tail).
+    for (int64_t j = 0; j < N; ++j)
+      for (size_t q = 0; q < std::size(specials); ++q)
+        b32[static_cast<size_t>(j * ldb + 2 + static_cast<int64_t>(q) * 163 + j)] = specials[q];
+    b32[static_cast<size_t>(3 * ldb + 2 + K - 1)] = 1.0f + 0x1p-11f;  // in the last tail
+    std::vector<float> held = b32;
+    round_through(held.data(), static_cast<int64_t>(held.size()), bt);
+    std::vector<int64_t> rows(static_cast<size_t>(N));
+    for (int64_t j = 0; j < N; ++j) rows[static_cast<size_t>(j)] = (N - 1 - j) * ldb + 2;
+    const int64_t split = 1029;
+    std::vector<int64_t> rows2 = rows;
+    for (int64_t& r : rows2) r += split;
+    std::vector<float> want(static_cast<size_t>(M * N * kDotLanes), 0.25f);
+    dot_lanes_accumulate(M, N, split, a.data(), lda, held.data(), rows.data(), want.data(), 1);
+    dot_lanes_accumulate(M, N, K - split, a.data() + split, lda, held.data(), rows2.data(),
+                         want.data(), 1);
+    for (int threads : {1, 2, 3}) {
+      std::vector<float> got(want.size(), 0.25f);
+      dot_lanes_accumulate_rounded(M, N, split, a.data(), lda, b32.data(), bt, rows.data(),
+                                   got.data(), threads);
+      dot_lanes_accumulate_rounded(M, N, K - split, a.data() + split, lda, b32.data(), bt,
+                                   rows2.data(), got.data(), threads);
       EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
           << dtype_name(bt) << ", threads " << threads;
     }

@@ -96,16 +96,26 @@ struct Kernels {
   // 6 x 32 tiles from two slivers (AVX-512); null where the path has none.
   detail::PairMicroKernel pair_micro = nullptr;
   detail::PairRowsMicroKernel pair_rows_micro = nullptr;
+  // Rows kernels reading 16-bit B, or FP32 B rounded to 16 bits, indexed by detail::kLoad*
+  // (AVX-512; null where the path has none: B is then packed).
+  std::array<detail::Rows16MicroKernel, 5> rows16{};
+  std::array<detail::PairRows16MicroKernel, 5> pair_rows16{};
 };
 
 const Kernels& kernels() {
   static const Kernels k = [] {
 #if defined(MANTISSA_HAVE_X86_SIMD)
     const SimdPath path = simd_path(SimdFamily::kGemm);
-    if (path == SimdPath::kAvx512)
-      return Kernels{detail::avx512_micro_kernel(), detail::avx512_rows_micro_kernel(),
-                     detail::avx2_interleave(), detail::avx512_pair_micro_kernel(),
-                     detail::avx512_pair_rows_micro_kernel()};
+    if (path == SimdPath::kAvx512) {
+      Kernels k{detail::avx512_micro_kernel(), detail::avx512_rows_micro_kernel(),
+                detail::avx2_interleave(), detail::avx512_pair_micro_kernel(),
+                detail::avx512_pair_rows_micro_kernel()};
+      for (int load = detail::kLoadF16; load <= detail::kLoadF32AsBF16; ++load) {
+        k.rows16[static_cast<size_t>(load)] = detail::avx512_rows16_micro_kernel(load);
+        k.pair_rows16[static_cast<size_t>(load)] = detail::avx512_pair_rows16_micro_kernel(load);
+      }
+      return k;
+    }
     if (path == SimdPath::kAvx2)
       return Kernels{detail::avx2_micro_kernel(), detail::avx2_rows_micro_kernel(),
                      detail::avx2_interleave()};
@@ -219,6 +229,10 @@ struct BSource {
   ConstMatrix plain{};
   OffsetMatrix offsets{};
   DType round = DType::f32;  // GemmOptions::round_b (a plain FP32 B only)
+  // A plain B with contiguous rows whose full slivers are read in place by the 16-bit rows
+  // kernels (detail::kLoad*, 0: not so read), row k at element row16[k] of plain.data.
+  int load16 = 0;
+  const int64_t* row16 = nullptr;
 };
 
 // Packs columns [j0, j0 + lines) of a column-listed B, depth [pc, pc + kc), into 16-wide slivers
@@ -327,6 +341,11 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
   const detail::RowsMicroKernel rows_micro = kernels().rows_micro;
   const detail::PairMicroKernel pair_micro = kernels().pair_micro;
   const detail::PairRowsMicroKernel pair_rows_micro = kernels().pair_rows_micro;
+  const detail::Rows16MicroKernel rows16_micro = kernels().rows16[static_cast<size_t>(B.load16)];
+  const detail::PairRows16MicroKernel pair_rows16_micro =
+      kernels().pair_rows16[static_cast<size_t>(B.load16)];
+  const bool rows16 = B.load16 != 0;
+  const size_t es_b = dtype_size(B.plain.dtype);
   // C in FP32 accumulates in place; a 16-bit C is staged in FP32 a block of columns at a time
   // (rounding it to 16 bits between depth panels would not be FP32 accumulation).
   const bool direct = C.dtype == DType::f32;
@@ -370,6 +389,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
     for (int64_t s = 0; s < n_slivers; ++s) {
       const int64_t j = jc + s * kNR;
       in_place[s] = -1;
+      if (rows16 && M <= kMC && nc - s * kNR >= kNR) in_place[s] = j;
       if (rows_listed && M <= kMC && nc - s * kNR >= kNR) {
         const int64_t c0 = Bo.col_offset ? Bo.col_offset[j] : j;
         bool consecutive = true;
@@ -388,6 +408,16 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
           if (in_place[s] < 0)
             pack_row_listed_sliver(Bo, jc + s * kNR, std::min<int64_t>(kNR, nc - s * kNR), pc, kc,
                                    bp + slot[s] * kc * kNR);
+      } else if (rows16) {
+        // The slivers not read in place (a partial last one), packed as a plain B's are.
+        const ConstMatrix& Bm = B.plain;
+        for (int64_t s = 0; s < n_slivers; ++s) {
+          if (in_place[s] >= 0) continue;
+          float* dst = bp + slot[s] * kc * kNR;
+          pack(at(Bm.data, Bm.dtype, pc * Bm.rs + (jc + s * kNR) * Bm.cs), Bm.dtype, Bm.cs, Bm.rs,
+               std::min<int64_t>(kNR, nc - s * kNR), kc, kNR, dst);
+          if (B.round != DType::f32) detail::round_through(dst, kc * kNR, B.round);
+        }
       } else if (Bo.col_offset) {
         pack_listed_columns(Bo, jc, nc, pc, kc, bp);
       } else {
@@ -401,7 +431,10 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
       // One 6 x 16 tile: sliver s of B against the packed A sliver as.
       auto tile = [&](int64_t s, const float* as, float* c, int64_t ldc, bool load_c,
                       float bscale) {
-        if (in_place[s] >= 0)
+        if (in_place[s] >= 0 && rows16)
+          rows16_micro(kc, as, static_cast<const char*>(B.plain.data) + in_place[s] * es_b,
+                       B.row16 + pc, c, ldc, load_c, bscale, f16p);
+        else if (in_place[s] >= 0)
           rows_micro(kc, as, Bo.data + in_place[s], Bo.row_offset + pc, c, ldc, load_c, bscale,
                      f16p);
         else
@@ -415,7 +448,11 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
       };
       auto tile_pair = [&](int64_t s, const float* as, float* c, int64_t ldc, bool load_c,
                            float bscale) {
-        if (in_place[s] >= 0)
+        if (in_place[s] >= 0 && rows16)
+          pair_rows16_micro(kc, as, static_cast<const char*>(B.plain.data) + in_place[s] * es_b,
+                            static_cast<const char*>(B.plain.data) + in_place[s + 1] * es_b,
+                            B.row16 + pc, c, ldc, load_c, bscale, f16p);
+        else if (in_place[s] >= 0)
           pair_rows_micro(kc, as, Bo.data + in_place[s], Bo.data + in_place[s + 1],
                           Bo.row_offset + pc, c, ldc, load_c, bscale, f16p);
         else
@@ -560,6 +597,21 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
     rows.resize(static_cast<size_t>(K));
     for (int64_t k = 0; k < K; ++k) rows[static_cast<size_t>(k)] = k * B.rs;
     src.offsets = {static_cast<const float*>(B.data), rows.data(), nullptr};
+  }
+  // The same for a 16-bit B, or an FP32 B rounded to 16 bits, where the path has kernels that
+  // widen or round B's values as they read them (AVX-512): the values packing would hold, so the
+  // same bits, without the copy (a 16-bit model's fc1 input gradient reads its weight so).
+  const int load16 = B.dtype == DType::f16                                 ? detail::kLoadF16
+                     : B.dtype == DType::bf16                              ? detail::kLoadBF16
+                     : B.dtype == DType::f32 && opt.round_b == DType::f16  ? detail::kLoadF32AsF16
+                     : B.dtype == DType::f32 && opt.round_b == DType::bf16 ? detail::kLoadF32AsBF16
+                                                                           : 0;
+  if (load16 != 0 && kernels().rows16[static_cast<size_t>(load16)] && B.cs == 1 && M <= 2 * kMR &&
+      K > 0 && N >= kNR) {
+    rows.resize(static_cast<size_t>(K));
+    for (int64_t k = 0; k < K; ++k) rows[static_cast<size_t>(k)] = k * B.rs;
+    src.load16 = load16;
+    src.row16 = rows.data();
   }
   gemm_driver(M, N, K, alpha, A, src, beta, C, opt);
 }

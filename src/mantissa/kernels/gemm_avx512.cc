@@ -19,15 +19,56 @@ MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 round_f16(__m512 v)
       0xffff, _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// Sixteen values of a B row at p (element k of the row at p + k), as FP32: stored FP32, 16-bit
+// values widened (exact), or FP32 values rounded to nearest even to 16 bits (the values of B's
+// 16-bit copy, convert()'s rounding bit for bit: F16C for FP16; for BF16 add 0x7fff plus the
+// lowest kept bit and truncate, a NaN made quiet with its top payload bits).
+template <int kLoad>
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 load_b16(const void* p) {
+  if constexpr (kLoad == kLoadF32) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (kLoad == kLoadF16) {
+    return _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(static_cast<const __m256i*>(p)));
+  } else if constexpr (kLoad == kLoadBF16) {
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
+        0xffff,
+        _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(static_cast<const __m256i*>(p))),
+        16));
+  } else if constexpr (kLoad == kLoadF32AsF16) {
+    return round_f16(_mm512_loadu_ps(p));
+  } else {
+    static_assert(kLoad == kLoadF32AsBF16);
+    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(p));
+    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m512i lsb =
+        _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), top);
+    const __m512i nan = _mm512_or_si512(_mm512_and_si512(b, top), _mm512_set1_epi32(0x00400000));
+    const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_nan, r, nan));
+  }
+}
+
+// Element e of a B row as bytes (B's element size by kLoad).
+template <int kLoad>
+inline const void* b_at(const void* b, int64_t e) {
+  constexpr int64_t es = (kLoad == kLoadF16 || kLoad == kLoadBF16) ? 2 : 4;
+  return static_cast<const char*>(b) + e * es;
+}
+
 // The accumulators are named variables (as in the AVX2 kernel), so GCC keeps them in registers.
 #define MANTISSA_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
 // 6 x 32: columns 0-15 from b0, 16-31 from b1 (packed slivers of kc x 16, 64-byte aligned, or
 // row k at b0 + b_off[k] and b1 + b_off[k] with kRows).
-template <bool kF16Partials, bool kRows>
-MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const float* b0, const float* b1,
+template <bool kF16Partials, bool kRows, int kLoad = kLoadF32>
+MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const void* b0v, const void* b1v,
                                 const int64_t* b_off, float* c, int64_t ldc, bool load_c,
                                 float beta) {
+  const float* b0 = static_cast<const float*>(b0v);
+  const float* b1 = static_cast<const float*>(b1v);
 #define MANTISSA_DECL(i) __m512 c##i##0, c##i##1;
   MANTISSA_ROWS(MANTISSA_DECL)
 #undef MANTISSA_DECL
@@ -58,8 +99,8 @@ MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const float* b0, con
   for (int64_t k = 0; k < kc; ++k) {
     __m512 v0, v1;
     if constexpr (kRows) {
-      v0 = _mm512_loadu_ps(b0 + b_off[k]);
-      v1 = _mm512_loadu_ps(b1 + b_off[k]);
+      v0 = load_b16<kLoad>(b_at<kLoad>(b0v, b_off[k]));
+      v1 = load_b16<kLoad>(b_at<kLoad>(b1v, b_off[k]));
     } else {
       v0 = _mm512_load_ps(b0);
       v1 = _mm512_load_ps(b1);
@@ -88,9 +129,10 @@ MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const float* b0, con
 }
 
 // 6 x 16: one sliver, one zmm per row.
-template <bool kF16Partials, bool kRows>
-MANTISSA_AVX512 void micro_6x16(int64_t kc, const float* a, const float* b, const int64_t* b_off,
+template <bool kF16Partials, bool kRows, int kLoad = kLoadF32>
+MANTISSA_AVX512 void micro_6x16(int64_t kc, const float* a, const void* bv, const int64_t* b_off,
                                 float* c, int64_t ldc, bool load_c, float beta) {
+  const float* b = static_cast<const float*>(bv);
 #define MANTISSA_DECL(i) __m512 c##i;
   MANTISSA_ROWS(MANTISSA_DECL)
 #undef MANTISSA_DECL
@@ -112,7 +154,7 @@ MANTISSA_AVX512 void micro_6x16(int64_t kc, const float* a, const float* b, cons
   for (int64_t k = 0; k < kc; ++k) {
     __m512 v;
     if constexpr (kRows) {
-      v = _mm512_loadu_ps(b + b_off[k]);
+      v = load_b16<kLoad>(b_at<kLoad>(bv, b_off[k]));
     } else {
       v = _mm512_load_ps(b);
       b += kNR;
@@ -172,11 +214,60 @@ MANTISSA_AVX512 void pair_rows_micro_kernel(int64_t kc, const float* a, const fl
     micro_6x32<false, true>(kc, a, b0, b1, b_off, c, ldc, load_c, beta);
 }
 
+template <int kLoad>
+MANTISSA_AVX512 void rows16_micro_kernel(int64_t kc, const float* a, const void* b,
+                                         const int64_t* b_off, float* c, int64_t ldc, bool load_c,
+                                         float beta, bool f16_partials) {
+  if (f16_partials)
+    micro_6x16<true, true, kLoad>(kc, a, b, b_off, c, ldc, load_c, beta);
+  else
+    micro_6x16<false, true, kLoad>(kc, a, b, b_off, c, ldc, load_c, beta);
+}
+
+template <int kLoad>
+MANTISSA_AVX512 void pair_rows16_micro_kernel(int64_t kc, const float* a, const void* b0,
+                                              const void* b1, const int64_t* b_off, float* c,
+                                              int64_t ldc, bool load_c, float beta,
+                                              bool f16_partials) {
+  if (f16_partials)
+    micro_6x32<true, true, kLoad>(kc, a, b0, b1, b_off, c, ldc, load_c, beta);
+  else
+    micro_6x32<false, true, kLoad>(kc, a, b0, b1, b_off, c, ldc, load_c, beta);
+}
+
 }  // namespace
 
 MicroKernel avx512_micro_kernel() { return micro_kernel; }
 RowsMicroKernel avx512_rows_micro_kernel() { return rows_micro_kernel; }
 PairMicroKernel avx512_pair_micro_kernel() { return pair_micro_kernel; }
 PairRowsMicroKernel avx512_pair_rows_micro_kernel() { return pair_rows_micro_kernel; }
+
+Rows16MicroKernel avx512_rows16_micro_kernel(int load) {
+  switch (load) {
+    case kLoadF16:
+      return rows16_micro_kernel<kLoadF16>;
+    case kLoadBF16:
+      return rows16_micro_kernel<kLoadBF16>;
+    case kLoadF32AsF16:
+      return rows16_micro_kernel<kLoadF32AsF16>;
+    case kLoadF32AsBF16:
+      return rows16_micro_kernel<kLoadF32AsBF16>;
+  }
+  return nullptr;
+}
+
+PairRows16MicroKernel avx512_pair_rows16_micro_kernel(int load) {
+  switch (load) {
+    case kLoadF16:
+      return pair_rows16_micro_kernel<kLoadF16>;
+    case kLoadBF16:
+      return pair_rows16_micro_kernel<kLoadBF16>;
+    case kLoadF32AsF16:
+      return pair_rows16_micro_kernel<kLoadF32AsF16>;
+    case kLoadF32AsBF16:
+      return pair_rows16_micro_kernel<kLoadF32AsBF16>;
+  }
+  return nullptr;
+}
 
 }  // namespace mantissa::kernels::detail

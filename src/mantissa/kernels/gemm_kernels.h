@@ -29,6 +29,20 @@ using PairRowsMicroKernel = void (*)(int64_t kc, const float* a, const float* b0
                                      const int64_t* b_off, float* c, int64_t ldc, bool load_c,
                                      float beta, bool f16_partials);
 
+// How the rows micro-kernels below read B: FP32 as stored, FP16 or BF16 values widened (exact),
+// or FP32 values rounded to nearest even to FP16 or BF16 as they are read (GemmOptions::round_b).
+inline constexpr int kLoadF32 = 0, kLoadF16 = 1, kLoadBF16 = 2, kLoadF32AsF16 = 3,
+                     kLoadF32AsBF16 = 4;
+// The rows and pair-rows kernels with B read as `load` says: row k of the 16 columns at
+// b + b_off[k] elements of B's storage type. Same arithmetic and order as the FP32 kernels on the
+// FP32 values so read.
+using Rows16MicroKernel = void (*)(int64_t kc, const float* a, const void* b, const int64_t* b_off,
+                                   float* c, int64_t ldc, bool load_c, float beta,
+                                   bool f16_partials);
+using PairRows16MicroKernel = void (*)(int64_t kc, const float* a, const void* b0, const void* b1,
+                                       const int64_t* b_off, float* c, int64_t ldc, bool load_c,
+                                       float beta, bool f16_partials);
+
 // dst[k * dst_stride + r] = line[r][k] for r < rows (rows <= 8), k < kc: the transposition
 // that packing needs when the packed direction is the strided one (lines at a fixed stride, or
 // listed one by one as an implicit convolution's taps are). May write up to 8 floats past
@@ -47,6 +61,9 @@ MicroKernel avx512_micro_kernel();
 RowsMicroKernel avx512_rows_micro_kernel();
 PairMicroKernel avx512_pair_micro_kernel();
 PairRowsMicroKernel avx512_pair_rows_micro_kernel();
+// For load kLoadF16 .. kLoadF32AsBF16 (kLoadF32 is the kernels above).
+Rows16MicroKernel avx512_rows16_micro_kernel(int load);
+PairRows16MicroKernel avx512_pair_rows16_micro_kernel(int load);
 #endif
 
 }  // namespace mantissa::kernels::detail

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "mantissa/core/convert_simd_internal.h"
+#include "mantissa/core/float_formats.h"
 #include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels::detail {
@@ -447,10 +448,55 @@ __attribute__((target("avx2"))) void conv_wgrad_rows_f32_avx2(float* lanes, int6
 // Lane-split dot products over columns [k0, k1) for a tile of up to 3 x 4 rows: full 3 x 4 tiles
 // keep the 12 lane vectors in registers (3 + 4 loads feed 12 FMAs per 8 columns); the tail
 // columns (k1 - k0 not a multiple of 8) go to their lanes one at a time, in order.
-__attribute__((target("avx2,fma"))) void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0,
-                                                             int64_t k1, const float* const* a,
-                                                             const float* const* b,
-                                                             float* const* P) {
+namespace {
+
+// How a dot tile reads eight values of a B row at element k: FP32 as stored, 16-bit values
+// widened (exact), or FP32 values rounded to nearest even to 16 bits and widened back (the values
+// a 16-bit copy would hold: convert()'s rounding, bit for bit, see convert_simd_internal.h).
+template <DotRow L>
+__attribute__((target("avx2,f16c,fma"))) inline __m256 dot_b8(const void* row, int64_t k) {
+  if constexpr (L == DotRow::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + k);
+  } else if constexpr (L == DotRow::kF16 || L == DotRow::kBF16) {
+    return simd::from_half8(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + k)),
+        L == DotRow::kF16 ? DType::f16 : DType::bf16);
+  } else if constexpr (L == DotRow::kF32AsF16) {
+    return _mm256_cvtph_ps(simd::to_f16x8(_mm256_loadu_ps(static_cast<const float*>(row) + k)));
+  } else {
+    // BF16's rounding kept in the top half of each lane (to_bf16x8 without the packing).
+    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(static_cast<const float*>(row) + k));
+    const __m256i top = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(
+        _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), top);
+    const __m256i nan = _mm256_or_si256(_mm256_and_si256(b, top), _mm256_set1_epi32(0x00400000));
+    const __m256i a = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+    return _mm256_castsi256_ps(
+        _mm256_blendv_epi8(r, nan, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000))));
+  }
+}
+
+// One value of a B row (the tile's tail), read as dot_b8 reads it.
+template <DotRow L>
+inline float dot_b1(const void* row, int64_t k) {
+  if constexpr (L == DotRow::kF32) {
+    return static_cast<const float*>(row)[k];
+  } else if constexpr (L == DotRow::kF16) {
+    return static_cast<float>(f16::from_bits(static_cast<const uint16_t*>(row)[k]));
+  } else if constexpr (L == DotRow::kBF16) {
+    return static_cast<float>(bf16::from_bits(static_cast<const uint16_t*>(row)[k]));
+  } else if constexpr (L == DotRow::kF32AsF16) {
+    return static_cast<float>(f16(static_cast<const float*>(row)[k]));
+  } else {
+    return static_cast<float>(bf16(static_cast<const float*>(row)[k]));
+  }
+}
+
+template <DotRow L>
+__attribute__((target("avx2,f16c,fma"))) void dot_tile(int rows_a, int rows_b, int64_t k0,
+                                                       int64_t k1, const float* const* a,
+                                                       const void* const* b, float* const* P) {
   constexpr int RB = 4;
   const int64_t k8 = k0 + (k1 - k0) / 8 * 8;
   if (rows_a == 3 && rows_b == RB) {
@@ -458,8 +504,8 @@ __attribute__((target("avx2,fma"))) void dot_lanes_tile_avx2(int rows_a, int row
     for (int i = 0; i < 3; ++i)
       for (int j = 0; j < RB; ++j) acc[i][j] = _mm256_loadu_ps(P[i * RB + j]);
     for (int64_t k = k0; k < k8; k += 8) {
-      const __m256 b0 = _mm256_loadu_ps(b[0] + k), b1 = _mm256_loadu_ps(b[1] + k),
-                   b2 = _mm256_loadu_ps(b[2] + k), b3 = _mm256_loadu_ps(b[3] + k);
+      const __m256 b0 = dot_b8<L>(b[0], k), b1 = dot_b8<L>(b[1], k), b2 = dot_b8<L>(b[2], k),
+                   b3 = dot_b8<L>(b[3], k);
       for (int i = 0; i < 3; ++i) {
         const __m256 x = _mm256_loadu_ps(a[i] + k);
         acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);
@@ -475,7 +521,7 @@ __attribute__((target("avx2,fma"))) void dot_lanes_tile_avx2(int rows_a, int row
       for (int j = 0; j < rows_b; ++j) {
         __m256 acc = _mm256_loadu_ps(P[i * RB + j]);
         for (int64_t k = k0; k < k8; k += 8)
-          acc = _mm256_fmadd_ps(_mm256_loadu_ps(a[i] + k), _mm256_loadu_ps(b[j] + k), acc);
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(a[i] + k), dot_b8<L>(b[j], k), acc);
         _mm256_storeu_ps(P[i * RB + j], acc);
       }
   }
@@ -483,8 +529,33 @@ __attribute__((target("avx2,fma"))) void dot_lanes_tile_avx2(int rows_a, int row
     for (int j = 0; j < rows_b; ++j)
       for (int64_t k = k8; k < k1; ++k) {
         float& lane = P[i * RB + j][k % 8];
-        lane = std::fma(a[i][k], b[j][k], lane);
+        lane = std::fma(a[i][k], dot_b1<L>(b[j], k), lane);
       }
+}
+
+}  // namespace
+
+void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
+                         const float* const* b, float* const* P) {
+  const void* rows[4];
+  for (int j = 0; j < rows_b; ++j) rows[j] = b[j];
+  dot_tile<DotRow::kF32>(rows_a, rows_b, k0, k1, a, rows, P);
+}
+
+void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
+                         const float* const* a, const void* const* b, float* const* P) {
+  switch (kind) {
+    case DotRow::kF32:
+      return dot_tile<DotRow::kF32>(rows_a, rows_b, k0, k1, a, b, P);
+    case DotRow::kF16:
+      return dot_tile<DotRow::kF16>(rows_a, rows_b, k0, k1, a, b, P);
+    case DotRow::kBF16:
+      return dot_tile<DotRow::kBF16>(rows_a, rows_b, k0, k1, a, b, P);
+    case DotRow::kF32AsF16:
+      return dot_tile<DotRow::kF32AsF16>(rows_a, rows_b, k0, k1, a, b, P);
+    case DotRow::kF32AsBF16:
+      return dot_tile<DotRow::kF32AsBF16>(rows_a, rows_b, k0, k1, a, b, P);
+  }
 }
 
 }  // namespace mantissa::kernels::detail

@@ -256,11 +256,13 @@ void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float
 }
 
 namespace {
-// The driver of both versions: rows_of(j0, rb, k0, k1, brows) gives the B rows of group j0 for
-// depths [k0, k1), as pointers that index by k - shift (shift: k0 for staged rows, 0 in place).
+// The driver of every version: rows_of(j0, rb, k0, k1, brows, stage) gives the B rows of group j0
+// for depths [k0, k1), as pointers that index by k - shift (shift: k0 for staged rows, 0 in
+// place), read as `kind` says (kF32 for FP32 rows and staged ones; the others only on the AVX2
+// path).
 template <class RowsOf>
 void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, float* P,
-                   int threads, RowsOf&& rows_of) {
+                   int threads, DotRow kind, RowsOf&& rows_of) {
   if (M <= 0 || N <= 0 || K <= 0) return;
   auto tile = dot_tile_portable;
 #if MANTISSA_HAVE_X86_SIMD
@@ -280,8 +282,10 @@ void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t j0 = g * kDotRowsB;
           const int rb = static_cast<int>(std::min<int64_t>(kDotRowsB, N - j0));
-          const float* brows[kDotRowsB];
+          const void* brows[kDotRowsB];
           const int64_t shift = rows_of(j0, rb, k0, k1, brows, stage);
+          const float* frows[kDotRowsB];
+          for (int j = 0; j < rb; ++j) frows[j] = static_cast<const float*>(brows[j]);
           for (int64_t i0 = 0; i0 < M; i0 += kDotRowsA) {
             const int ra = static_cast<int>(std::min<int64_t>(kDotRowsA, M - i0));
             const float* arows[kDotRowsA];
@@ -292,23 +296,34 @@ void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                 lanes[i * kDotRowsB + j] = P + ((i0 + i) * N + j0 + j) * kDotLanes;
             }
             // Depths relative to the shift keep their lane: k0 is a multiple of 8.
-            tile(ra, rb, k0 - shift, k1 - shift, arows, brows, lanes);
+#if MANTISSA_HAVE_X86_SIMD
+            if (kind != DotRow::kF32) {
+              dot_lanes_tile_avx2(kind, ra, rb, k0 - shift, k1 - shift, arows, brows, lanes);
+              continue;
+            }
+#endif
+            tile(ra, rb, k0 - shift, k1 - shift, arows, frows, lanes);
           }
         }
       }
     }
   });
 }
+
+// B's rows read in place (no staging), element size es: on the AVX2 path, as `kind`.
+auto rows_in_place(const void* b, size_t es, const int64_t* b_row) {
+  return [=](int64_t j0, int rb, int64_t, int64_t, const void** brows,
+             std::vector<float>&) -> int64_t {
+    for (int j = 0; j < rb; ++j)
+      brows[j] = static_cast<const char*>(b) + b_row[j0 + j] * static_cast<int64_t>(es);
+    return 0;
+  };
+}
 }  // namespace
 
 void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                           const float* b, const int64_t* b_row, float* P, int threads) {
-  dot_lanes_run(M, N, K, a, lda, P, threads,
-                [&](int64_t j0, int rb, int64_t, int64_t, const float** brows,
-                    std::vector<float>&) -> int64_t {
-                  for (int j = 0; j < rb; ++j) brows[j] = b + b_row[j0 + j];
-                  return 0;
-                });
+  dot_lanes_run(M, N, K, a, lda, P, threads, DotRow::kF32, rows_in_place(b, sizeof(float), b_row));
 }
 
 void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
@@ -316,8 +331,15 @@ void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64
   if (bt == DType::f32)
     return dot_lanes_accumulate(M, N, K, a, lda, static_cast<const float*>(b), b_row, P, threads);
   const size_t es = dtype_size(bt);
-  dot_lanes_run(M, N, K, a, lda, P, threads,
-                [&](int64_t j0, int rb, int64_t k0, int64_t k1, const float** brows,
+#if MANTISSA_HAVE_X86_SIMD
+  // The AVX2 tiles widen 16-bit rows as they read them.
+  if (avx2_vectors() && (bt == DType::f16 || bt == DType::bf16))
+    return dot_lanes_run(M, N, K, a, lda, P, threads,
+                         bt == DType::f16 ? DotRow::kF16 : DotRow::kBF16,
+                         rows_in_place(b, es, b_row));
+#endif
+  dot_lanes_run(M, N, K, a, lda, P, threads, DotRow::kF32,
+                [&](int64_t j0, int rb, int64_t k0, int64_t k1, const void** brows,
                     std::vector<float>& stage) -> int64_t {
                   stage.resize(static_cast<size_t>(kDotRowsB * kDotDepth));
                   for (int j = 0; j < rb; ++j) {
@@ -335,8 +357,15 @@ void dot_lanes_accumulate_rounded(int64_t M, int64_t N, int64_t K, const float* 
                                   int threads) {
   MANTISSA_ASSERT(round_to == DType::f16 || round_to == DType::bf16,
                   "dot_lanes_accumulate_rounded rounds to f16 or bf16");
-  dot_lanes_run(M, N, K, a, lda, P, threads,
-                [&](int64_t j0, int rb, int64_t k0, int64_t k1, const float** brows,
+#if MANTISSA_HAVE_X86_SIMD
+  // The AVX2 tiles round each FP32 value as they read it.
+  if (avx2_vectors())
+    return dot_lanes_run(M, N, K, a, lda, P, threads,
+                         round_to == DType::f16 ? DotRow::kF32AsF16 : DotRow::kF32AsBF16,
+                         rows_in_place(b, sizeof(float), b_row));
+#endif
+  dot_lanes_run(M, N, K, a, lda, P, threads, DotRow::kF32,
+                [&](int64_t j0, int rb, int64_t k0, int64_t k1, const void** brows,
                     std::vector<float>& stage) -> int64_t {
                   stage.resize(static_cast<size_t>(kDotRowsB * kDotDepth));
                   for (int j = 0; j < rb; ++j) {

@@ -56,17 +56,21 @@ void fma_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const floa
 //   ((P0 + P4) + (P2 + P6)) + ((P1 + P5) + (P3 + P7)).
 // Rows of A at a + i * lda; rows of B at b + b_row[j]; P is (M, N, 8) FP32.
 inline constexpr int kDotLanes = 8;
+// How the AVX2 tiles read B's rows: FP32, 16-bit values widened, or FP32 values rounded to 16 bits
+// (nearest even) as they are read.
+enum class DotRow { kF32, kF16, kBF16, kF32AsF16, kF32AsBF16 };
 void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                           const float* b, const int64_t* b_row, float* P, int threads);
 float dot_lanes_finish(const float* lanes);
-// The same with B stored in 16 bits (bt f16 or bf16; b_row in elements): a tile's B rows are
-// converted to FP32 a depth pass at a time, exactly, so the sums are those of FP32 rows holding
-// the same values (a 16-bit model's linear layer reads its weights once, in 16 bits).
+// The same with B stored in 16 bits (bt f16 or bf16; b_row in elements): the AVX2 tiles widen B's
+// values as they read them, the scalar path converts a tile's rows a depth pass at a time; both
+// exactly, so the sums are those of FP32 rows holding the same values (a 16-bit model's linear
+// layer reads its weights once, in 16 bits).
 void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                           const void* b, DType bt, const int64_t* b_row, float* P, int threads);
-// The same with FP32 B rows read as if stored in `round_to` (f16 or bf16): each staged value is
-// rounded to nearest even to that type, so the sums are those of the 16-bit copy of B, which is
-// never made (autocast's linear reads its FP32 weight so).
+// The same with FP32 B rows read as if stored in `round_to` (f16 or bf16): each value is rounded
+// to nearest even to that type as it is read (AVX2) or staged (scalar path), so the sums are those
+// of the 16-bit copy of B, which is never made (autocast's linear reads its FP32 weight so).
 void dot_lanes_accumulate_rounded(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                                   const float* b, DType round_to, const int64_t* b_row, float* P,
                                   int threads);
@@ -113,6 +117,10 @@ void winograd_output_gather8_avx2(const float* m, int64_t ms, float bias, void* 
 // Tiles of up to 3 rows of A by 4 rows of B, columns [k0, k1) (k0 a multiple of 8).
 void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
                          const float* const* b, float* const* P);
+// The same with B's rows read in place as `kind` says (indexed by k in their own elements): the
+// values convert() would stage, so the same sums.
+void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
+                         const float* const* a, const void* const* b, float* const* P);
 void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
                         int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
                         int64_t n);
