@@ -49,7 +49,7 @@ SimdPath active_simd_path();
     "kernels/gemm.cc: the 6 x 16 and 6 x 32 micro-kernels and packing transposes")                \
   X(kVectorRows, "vector rows", kAvx2,                                                            \
     "kernels/vector_kernels.cc: convolution rows, FMA rows, lane-split dot products, axpy, "      \
-    "Winograd transforms")                                                                        \
+    "Winograd transforms, ReLU rows with 16-bit operands")                                        \
   X(kPooling, "pooling", kAvx2, "kernels/vector_kernels.cc: 2x2 stride-2 max pooling rows")       \
   X(kOptimizer, "optimizer", kAvx2,                                                               \
     "optim/optim.cc: the Adam/AdamW update and the sum of squares")                               \

@@ -535,6 +535,59 @@ __attribute__((target("avx2,f16c,fma"))) void dot_tile(int rows_a, int rows_b, i
 
 }  // namespace
 
+namespace {
+
+// Eight values at element i of a row of storage t, and eight FP32 lanes stored there rounded to
+// nearest even (simd::load8/store8: convert()'s bits); the last one to seven of a row through a
+// zero-padded block.
+struct Row8 {
+  const void* p;
+  DType t;
+};
+__attribute__((target("avx2,f16c,fma"))) inline __m256 row_load8(Row8 r, int64_t i, int64_t m) {
+  const char* at = static_cast<const char*>(r.p) + i * static_cast<int64_t>(dtype_size(r.t));
+  if (m == 8) return simd::load8(at, r.t);
+  alignas(32) char pad[32] = {};
+  std::memcpy(pad, at, static_cast<size_t>(m) * dtype_size(r.t));
+  return simd::load8(pad, r.t);
+}
+__attribute__((target("avx2,f16c,fma"))) inline void row_store8(void* p, DType t, int64_t i,
+                                                                int64_t m, __m256 v) {
+  char* at = static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(t));
+  if (m == 8) return simd::store8(at, t, v);
+  alignas(32) char pad[32];
+  simd::store8(pad, t, v);
+  std::memcpy(at, pad, static_cast<size_t>(m) * dtype_size(t));
+}
+
+}  // namespace
+
+__attribute__((target("avx2,f16c,fma"))) void relu_row_avx2(const void* x, DType tx, void* y,
+                                                            DType ty, int64_t n) {
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i);
+    const __m256 v = row_load8({x, tx}, i, m);
+    // x > 0 || x != x ? x : 0, lane by lane (greater-than, or unordered).
+    const __m256 keep =
+        _mm256_or_ps(_mm256_cmp_ps(v, zero, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    row_store8(y, ty, i, m, _mm256_and_ps(v, keep));
+  }
+}
+
+__attribute__((target("avx2,f16c,fma"))) void relu_backward_row_avx2(const void* g, DType tg,
+                                                                     const void* y, DType ty,
+                                                                     void* dx, DType td,
+                                                                     int64_t n) {
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i);
+    // g where not y <= 0 (y > 0, or NaN), else +0: the bits of g masked, as the FP32 loop.
+    const __m256 keep = _mm256_cmp_ps(row_load8({y, ty}, i, m), zero, _CMP_NLE_UQ);
+    row_store8(dx, td, i, m, _mm256_and_ps(row_load8({g, tg}, i, m), keep));
+  }
+}
+
 void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
                          const float* const* b, float* const* P) {
   const void* rows[4];

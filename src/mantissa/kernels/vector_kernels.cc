@@ -241,6 +241,29 @@ void dot_tile_portable(int rows_a, int rows_b, int64_t k0, int64_t k1, const flo
 
 }  // namespace
 
+bool relu_row(const void* x, DType tx, void* y, DType ty, int64_t n) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) {
+    relu_row_avx2(x, tx, y, ty, n);
+    return true;
+  }
+#endif
+  (void)x, (void)tx, (void)y, (void)ty, (void)n;
+  return false;
+}
+
+bool relu_backward_row(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
+                       int64_t n) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) {
+    relu_backward_row_avx2(g, tg, y, ty, dx, td, n);
+    return true;
+  }
+#endif
+  (void)g, (void)tg, (void)y, (void)ty, (void)dx, (void)td, (void)n;
+  return false;
+}
+
 float dot_lanes_finish(const float* l) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }

@@ -46,6 +46,15 @@ void conv_wgrad_rows_f32(float* lanes, int64_t O, const float* dy, int64_t ds,
 void fma_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
                   const float* const* x, int64_t taps, int64_t n);
 
+// ReLU over n contiguous values, each operand f32, f16 or bf16: y = x where x > 0 or x is NaN,
+// else +0 (forward); dx = g where y > 0 or y is NaN, else +0 (backward, PyTorch's
+// threshold_backward). Values are widened and rounded in registers (convert()'s rounding), so the
+// bits are those of the loops that stage rows in FP32. False where this machine has no such path
+// (the caller stages).
+bool relu_row(const void* x, DType tx, void* y, DType ty, int64_t n);
+bool relu_backward_row(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
+                       int64_t n);
+
 // ---- Lane-split dot products (inner-product GEMM: C = A B^T with both operands contiguous
 // along K, read in place, nothing packed). For long K and few outputs (a linear layer's forward
 // at a small batch, a convolution's weight gradient), where packing an operand would cost as much
@@ -117,6 +126,9 @@ void winograd_output_gather8_avx2(const float* m, int64_t ms, float bias, void* 
 // Tiles of up to 3 rows of A by 4 rows of B, columns [k0, k1) (k0 a multiple of 8).
 void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
                          const float* const* b, float* const* P);
+void relu_row_avx2(const void* x, DType tx, void* y, DType ty, int64_t n);
+void relu_backward_row_avx2(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
+                            int64_t n);
 // The same with B's rows read in place as `kind` says (indexed by k in their own elements): the
 // values convert() would stage, so the same sums.
 void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
