@@ -252,6 +252,27 @@ TEST(Gemm, SmallMFp32RowsOfBReadInPlace) {
                       1.0f, 0.25f, p, threads);
 }
 
+// FP32 values that test a rounding to FP16 and BF16: ties of both parities, values past the
+// 16-bit ranges, FP16 subnormals and values that round to zero, an FP32 subnormal, infinities and
+// NaNs with payloads (one signalling).
+std::vector<float> rounding_specials() {
+  return {1.0f + 0x1p-11f,
+          1.0f + 3 * 0x1p-11f,
+          1.0f + 0x1p-8f,
+          1.0f + 3 * 0x1p-8f,
+          65520.0f,
+          -70000.0f,
+          3e38f,
+          0x1p-20f,
+          0x1p-25f,
+          -0x1p-30f,
+          1e-40f,
+          INFINITY,
+          -INFINITY,
+          std::bit_cast<float>(0x7fc12345u),
+          std::bit_cast<float>(0xff812345u)};
+}
+
 // The same in-place reading of B's full slivers for a 16-bit B (widened as read), against the
 // reference bit for bit: FP32 and BF16 outputs, both partials, two depth panels, a partial last
 // sliver (packed), 1 and 2 threads.
@@ -270,21 +291,7 @@ TEST(Gemm, SmallMSixteenBitRowsOfBReadInPlace) {
 // they are read: the reference's product with the rounded copy, bit for bit, with ties of both
 // parities, values past the 16-bit range, subnormals, infinities and NaNs among B's values.
 TEST(Gemm, SmallMRoundedRowsOfBEqualTheSixteenBitCopy) {
-  const float specials[] = {1.0f + 0x1p-11f,
-                            1.0f + 3 * 0x1p-11f,
-                            1.0f + 0x1p-8f,
-                            1.0f + 3 * 0x1p-8f,
-                            65520.0f,
-                            -70000.0f,
-                            3e38f,
-                            0x1p-20f,
-                            0x1p-25f,
-                            -0x1p-30f,
-                            1e-40f,
-                            INFINITY,
-                            -INFINITY,
-                            std::bit_cast<float>(0x7fc12345u),
-                            std::bit_cast<float>(0xff812345u)};
+  const std::vector<float> specials = rounding_specials();
   for (const Case& c : {Case{12, 2061, 100}, Case{1, 33, 7}, Case{6, 48, 385}})
     for (DType t : {DType::f16, DType::bf16})
       for (Partials p : {Partials::kF32, Partials::kF16})
@@ -294,8 +301,7 @@ TEST(Gemm, SmallMRoundedRowsOfBEqualTheSixteenBitCopy) {
           std::vector<float> a(static_cast<size_t>(c.M * c.K)), b(static_cast<size_t>(c.K * c.N));
           for (float& v : a) v = d(gen);
           for (float& v : b) v = d(gen);
-          for (size_t q = 0; q < std::size(specials); ++q)
-            b[(q * 977 + 5) % b.size()] = specials[q];
+          for (size_t q = 0; q < specials.size(); ++q) b[(q * 977 + 5) % b.size()] = specials[q];
           std::vector<float> held = b;
           detail::round_through(held.data(), static_cast<int64_t>(held.size()), t);
           std::vector<float> want(static_cast<size_t>(c.M * c.N), 0.5f), got = want;
@@ -420,6 +426,25 @@ TEST(DotLanes, MatchesTheReferenceBitForBit) {
   }
 }
 
+// Rows of B in reverse order (row j at (N - 1 - j) * ldb + 2), shifted by `shift` elements.
+std::vector<int64_t> reversed_rows(int64_t N, int64_t ldb, int64_t shift) {
+  std::vector<int64_t> rows(static_cast<size_t>(N));
+  for (int64_t j = 0; j < N; ++j) rows[static_cast<size_t>(j)] = (N - 1 - j) * ldb + 2 + shift;
+  return rows;
+}
+
+// The FP32 path's lane sums over FP32 rows b (from 0.25), in two calls split at `split`.
+std::vector<float> fp32_rows_sums(int64_t M, int64_t N, int64_t K, int64_t split,
+                                  const std::vector<float>& a, int64_t lda,
+                                  const std::vector<float>& b, const std::vector<int64_t>& rows,
+                                  const std::vector<int64_t>& rows2) {
+  std::vector<float> want(static_cast<size_t>(M * N * kDotLanes), 0.25f);
+  dot_lanes_accumulate(M, N, split, a.data(), lda, b.data(), rows.data(), want.data(), 1);
+  dot_lanes_accumulate(M, N, K - split, a.data() + split, lda, b.data(), rows2.data(), want.data(),
+                       1);
+  return want;
+}
+
 // 16-bit B rows (f16, bf16), converted a depth pass at a time: the same sums, bit for bit, as the
 // FP32 path on FP32 rows holding the same values (several depth passes, partial tiles, calls split
 // at a depth that is not a multiple of 8, 1-3 threads).
@@ -434,15 +459,10 @@ TEST(DotLanes, SixteenBitRowsGiveTheFp32RowsSums) {
     std::vector<uint16_t> b16(b32.size());
     convert(b32.data(), DType::f32, b16.data(), bt, b32.size());
     convert(b16.data(), bt, b32.data(), DType::f32, b32.size());  // the values the rows hold
-    std::vector<int64_t> rows(static_cast<size_t>(N));
-    for (int64_t j = 0; j < N; ++j) rows[static_cast<size_t>(j)] = (N - 1 - j) * ldb + 2;
     const int64_t split = 1029;
-    std::vector<int64_t> rows2 = rows;
-    for (int64_t& r : rows2) r += split;
-    std::vector<float> want(static_cast<size_t>(M * N * kDotLanes), 0.25f);
-    dot_lanes_accumulate(M, N, split, a.data(), lda, b32.data(), rows.data(), want.data(), 1);
-    dot_lanes_accumulate(M, N, K - split, a.data() + split, lda, b32.data(), rows2.data(),
-                         want.data(), 1);
+    const std::vector<int64_t> rows = reversed_rows(N, ldb, 0),
+                               rows2 = reversed_rows(N, ldb, split);
+    const std::vector<float> want = fp32_rows_sums(M, N, K, split, a, lda, b32, rows, rows2);
     for (int threads : {1, 2, 3}) {
       std::vector<float> got(want.size(), 0.25f);
       dot_lanes_accumulate(M, N, split, a.data(), lda, b16.data(), bt, rows.data(), got.data(),
@@ -465,39 +485,20 @@ TEST(DotLanes, RoundedRowsGiveTheSumsOfTheSixteenBitCopy) {
   std::uniform_real_distribution<float> d(-1.0f, 1.0f);
   std::vector<float> a(static_cast<size_t>(M * lda)), b32(static_cast<size_t>(N * ldb));
   for (float& v : a) v = d(gen);
-  const float specials[] = {1.0f + 0x1p-11f,
-                            1.0f + 3 * 0x1p-11f,
-                            1.0f + 0x1p-8f,
-                            1.0f + 3 * 0x1p-8f,
-                            65520.0f,
-                            -70000.0f,
-                            3e38f,
-                            0x1p-20f,
-                            0x1p-25f,
-                            -0x1p-30f,
-                            1e-40f,
-                            INFINITY,
-                            -INFINITY,
-                            std::bit_cast<float>(0x7fc12345u),
-                            std::bit_cast<float>(0xff812345u)};
+  const std::vector<float> specials = rounding_specials();
   for (const DType bt : {DType::f16, DType::bf16}) {
     for (float& v : b32) v = d(gen);
     // The specials at scattered places of every row (the vector part and the tail).
     for (int64_t j = 0; j < N; ++j)
-      for (size_t q = 0; q < std::size(specials); ++q)
+      for (size_t q = 0; q < specials.size(); ++q)
         b32[static_cast<size_t>(j * ldb + 2 + static_cast<int64_t>(q) * 163 + j)] = specials[q];
     b32[static_cast<size_t>(3 * ldb + 2 + K - 1)] = 1.0f + 0x1p-11f;  // in the last tail
     std::vector<float> held = b32;
     round_through(held.data(), static_cast<int64_t>(held.size()), bt);
-    std::vector<int64_t> rows(static_cast<size_t>(N));
-    for (int64_t j = 0; j < N; ++j) rows[static_cast<size_t>(j)] = (N - 1 - j) * ldb + 2;
     const int64_t split = 1029;
-    std::vector<int64_t> rows2 = rows;
-    for (int64_t& r : rows2) r += split;
-    std::vector<float> want(static_cast<size_t>(M * N * kDotLanes), 0.25f);
-    dot_lanes_accumulate(M, N, split, a.data(), lda, held.data(), rows.data(), want.data(), 1);
-    dot_lanes_accumulate(M, N, K - split, a.data() + split, lda, held.data(), rows2.data(),
-                         want.data(), 1);
+    const std::vector<int64_t> rows = reversed_rows(N, ldb, 0),
+                               rows2 = reversed_rows(N, ldb, split);
+    const std::vector<float> want = fp32_rows_sums(M, N, K, split, a, lda, held, rows, rows2);
     for (int threads : {1, 2, 3}) {
       std::vector<float> got(want.size(), 0.25f);
       dot_lanes_accumulate_rounded(M, N, split, a.data(), lda, b32.data(), bt, rows.data(),
