@@ -302,7 +302,7 @@ Tensor unary(UnaryOp op, const Tensor& x, DType out, MemoryCategory cat) {
   const size_t xs = dtype_size(x.dtype()), ys = dtype_size(out);
   // ReLU over contiguous rows with a 16-bit side: widened and rounded in registers, no staging.
   const bool relu16 = op == UnaryOp::kRelu && (x.dtype() != DType::f32 || out != DType::f32) &&
-                      is_compute_float(x.dtype());
+                      is_compute_float(x.dtype()) && is_compute_float(out);
   for_each_row<2>(x.shape(), {x.strides(), y.strides()},
                   [&](const auto& off, int64_t n, const auto& in) {
                     if (relu16 && in[0] == 1 && in[1] == 1 &&
@@ -381,7 +381,7 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad_out, const Tensor& x, const
   const bool relu16 =
       op == UnaryOp::kRelu &&
       (grad_out.dtype() != DType::f32 || yy.dtype() != DType::f32 || out != DType::f32) &&
-      is_compute_float(grad_out.dtype()) && is_compute_float(yy.dtype());
+      is_compute_float(grad_out.dtype()) && is_compute_float(yy.dtype()) && is_compute_float(out);
   for_each_row<4>(
       grad_out.shape(), {grad_out.strides(), xx.strides(), yy.strides(), dx.strides()},
       [&](const auto& off, int64_t n, const auto& in) {

@@ -586,32 +586,31 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
   BSource src;
   src.plain = B;
   src.round = opt.round_b;
-  // An FP32 B with contiguous rows against at most two slivers of A (a small batch's rows: the
-  // tutorial CNN's fc1 input gradient, 12 x 100 by 100 x 41772) is listed by its rows, so that
-  // gemm_block reads its full slivers in place: packing would copy every value of B for one or
-  // two tiles' use. The same arithmetic (the rows micro-kernel's), so the same bits. A B rounded
-  // as it is packed (round_b) is packed.
+  // A B with contiguous rows against at most two slivers of A (a small batch's rows: the tutorial
+  // CNN's fc1 input gradient, 12 x 100 by 100 x 41772) has its full slivers read in place by
+  // gemm_block: packing would copy every value of B for one or two tiles' use. An FP32 B is listed
+  // by its rows (the rows micro-kernel, on every path); a 16-bit B, or an FP32 B rounded to 16
+  // bits, where the path has kernels that widen or round B's values as they read them (AVX-512).
+  // The values are those packing would hold and the arithmetic is the rows micro-kernel's, so the
+  // bits are the same.
+  const int load = B.dtype == DType::f32 && opt.round_b == DType::f32    ? detail::kLoadF32
+                   : B.dtype == DType::f16                               ? detail::kLoadF16
+                   : B.dtype == DType::bf16                              ? detail::kLoadBF16
+                   : B.dtype == DType::f32 && opt.round_b == DType::f16  ? detail::kLoadF32AsF16
+                   : B.dtype == DType::f32 && opt.round_b == DType::bf16 ? detail::kLoadF32AsBF16
+                                                                         : -1;
+  const bool readable = load == detail::kLoadF32 ||
+                        (load > detail::kLoadF32 && kernels().rows16[static_cast<size_t>(load)]);
   std::vector<int64_t> rows;
-  if (B.dtype == DType::f32 && opt.round_b == DType::f32 && B.cs == 1 && M <= 2 * kMR && K > 0 &&
-      N >= kNR) {
+  if (readable && B.cs == 1 && M <= 2 * kMR && K > 0 && N >= kNR) {
     rows.resize(static_cast<size_t>(K));
     for (int64_t k = 0; k < K; ++k) rows[static_cast<size_t>(k)] = k * B.rs;
-    src.offsets = {static_cast<const float*>(B.data), rows.data(), nullptr};
-  }
-  // The same for a 16-bit B, or an FP32 B rounded to 16 bits, where the path has kernels that
-  // widen or round B's values as they read them (AVX-512): the values packing would hold, so the
-  // same bits, without the copy (a 16-bit model's fc1 input gradient reads its weight so).
-  const int load16 = B.dtype == DType::f16                                 ? detail::kLoadF16
-                     : B.dtype == DType::bf16                              ? detail::kLoadBF16
-                     : B.dtype == DType::f32 && opt.round_b == DType::f16  ? detail::kLoadF32AsF16
-                     : B.dtype == DType::f32 && opt.round_b == DType::bf16 ? detail::kLoadF32AsBF16
-                                                                           : 0;
-  if (load16 != 0 && kernels().rows16[static_cast<size_t>(load16)] && B.cs == 1 && M <= 2 * kMR &&
-      K > 0 && N >= kNR) {
-    rows.resize(static_cast<size_t>(K));
-    for (int64_t k = 0; k < K; ++k) rows[static_cast<size_t>(k)] = k * B.rs;
-    src.load16 = load16;
-    src.row16 = rows.data();
+    if (load == detail::kLoadF32) {
+      src.offsets = {static_cast<const float*>(B.data), rows.data(), nullptr};
+    } else {
+      src.load16 = load;
+      src.row16 = rows.data();
+    }
   }
   gemm_driver(M, N, K, alpha, A, src, beta, C, opt);
 }

@@ -588,13 +588,6 @@ __attribute__((target("avx2,f16c,fma"))) void relu_backward_row_avx2(const void*
   }
 }
 
-void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
-                         const float* const* b, float* const* P) {
-  const void* rows[4];
-  for (int j = 0; j < rows_b; ++j) rows[j] = b[j];
-  dot_tile<DotRow::kF32>(rows_a, rows_b, k0, k1, a, rows, P);
-}
-
 void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
                          const float* const* a, const void* const* b, float* const* P) {
   switch (kind) {

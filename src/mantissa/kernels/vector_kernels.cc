@@ -287,10 +287,12 @@ template <class RowsOf>
 void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, float* P,
                    int threads, DotRow kind, RowsOf&& rows_of) {
   if (M <= 0 || N <= 0 || K <= 0) return;
-  auto tile = dot_tile_portable;
+  bool avx2 = false;
 #if MANTISSA_HAVE_X86_SIMD
-  if (avx2_vectors()) tile = dot_lanes_tile_avx2;
+  avx2 = avx2_vectors();
 #endif
+  MANTISSA_ASSERT(avx2 || kind == DotRow::kF32,
+                  "dot_lanes_run: only the AVX2 tiles read 16-bit rows");
   // Threads take groups of B rows (each output is one thread's, so the result does not depend on
   // the thread count); within a group, depth passes over all tiles keep A's rows in cache.
   const int64_t groups = (N + kDotRowsB - 1) / kDotRowsB;
@@ -307,8 +309,6 @@ void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
           const int rb = static_cast<int>(std::min<int64_t>(kDotRowsB, N - j0));
           const void* brows[kDotRowsB];
           const int64_t shift = rows_of(j0, rb, k0, k1, brows, stage);
-          const float* frows[kDotRowsB];
-          for (int j = 0; j < rb; ++j) frows[j] = static_cast<const float*>(brows[j]);
           for (int64_t i0 = 0; i0 < M; i0 += kDotRowsA) {
             const int ra = static_cast<int>(std::min<int64_t>(kDotRowsA, M - i0));
             const float* arows[kDotRowsA];
@@ -320,12 +320,14 @@ void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
             }
             // Depths relative to the shift keep their lane: k0 is a multiple of 8.
 #if MANTISSA_HAVE_X86_SIMD
-            if (kind != DotRow::kF32) {
+            if (avx2) {
               dot_lanes_tile_avx2(kind, ra, rb, k0 - shift, k1 - shift, arows, brows, lanes);
               continue;
             }
 #endif
-            tile(ra, rb, k0 - shift, k1 - shift, arows, frows, lanes);
+            const float* frows[kDotRowsB];
+            for (int j = 0; j < rb; ++j) frows[j] = static_cast<const float*>(brows[j]);
+            dot_tile_portable(ra, rb, k0 - shift, k1 - shift, arows, frows, lanes);
           }
         }
       }

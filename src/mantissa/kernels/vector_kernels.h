@@ -123,16 +123,14 @@ void winograd_input_gather8_avx2(const float* const* in, int64_t ld, float* v, i
 void winograd_filter8_avx2(const float* f, float* u, int64_t us);
 void winograd_output_gather8_avx2(const float* m, int64_t ms, float bias, void* const* out,
                                   int64_t ld, DType t);
-// Tiles of up to 3 rows of A by 4 rows of B, columns [k0, k1) (k0 a multiple of 8).
-void dot_lanes_tile_avx2(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
-                         const float* const* b, float* const* P);
+// Tiles of up to 3 rows of A by 4 rows of B, columns [k0, k1) (k0 a multiple of 8), B's rows read
+// in place as `kind` says (indexed by k in their own elements); the 16-bit kinds give the values
+// convert() would stage, so the same sums.
+void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
+                         const float* const* a, const void* const* b, float* const* P);
 void relu_row_avx2(const void* x, DType tx, void* y, DType ty, int64_t n);
 void relu_backward_row_avx2(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                             int64_t n);
-// The same with B's rows read in place as `kind` says (indexed by k in their own elements): the
-// values convert() would stage, so the same sums.
-void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
-                         const float* const* a, const void* const* b, float* const* P);
 void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
                         int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
                         int64_t n);
