@@ -24,19 +24,30 @@ struct AdamScalars {
   float unscale = 1, clip = 1;
 };
 
-// PyTorch 1.13's single-tensor Adam/AdamW, one element.
-inline void adam_element(float& p, float g, float& m, float& v, const AdamScalars& s) {
-  float grad = (g * s.unscale) * s.clip, param = p;
+// PyTorch 1.13's single-tensor Adam/AdamW, written once over a number type T with FP32's
+// operations (T(x) from a float scalar, +, *, /, and sqrt found by argument-dependent lookup):
+// float for one element; the AVX2 path's exact lanes use FP64 vectors rounded to FP32 after each
+// operation, which gives the same bits (optim_avx2.cc).
+inline float sqrt(float x) { return std::sqrt(x); }
+
+template <class T>
+inline void adam_formula(T& p, T g, T& m, T& v, const AdamScalars& s) {
+  T grad = (g * T(s.unscale)) * T(s.clip), param = p;
   if (s.decoupled)
-    param = param * s.decay;
+    param = param * T(s.decay);
   else if (s.wd != 0)
-    grad = grad + s.wd * param;
-  const float mj = m * s.b1 + s.one_minus_b1 * grad;
-  const float vj = v * s.b2 + s.one_minus_b2 * grad * grad;
-  const float denom = std::sqrt(vj) / s.bc2_sqrt + s.eps;
+    grad = grad + T(s.wd) * param;
+  const T mj = m * T(s.b1) + T(s.one_minus_b1) * grad;
+  const T vj = v * T(s.b2) + T(s.one_minus_b2) * grad * grad;
+  const T denom = sqrt(vj) / T(s.bc2_sqrt) + T(s.eps);
   m = mj;
   v = vj;
-  p = param + (-s.step_size) * (mj / denom);
+  p = param + T(-s.step_size) * (mj / denom);
+}
+
+// One element.
+inline void adam_element(float& p, float g, float& m, float& v, const AdamScalars& s) {
+  adam_formula<float>(p, g, m, v, s);
 }
 
 // n elements of a parameter, its gradient and its Adam state in their storage types (f32, f16,
