@@ -1,10 +1,11 @@
 // The AVX2 Adam/AdamW inner loop against adam_element, bit for bit, where it matters most: state
 // and gradients near and inside the subnormal range, where the loop sends vectors to its exact
-// lanes (FP64, each operation rounded to FP32) instead of FP32 arithmetic that would take
-// microcode assists. Every storage combination the precision modes use and two generic ones;
-// clustered vectors of one value class (zeros, subnormals, tiny and ordinary normals, infinities,
-// NaNs) and mixed ones; the scalar settings of AdamW under loss scaling, Adam with L2, clipping,
-// beta1 = 0, a zero step, an early bias correction and eps = 0.
+// lanes (FP64, each operation rounded to FP32: AVX-512 ones on a processor that has it, AVX2 ones
+// under MANTISSA_SIMD=avx2, the CTest entry kernels.adam_avx2) instead of FP32 arithmetic that
+// would take microcode assists. Every storage combination the precision modes use and two generic
+// ones; clustered vectors of one value class (zeros, subnormals, tiny and ordinary normals,
+// infinities, NaNs) and mixed ones; the scalar settings of AdamW under loss scaling, Adam with L2,
+// clipping, beta1 = 0, a zero step, an early bias correction and eps = 0.
 #include <gtest/gtest.h>
 
 #include <bit>

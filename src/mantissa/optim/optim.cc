@@ -783,8 +783,9 @@ void Adam::update_chunk(const ChunkArgs& a, float* p, const float* g, float* con
 
 void detail::sum_squares(const float* x, int64_t n, float scale, float* acc) {
 #if MANTISSA_HAVE_X86_SIMD
-  static const bool avx2 = simd_path(SimdFamily::kOptimizer) == SimdPath::kAvx2;
-  if (avx2) return sum_squares_avx2(x, n, scale, acc);
+  // (The AVX-512 path is the AVX2 loop with AVX-512 exact lanes.)
+  static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
+  if (simd) return sum_squares_avx2(x, n, scale, acc);
 #endif
   sum_squares8(x, n, scale, acc);
 }
@@ -798,11 +799,12 @@ bool Adam::update_chunk_direct(const ChunkArgs& a, const detail::DirectChunk& c,
 
 bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScalars& s) {
 #if MANTISSA_HAVE_X86_SIMD
-  static const bool avx2 = simd_path(SimdFamily::kOptimizer) == SimdPath::kAvx2;
+  // (The AVX-512 path is the AVX2 loop with AVX-512 exact lanes.)
+  static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
   // All-FP32 tensors gain nothing from it: the staged path reads them in place.
   const bool all_f32 =
       c.pt == DType::f32 && c.gt == DType::f32 && c.mt == DType::f32 && c.vt == DType::f32;
-  if (avx2 && !all_f32 && is_compute_float(c.pt) && is_compute_float(c.gt) &&
+  if (simd && !all_f32 && is_compute_float(c.pt) && is_compute_float(c.gt) &&
       is_compute_float(c.mt) && is_compute_float(c.vt)) {
     adam_update_direct_avx2(c, n, s);
     return true;
@@ -815,8 +817,9 @@ bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScala
 void detail::adam_update(float* p, const float* g, float* m, float* v, int64_t n,
                          const detail::AdamScalars& s) {
 #if MANTISSA_HAVE_X86_SIMD
-  static const bool avx2 = simd_path(SimdFamily::kOptimizer) == SimdPath::kAvx2;
-  if (avx2) return adam_update_avx2(p, g, m, v, n, s);
+  // (The AVX-512 path is the AVX2 loop with AVX-512 exact lanes.)
+  static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
+  if (simd) return adam_update_avx2(p, g, m, v, n, s);
 #endif
   for (int64_t j = 0; j < n; ++j) adam_element(p[j], g[j], m[j], v[j], s);
 }

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "mantissa/core/cpu_features.h"
 #include "mantissa/core/float_formats.h"
 #include "mantissa/optim/optim_kernels.h"
 
@@ -194,25 +195,53 @@ __attribute__((target("avx2,f16c"))) inline bool exact_lanes(__m256 g, __m256 pa
   return !_mm256_testc_si256(safe, _mm256_set1_epi32(-1));
 }
 
+// Sixteen lanes (vectors x[0], x[1] of each operand) on the exact lanes, in place: FP64 lanes
+// four wide, or eight wide on an AVX-512 processor (optim_avx512.cc). (flatten: adam_formula,
+// compiled for the baseline ISA, and the AVX2 operators it calls are inlined here, so the lanes
+// stay in registers.)
+__attribute__((target("avx2,f16c"), flatten)) void exact16(__m256* p, const __m256* g, __m256* m,
+                                                           __m256* v, const AdamScalars& s) {
+  static const bool avx512 = simd_path(SimdFamily::kOptimizer) == SimdPath::kAvx512;
+  if (avx512) {
+    alignas(32) float pb[16], gb[16], mb[16], vb[16];
+    for (int h = 0; h < 2; ++h) {
+      _mm256_store_ps(pb + 8 * h, p[h]);
+      _mm256_store_ps(gb + 8 * h, g[h]);
+      _mm256_store_ps(mb + 8 * h, m[h]);
+      _mm256_store_ps(vb + 8 * h, v[h]);
+    }
+    adam_exact16_avx512(pb, gb, mb, vb, s);
+    for (int h = 0; h < 2; ++h) {
+      p[h] = _mm256_load_ps(pb + 8 * h);
+      m[h] = _mm256_load_ps(mb + 8 * h);
+      v[h] = _mm256_load_ps(vb + 8 * h);
+    }
+    return;
+  }
+  Exact16 pe(p[0], p[1]), me(m[0], m[1]), ve(v[0], v[1]);
+  adam_formula<Exact16>(pe, Exact16(g[0], g[1]), me, ve, s);
+  for (int h = 0; h < 2; ++h) p[h] = pe.fp32(h), m[h] = me.fp32(h), v[h] = ve.fp32(h);
+}
+
 // Vectors a and b (the same vector twice is allowed: it is written twice with the same values)
-// on the exact lanes. (flatten: adam_formula, compiled for the baseline ISA, and the AVX2
-// operators it calls are inlined here, so the lanes stay in registers.)
+// on the exact lanes.
 template <int PT, int GT, int MT, int VT, bool kMaster>
-__attribute__((target("avx2,f16c"), flatten)) void exact_pair(const DirectChunk& c, int64_t a,
-                                                              int64_t b, const AdamScalars& s) {
-  auto load_p = [&](int64_t j) MANTISSA_AVX2 {
-    return kMaster ? _mm256_loadu_ps(c.master + j) : load8_t<PT>(c.p, c.pt, j);
-  };
-  Exact16 p(load_p(a), load_p(b));
-  Exact16 m(load8_t<MT>(c.m, c.mt, a), load8_t<MT>(c.m, c.mt, b));
-  Exact16 v(load8_t<VT>(c.v, c.vt, a), load8_t<VT>(c.v, c.vt, b));
-  adam_formula<Exact16>(p, Exact16(load8_t<GT>(c.g, c.gt, a), load8_t<GT>(c.g, c.gt, b)), m, v, s);
-  for (int half = 0; half < 2; ++half) {
-    const int64_t j = half == 0 ? a : b;
-    store8_t<MT>(c.m, c.mt, j, m.fp32(half));
-    store8_t<VT>(c.v, c.vt, j, v.fp32(half));
-    if (kMaster) _mm256_storeu_ps(c.master + j, p.fp32(half));
-    store8_t<PT>(c.p, c.pt, j, p.fp32(half));
+__attribute__((target("avx2,f16c"))) void exact_pair(const DirectChunk& c, int64_t a, int64_t b,
+                                                     const AdamScalars& s) {
+  const int64_t at[2] = {a, b};
+  __m256 p[2], g[2], m[2], v[2];
+  for (int h = 0; h < 2; ++h) {
+    p[h] = kMaster ? _mm256_loadu_ps(c.master + at[h]) : load8_t<PT>(c.p, c.pt, at[h]);
+    g[h] = load8_t<GT>(c.g, c.gt, at[h]);
+    m[h] = load8_t<MT>(c.m, c.mt, at[h]);
+    v[h] = load8_t<VT>(c.v, c.vt, at[h]);
+  }
+  exact16(p, g, m, v, s);
+  for (int h = 0; h < 2; ++h) {
+    store8_t<MT>(c.m, c.mt, at[h], m[h]);
+    store8_t<VT>(c.v, c.vt, at[h], v[h]);
+    if (kMaster) _mm256_storeu_ps(c.master + at[h], p[h]);
+    store8_t<PT>(c.p, c.pt, at[h], p[h]);
   }
 }
 

@@ -69,6 +69,10 @@ struct DirectChunk {
 bool adam_update_direct(const DirectChunk& c, int64_t n, const AdamScalars& s);
 #if MANTISSA_HAVE_X86_SIMD
 void adam_update_direct_avx2(const DirectChunk& c, int64_t n, const AdamScalars& s);
+// Sixteen elements (FP32 values in arrays, updated in place) through adam_formula in FP64 lanes
+// rounded to FP32 after each operation: the AVX2 loop's exact lanes on an AVX-512 processor
+// (optim_avx512.cc).
+void adam_exact16_avx512(float* p, const float* g, float* m, float* v, const AdamScalars& s);
 #endif
 
 // acc[j % 8] += (x[j] * scale)^2 over n elements, in order (a run's sum of squares: the same
