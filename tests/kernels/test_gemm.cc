@@ -478,12 +478,13 @@ TEST(DotLanes, SixteenBitRowsGiveTheFp32RowsSums) {
 // FP32 B rows read as their 16-bit copies (dot_lanes_accumulate_rounded, autocast's linear): the
 // same sums, bit for bit, as FP32 rows holding the rounded values, where the rows hold ties of both
 // parities, values past the 16-bit range, FP16 subnormals and values that round to zero, infinities
-// and NaNs with payloads (several depth passes, partial tiles, tails of K, 1-3 threads).
+// and NaNs with payloads (several depth passes, partial tiles, tails of K, 1-3 threads; 1, 5 and
+// 12 rows of A take BF16's column tile, 13 the 3 x 4 tiles).
 TEST(DotLanes, RoundedRowsGiveTheSumsOfTheSixteenBitCopy) {
-  const int64_t M = 5, N = 7, K = 2500, ldb = K + 5, lda = K + 3;
+  const int64_t max_m = 13, N = 7, K = 2500, ldb = K + 5, lda = K + 3;
   std::mt19937 gen(29);
   std::uniform_real_distribution<float> d(-1.0f, 1.0f);
-  std::vector<float> a(static_cast<size_t>(M * lda)), b32(static_cast<size_t>(N * ldb));
+  std::vector<float> a(static_cast<size_t>(max_m * lda)), b32(static_cast<size_t>(N * ldb));
   for (float& v : a) v = d(gen);
   const std::vector<float> specials = rounding_specials();
   for (const DType bt : {DType::f16, DType::bf16}) {
@@ -498,15 +499,17 @@ TEST(DotLanes, RoundedRowsGiveTheSumsOfTheSixteenBitCopy) {
     const int64_t split = 1029;
     const std::vector<int64_t> rows = reversed_rows(N, ldb, 0),
                                rows2 = reversed_rows(N, ldb, split);
-    const std::vector<float> want = fp32_rows_sums(M, N, K, split, a, lda, held, rows, rows2);
-    for (int threads : {1, 2, 3}) {
-      std::vector<float> got(want.size(), 0.25f);
-      dot_lanes_accumulate_rounded(M, N, split, a.data(), lda, b32.data(), bt, rows.data(),
-                                   got.data(), threads);
-      dot_lanes_accumulate_rounded(M, N, K - split, a.data() + split, lda, b32.data(), bt,
-                                   rows2.data(), got.data(), threads);
-      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
-          << dtype_name(bt) << ", threads " << threads;
+    for (const int64_t M : {int64_t{1}, int64_t{5}, int64_t{12}, max_m}) {
+      const std::vector<float> want = fp32_rows_sums(M, N, K, split, a, lda, held, rows, rows2);
+      for (int threads : {1, 2, 3}) {
+        std::vector<float> got(want.size(), 0.25f);
+        dot_lanes_accumulate_rounded(M, N, split, a.data(), lda, b32.data(), bt, rows.data(),
+                                     got.data(), threads);
+        dot_lanes_accumulate_rounded(M, N, K - split, a.data() + split, lda, b32.data(), bt,
+                                     rows2.data(), got.data(), threads);
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+            << dtype_name(bt) << ", M " << M << ", threads " << threads;
+      }
     }
   }
 }

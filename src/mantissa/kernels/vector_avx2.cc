@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "mantissa/core/convert_simd_internal.h"
+#include "mantissa/core/error.h"
 #include "mantissa/core/float_formats.h"
 #include "mantissa/kernels/vector_kernels.h"
 
@@ -533,6 +534,54 @@ __attribute__((target("avx2,f16c,fma"))) void dot_tile(int rows_a, int rows_b, i
       }
 }
 
+// R rows of A (R <= kDotColumnRows) against one B row: each value of the B row read (widened, or
+// rounded and widened) once for all R rows, where the 3 x 4 tile reads it once for every three
+// rows of A: for 16-bit and rounded B rows, whose reading costs more than the FMAs it feeds.
+template <DotRow L, int R>
+__attribute__((target("avx2,f16c,fma"))) void dot_column(int64_t k0, int64_t k1,
+                                                         const float* const* a, const void* b,
+                                                         float* const* P) {
+  const int64_t k8 = k0 + (k1 - k0) / 8 * 8;
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_loadu_ps(P[i]);
+  for (int64_t k = k0; k < k8; k += 8) {
+    const __m256 bv = dot_b8<L>(b, k);
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(a[i] + k), bv, acc[i]);
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(P[i], acc[i]);
+  for (int64_t k = k8; k < k1; ++k) {
+    const float bk = dot_b1<L>(b, k);
+    for (int i = 0; i < R; ++i) {
+      float& lane = P[i][k % 8];
+      lane = std::fma(a[i][k], bk, lane);
+    }
+  }
+}
+
+template <DotRow L>
+void dot_column_rows(int rows_a, int64_t k0, int64_t k1, const float* const* a, const void* b,
+                     float* const* P) {
+  switch (rows_a) {
+#define MANTISSA_COLUMN(r) \
+  case r:                  \
+    return dot_column<L, r>(k0, k1, a, b, P);
+    MANTISSA_COLUMN(1)
+    MANTISSA_COLUMN(2)
+    MANTISSA_COLUMN(3)
+    MANTISSA_COLUMN(4)
+    MANTISSA_COLUMN(5)
+    MANTISSA_COLUMN(6)
+    MANTISSA_COLUMN(7)
+    MANTISSA_COLUMN(8)
+    MANTISSA_COLUMN(9)
+    MANTISSA_COLUMN(10)
+    MANTISSA_COLUMN(11)
+    MANTISSA_COLUMN(12)
+#undef MANTISSA_COLUMN
+  }
+  MANTISSA_ASSERT(false, "dot_column_rows: 1 to kDotColumnRows rows of A");
+}
+
 }  // namespace
 
 namespace {
@@ -585,6 +634,22 @@ __attribute__((target("avx2,f16c,fma"))) void relu_backward_row_avx2(const void*
     // g where not y <= 0 (y > 0, or NaN), else +0: the bits of g masked, as the FP32 loop.
     const __m256 keep = _mm256_cmp_ps(row_load8({y, ty}, i, m), zero, _CMP_NLE_UQ);
     row_store8(dx, td, i, m, _mm256_and_ps(row_load8({g, tg}, i, m), keep));
+  }
+}
+
+void dot_lanes_column_avx2(DotRow kind, int rows_a, int64_t k0, int64_t k1, const float* const* a,
+                           const void* b, float* const* P) {
+  switch (kind) {
+    case DotRow::kF32:
+      return dot_column_rows<DotRow::kF32>(rows_a, k0, k1, a, b, P);
+    case DotRow::kF16:
+      return dot_column_rows<DotRow::kF16>(rows_a, k0, k1, a, b, P);
+    case DotRow::kBF16:
+      return dot_column_rows<DotRow::kBF16>(rows_a, k0, k1, a, b, P);
+    case DotRow::kF32AsF16:
+      return dot_column_rows<DotRow::kF32AsF16>(rows_a, k0, k1, a, b, P);
+    case DotRow::kF32AsBF16:
+      return dot_column_rows<DotRow::kF32AsBF16>(rows_a, k0, k1, a, b, P);
   }
 }
 

@@ -228,6 +228,7 @@ namespace {
 
 constexpr int kDotRowsA = 3, kDotRowsB = 4;  // tile: 12 lane vectors
 constexpr int64_t kDotDepth = 1024;          // columns per pass: a tile's rows stay in L1/L2
+constexpr int64_t kDotColumnDepth = 512;     // the column tile's: its 12 rows of A in L1/L2
 
 void dot_tile_portable(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
                        const float* const* b, float* const* P) {
@@ -296,19 +297,40 @@ void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
   // Threads take groups of B rows (each output is one thread's, so the result does not depend on
   // the thread count); within a group, depth passes over all tiles keep A's rows in cache.
   const int64_t groups = (N + kDotRowsB - 1) / kDotRowsB;
+  // All of A's rows against each B row when B's values are rounded to BF16 as they are read (the
+  // column tile; AVX2 only), so each is rounded once, not once for every three rows of A: BF16's
+  // rounding is ten integer instructions, more than the FMAs a value feeds. (FP16's rounding and
+  // the widenings are cheaper than the extra loads of A the column tile makes.)
+  const bool column = avx2 && kind == DotRow::kF32AsBF16 && M <= kDotColumnRows;
+  const int64_t depth = column ? kDotColumnDepth : kDotDepth;
   const int t = static_cast<int>(std::clamp<int64_t>(threads, 1, groups));
   parallel_for(static_cast<size_t>(t), 1, t, [&](size_t p0, size_t p1) {
     std::vector<float> stage;  // staged B rows, when rows_of converts
     for (size_t part = p0; part < p1; ++part) {
       const int64_t g0 = groups * static_cast<int64_t>(part) / t,
                     g1 = groups * static_cast<int64_t>(part + 1) / t;
-      for (int64_t k0 = 0; k0 < K; k0 += kDotDepth) {
-        const int64_t k1 = std::min(K, k0 + kDotDepth);
+      for (int64_t k0 = 0; k0 < K; k0 += depth) {
+        const int64_t k1 = std::min(K, k0 + depth);
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t j0 = g * kDotRowsB;
           const int rb = static_cast<int>(std::min<int64_t>(kDotRowsB, N - j0));
           const void* brows[kDotRowsB];
           const int64_t shift = rows_of(j0, rb, k0, k1, brows, stage);
+#if MANTISSA_HAVE_X86_SIMD
+          if (column) {
+            const float* arows[kDotColumnRows];
+            float* lanes[kDotColumnRows];
+            for (int j = 0; j < rb; ++j) {
+              for (int64_t i = 0; i < M; ++i) {
+                arows[i] = a + i * lda + shift;
+                lanes[i] = P + (i * N + j0 + j) * kDotLanes;
+              }
+              dot_lanes_column_avx2(kind, static_cast<int>(M), k0 - shift, k1 - shift, arows,
+                                    brows[j], lanes);
+            }
+            continue;
+          }
+#endif
           for (int64_t i0 = 0; i0 < M; i0 += kDotRowsA) {
             const int ra = static_cast<int>(std::min<int64_t>(kDotRowsA, M - i0));
             const float* arows[kDotRowsA];
