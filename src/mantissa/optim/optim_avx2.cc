@@ -93,9 +93,8 @@ __attribute__((target("avx2,f16c"))) inline void store8_t(void* base, DType t, i
 }
 
 // Sixteen FP32 lanes (two vectors) held as four vectors of four FP64 values, each operation
-// rounded to FP32: the number type of adam_formula's exact lanes (see the top of the file). Two
-// vectors at a time, as the chain of dependent operations and conversions is long: four
-// independent chains keep the FP64 units busy.
+// rounded to FP32: the number type of adam_formula's exact lanes (see the top of the file).
+// Sixteen, as the AVX-512 version takes them (two vectors of eight FP64 values).
 #define MANTISSA_AVX2 __attribute__((target("avx2,f16c")))
 struct Exact16 {
   __m256d x[4];
