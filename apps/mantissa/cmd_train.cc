@@ -141,6 +141,9 @@ constexpr const char* kTrainUsage =
     "  --sync-batchnorm      batch-norm statistics over the global batch (default: each rank's,\n"
     "                        with rank 0's running statistics kept on every rank)\n"
     "  --zero 1              shard the optimizer state and master weights across the ranks\n"
+    "  --no-sufficient-factors  all-reduce every gradient (default: a linear layer whose inputs\n"
+    "                        and output gradients over the global batch are at most half its\n"
+    "                        weight gathers those instead, each rank forming the gradient)\n"
     "  --check-replicas      after every step, check that every rank holds the same weights\n";
 
 constexpr const char* kEvalUsage =
@@ -344,6 +347,7 @@ TrainArgs parse_train_args(const std::vector<std::string>& args) {
       {"--sync-batchnorm", on(c.sync_batchnorm, true)},
       {"--zero", i64("--zero", c.zero, 0)},
       {"--check-replicas", on(c.check_replicas, true)},
+      {"--no-sufficient-factors", on(c.sufficient_factors, false)},
   };
   parse_flags(args, flags, "train");
   // TrainConfig holds them as int; past 64 (resolve's limit) the value only has to stay past it.

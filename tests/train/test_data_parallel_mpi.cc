@@ -164,6 +164,36 @@ TEST(DataParallel, EqualsGradientAccumulationOfTheRanksBatches) {
   }
 }
 
+TEST(DataParallel, SufficientFactorsSendLessAndTrainAsTheGradients) {
+  // At batch 8 a rank, lenet5's fc2 (120 -> 84) and the tutorial CNN's fc1 have factors over the
+  // global batch of at most half their weights' size; the other layers go through the reducer.
+  const int n = world().size();
+  for (const std::string model : {"lenet5", "tutorial-cnn"}) {
+    train::TrainConfig c = small(model, 4);
+    if (n > 2) c.optimizer = "sgd", c.lr = 0.05;
+    const Trained factors = train_on(c, false);
+    train::TrainConfig off = c;
+    off.sufficient_factors = false;
+    const Trained gradients = train_on(off, false);
+    const train::Communication& f = *factors.result.communication;
+    const train::Communication& g = *gradients.result.communication;
+    if (model == "lenet5") {
+      EXPECT_EQ(f.factored, (std::vector<std::string>{"fc2.weight"}));
+    } else {
+      EXPECT_EQ(f.factored, (std::vector<std::string>{"fc1.weight"}));
+    }
+    EXPECT_TRUE(g.factored.empty());
+    EXPECT_LT(f.bytes_per_step, g.bytes_per_step) << model;
+    // The same sums: on 2 ranks bit for bit (g0 + g1 either way), on 3 in another order.
+    if (n == 2) {
+      EXPECT_EQ(factors.result.step_losses, gradients.result.step_losses) << model;
+      expect_same_weights(factors, gradients);
+    } else {
+      expect_close(factors.result.step_losses, gradients.result.step_losses, 1e-4);
+    }
+  }
+}
+
 // Rank 0's text on every rank.
 std::string rank0s(const std::string& text) {
   int64_t size = static_cast<int64_t>(text.size());
@@ -212,9 +242,13 @@ TEST(DataParallel, AccumulationOnEveryRankCommunicatesOnceAStep) {
   } else {
     expect_close(ranks.result.step_losses, one.result.step_losses, 1e-4);
   }
-  // The gradients travelled once per optimizer step (3), not once per micro-batch.
+  // The gradients travelled once per optimizer step (3), not once per micro-batch (every one
+  // through the reducer: accumulation leaves no gradient to its factors).
   const train::Communication& comm = *ranks.result.communication;
-  const Trained single_step = train_on(small("lenet5", 1), false);
+  EXPECT_TRUE(comm.factored.empty());
+  train::TrainConfig one_step = small("lenet5", 1);
+  one_step.sufficient_factors = false;
+  const Trained single_step = train_on(one_step, false);
   EXPECT_DOUBLE_EQ(comm.bytes_per_step, single_step.result.communication->bytes_per_step);
 }
 

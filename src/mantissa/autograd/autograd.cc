@@ -185,6 +185,14 @@ std::function<void(GradPartProducer, double)> take_grad_part_deferral(const Node
   return defer;
 }
 
+std::function<Tensor(const Tensor&, const Tensor&, const FactorProduct&)> grad_factor_gatherer(
+    const Node& node, size_t i) {
+  if (i >= node.inputs().size()) return {};
+  const Node::Input& in = node.inputs()[i];
+  if (in.fn || !in.leaf) return {};
+  return in.leaf->gather_grad_factors;
+}
+
 void backward(const Tensor& root, const Tensor& grad_root) {
   MANTISSA_CHECK(root.defined(), "backward: the root tensor is undefined",
                  "call backward on a computed tensor");

@@ -121,6 +121,12 @@ GradPartConsumer take_grad_part_consumer(const Node& node, size_t i);
 // upper bound of their magnitudes, or +infinity) and return no gradient for that input.
 std::function<void(GradPartProducer, double)> take_grad_part_deferral(const Node& node, size_t i);
 
+// For an op whose gradient of a leaf input is a product of two factors (AutogradMeta::
+// gather_grad_factors): that hook of input i of `node` when the input is a leaf that has one (the
+// op then returns what the hook gives as the input's gradient); empty otherwise.
+std::function<Tensor(const Tensor&, const Tensor&, const FactorProduct&)> grad_factor_gatherer(
+    const Node& node, size_t i);
+
 // Whether an op on these inputs must record: grad mode is on and an input requires grad.
 bool needs_grad(std::initializer_list<const Tensor*> inputs);
 

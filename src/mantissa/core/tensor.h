@@ -91,6 +91,9 @@ using GradPartConsumer = std::function<void(int64_t begin, int64_t n, const void
 // Gives every part of a gradient to a consumer, computing the parts anew on each call (the same
 // bits each time): a gradient kept as what computes it instead of as its values.
 using GradPartProducer = std::function<void(const GradPartConsumer& consume)>;
+// A weight gradient that is the product of two factors (a linear layer's dW = dY^T X): computes
+// the product of `a` and `b` as the op would for its own batch.
+using FactorProduct = std::function<Tensor(const Tensor& a, const Tensor& b)>;
 
 // Autograd state of a tensor, shared by every copy of the Tensor handle (not by views, which are
 // new tensors). A leaf that requires grad accumulates into `grad`; a computed tensor points to the
@@ -138,6 +141,14 @@ struct AutogradMeta {
   // with this hook keeps its gradient in `grad`: consume_grad and consume_grad_parts are not used
   // for it (the pass clears them, as for a shared weight), since the hook's owner needs it.
   std::function<void()> on_grad_ready;
+  // Set on a leaf by data-parallel training (dist::FactorGradients) for a weight whose gradient an
+  // op computes as a product of two factors that are smaller than it (a linear layer's
+  // dW = dY^T X at a small batch): such an op hands this function its factors and how it forms
+  // their product, and takes what it returns as its gradient for the leaf, in place of the
+  // product of its own factors: the gradient over every rank's batch (the ranks' products summed
+  // in rank order, identical on every rank). Kept across passes; the owner clears it.
+  std::function<Tensor(const Tensor& a, const Tensor& b, const FactorProduct& product)>
+      gather_grad_factors;
 };
 
 class Tensor {

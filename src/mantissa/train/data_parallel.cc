@@ -1,5 +1,6 @@
 #include "mantissa/train/data_parallel.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
@@ -103,6 +104,7 @@ dist::ConfigFields agreement_fields(const TrainConfig& c) {
       {"sync-batchnorm", b(c.sync_batchnorm)},
       {"zero", i(c.zero)},
       {"check-replicas", b(c.check_replicas)},
+      {"sufficient-factors", b(c.sufficient_factors)},
   };
 }
 
@@ -135,12 +137,46 @@ void DataParallel::broadcast_model(nn::Module& model) {
   dist::broadcast_tensors(comm_, tensors, 0);
 }
 
+std::vector<nn::Module::NamedTensor> DataParallel::factored_weights(nn::Module& model) const {
+  std::vector<nn::Module::NamedTensor> out;
+  // Every pass synchronised, gradients summed in FP32 and whole on every rank: no accumulation
+  // (its passes inside no_sync would form global gradients), no ZeRO, an FP32 wire, no FP8 (its
+  // linear layers form their gradients otherwise).
+  if (!config_.sufficient_factors || comm_.size() < 2 || config_.gradient_accumulation != 1 ||
+      config_.zero != 0 || settings_.allreduce_dtype != DType::f32 || settings_.precision.fp8)
+    return out;
+  const int64_t rows = comm_.size() * config_.batch_size;  // every rank's factors
+  for (auto& [path, m] : model.named_modules()) {
+    if (!dynamic_cast<nn::Linear*>(m)) continue;
+    for (const nn::Module::NamedTensor& t : m->named_parameters()) {
+      if (t.name != "weight" || !t.tensor->requires_grad() || t.tensor->dim() != 2) continue;
+      const int64_t outf = t.tensor->size(0), in = t.tensor->size(1);
+      // The factors at most half the gradient's size (a layer fed more rows than the batch, a
+      // sequence, only gathers more).
+      if (2 * rows * (in + outf) <= in * outf)
+        out.push_back({path.empty() ? t.name : path + "." + t.name, t.tensor});
+    }
+  }
+  return out;
+}
+
 void DataParallel::attach(nn::Module& model, optim::Optimizer& optimizer) {
   dist::ReducerOptions o;
   o.bucket_cap_mib = config_.bucket_size_mib;
   o.wire = settings_.allreduce_dtype;
   o.scatter = config_.zero == 1;
-  reducer_ = std::make_unique<dist::Reducer>(comm_, model.named_parameters(), o);
+  // Linear weights whose gradient's factors are smaller than it travel as factors; the reducer
+  // takes the other parameters.
+  std::vector<nn::Module::NamedTensor> params = model.named_parameters();
+  const std::vector<nn::Module::NamedTensor> factored = factored_weights(model);
+  if (!factored.empty()) {
+    factors_ = std::make_unique<dist::FactorGradients>(comm_, factored);
+    std::erase_if(params, [&](const nn::Module::NamedTensor& p) {
+      return std::any_of(factored.begin(), factored.end(),
+                         [&](const nn::Module::NamedTensor& f) { return f.tensor == p.tensor; });
+    });
+  }
+  reducer_ = std::make_unique<dist::Reducer>(comm_, params, o);
   if (config_.zero == 1) zero_ = std::make_unique<dist::Zero1>(comm_, *reducer_, optimizer);
   if (config_.sync_batchnorm) {
     comm::Communicator* c = &comm_;
@@ -205,11 +241,20 @@ Communication DataParallel::communication() const {
   c.world_size = comm_.size();
   c.wire = config_.allreduce_dtype;
   if (!reducer_) return c;
-  const dist::CommStats& t = reducer_->total();
+  dist::CommStats t = reducer_->total();
+  if (factors_) {
+    const dist::CommStats& f = factors_->total();
+    t.bytes += f.bytes;
+    t.busy_seconds += f.busy_seconds;
+    t.exposed_seconds += f.exposed_seconds;
+  }
   const double steps = static_cast<double>(std::max<int64_t>(t.steps, 1));
   c.bytes_per_step = (static_cast<double>(t.bytes) + gather_bytes_) / steps;
   c.seconds_per_step = (t.busy_seconds + gather_seconds_) / steps;
   c.exposed_seconds_per_step = (t.exposed_seconds + gather_seconds_) / steps;
+  for (const nn::Module::NamedTensor& w :
+       factors_ ? factors_->weights() : std::vector<nn::Module::NamedTensor>{})
+    c.factored.push_back(w.name);
   return c;
 }
 

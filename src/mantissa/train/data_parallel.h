@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "mantissa/comm/communicator.h"
+#include "mantissa/dist/factors.h"
 #include "mantissa/dist/reducer.h"
 #include "mantissa/dist/zero.h"
 #include "mantissa/nn/models.h"
@@ -54,8 +55,12 @@ class DataParallel {
 
   // The gradient-accumulation micro-batches before a step's last: gradients stay local.
   dist::Reducer::NoSync no_sync() { return reducer_->no_sync(); }
-  // After the last micro-batch's backward pass: waits for the reduced gradients.
-  void finish_gradients() { reducer_->finish(); }
+  // After the last micro-batch's backward pass: waits for the reduced gradients (and those formed
+  // from gathered factors).
+  void finish_gradients() {
+    reducer_->finish();
+    if (factors_) factors_->finish();
+  }
   // What the step's options need (ZeRO: the norm and inf/NaN check over every shard).
   void prepare(optim::StepOptions& options);
   // After the optimizer's step: ZeRO's all-gather of the updated parameters (unless the step was
@@ -82,6 +87,11 @@ class DataParallel {
   comm::Communicator& comm_;
   TrainConfig config_;
   RunSettings settings_;
+  // The linear weights whose gradients travel as their factors (dist/factors.h): where every
+  // pass is synchronised and the factors of every rank's batch are at most half the gradient.
+  std::vector<nn::Module::NamedTensor> factored_weights(nn::Module& model) const;
+
+  std::unique_ptr<dist::FactorGradients> factors_;
   std::unique_ptr<dist::Reducer> reducer_;
   std::unique_ptr<dist::Zero1> zero_;
   std::vector<nn::Module::NamedTensor> buffers_;   // the model's, broadcast after each step

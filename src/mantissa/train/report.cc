@@ -122,12 +122,21 @@ std::string summary_line(const TrainResult& r, int64_t batch_bytes) {
   return line;
 }
 
+namespace {
+// ", fc1.weight as factors" (the weights whose gradients travel as their factors).
+std::string factored_note(const Communication& c) {
+  std::string s;
+  for (const std::string& w : c.factored) s += (s.empty() ? ", " : " and ") + w;
+  return s.empty() ? s : s + " as factors";
+}
+}  // namespace
+
 std::string communication_line(const Communication& c) {
   return "communication: " + std::to_string(c.world_size) + " ranks, " +
          format_bytes(static_cast<size_t>(c.bytes_per_step)) + " a step (gradients as " + c.wire +
          "), collectives running " + fmt("%.1f", c.seconds_per_step * 1e3) +
          " ms a step, the step waiting for them " + fmt("%.1f", c.exposed_seconds_per_step * 1e3) +
-         " ms";
+         " ms" + factored_note(c);
 }
 
 std::string profile_table(const TrainResult& r) {
@@ -239,7 +248,8 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
                  {"bucket_size_mib", c.bucket_size_mib},
                  {"allreduce_dtype", c.allreduce_dtype},
                  {"sync_batchnorm", c.sync_batchnorm},
-                 {"zero", c.zero}};
+                 {"zero", c.zero},
+                 {"sufficient_factors", c.sufficient_factors}};
   j["precision_settings"] = s.precision.describe();
   j["step_losses"] = r.step_losses;
   // The training accuracy of what this run's calls returned, at the (last) step each covers.
@@ -298,7 +308,8 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
     j["communication"] = {{"bytes_per_step", r.communication->bytes_per_step},
                           {"seconds_per_step", r.communication->seconds_per_step},
                           {"exposed_seconds_per_step", r.communication->exposed_seconds_per_step},
-                          {"wire", r.communication->wire}};
+                          {"wire", r.communication->wire},
+                          {"factored_weights", r.communication->factored}};
   else
     j["communication"] = nullptr;
   if (r.loss_scale) {

@@ -46,6 +46,8 @@ struct Communication {
   double bytes_per_step = 0;
   double seconds_per_step = 0;
   double exposed_seconds_per_step = 0;
+  // Linear weights whose gradients travel as their factors (dist/factors.h), all-gathered.
+  std::vector<std::string> factored;
 };
 
 struct TrainResult {

@@ -155,7 +155,8 @@ void Trainer::set_up() {
           std::pair{"--allreduce-dtype", config_.allreduce_dtype != d.allreduce_dtype},
           std::pair{"--sync-batchnorm", config_.sync_batchnorm},
           std::pair{"--zero", config_.zero != d.zero},
-          std::pair{"--check-replicas", config_.check_replicas}})
+          std::pair{"--check-replicas", config_.check_replicas},
+          std::pair{"--no-sufficient-factors", !config_.sufficient_factors}})
       if (set) unused += (unused.empty() ? "" : ", ") + std::string(flag);
     if (!unused.empty())
       *streams_.out << "note: " << unused

@@ -1,0 +1,157 @@
+#include "mantissa/dist/factors.h"
+
+#include <algorithm>
+#include <chrono>
+#include <unordered_set>
+
+#include "mantissa/core/convert.h"
+#include "mantissa/core/error.h"
+#include "mantissa/core/parallel.h"
+#include "mantissa/dist/agreement.h"
+
+namespace mantissa::dist {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Every rank's (rows, cols) factor, as rows_of[r] x cols blocks of a (ranks, max_rows, cols)
+// tensor: all-gathered, padded to the longest rank's rows.
+Tensor gather_rows(comm::Communicator& comm, const Tensor& x, int64_t max_rows) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  Tensor send = x.contiguous();
+  if (rows != max_rows) {
+    Tensor padded =
+        Tensor::zeros({max_rows, cols}, x.dtype(), charged_to(MemoryCategory::workspace));
+    std::copy_n(static_cast<const char*>(send.data_ptr()), send.nbytes(),
+                static_cast<char*>(padded.data_ptr()));
+    send = padded;
+  }
+  TensorOptions o = charged_to(MemoryCategory::workspace);
+  o.owner = "gathered factors";
+  Tensor all = Tensor::empty({comm.size(), max_rows, cols}, x.dtype(), o);
+  comm.all_gather(send, all);
+  return all;
+}
+
+}  // namespace
+
+FactorGradients::FactorGradients(comm::Communicator& comm,
+                                 const std::vector<nn::Module::NamedTensor>& weights)
+    : comm_(comm) {
+  std::unordered_set<const AutogradMeta*> seen;
+  ConfigFields fields;
+  for (const nn::Module::NamedTensor& w : weights) {
+    MANTISSA_CHECK(w.tensor && w.tensor->defined() && w.tensor->requires_grad(),
+                   "dist::FactorGradients: weight '" + w.name + "' is undefined or needs no grad",
+                   "pass the trainable weights of linear layers");
+    const std::shared_ptr<AutogradMeta>& meta = w.tensor->autograd_meta();
+    MANTISSA_CHECK(seen.insert(meta.get()).second && !meta->gather_grad_factors,
+                   "dist::FactorGradients: weight '" + w.name +
+                       "' is given twice or already "
+                       "gathers its factors",
+                   "pass each weight once, to one FactorGradients");
+    weights_.push_back(w);
+    meta_.push_back(meta);
+    fields.emplace_back(
+        w.name, std::string(dtype_name(w.tensor->dtype())) + " " + shape_str(w.tensor->shape()));
+  }
+  check_config_agreement(comm_, fields, "weights whose gradients travel as factors");
+  gathered_.assign(weights_.size(), 0);
+  for (size_t k = 0; k < weights_.size(); ++k)
+    meta_[k]->gather_grad_factors = [this, k](const Tensor& a, const Tensor& b,
+                                              const FactorProduct& product) {
+      return gather(k, a, b, product);
+    };
+}
+
+FactorGradients::~FactorGradients() {
+  for (const auto& meta : meta_) meta->gather_grad_factors = nullptr;
+}
+
+Tensor FactorGradients::gather(size_t k, const Tensor& a, const Tensor& b,
+                               const FactorProduct& product) {
+  MANTISSA_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0),
+                 "dist::FactorGradients: the factors of '" + weights_[k].name +
+                     "' are not two matrices of the same rows",
+                 "pass the op's (rows, out) and (rows, in) factors");
+  const auto t0 = std::chrono::steady_clock::now();
+  // The ranks' rows (the last batch of an epoch may be split unevenly).
+  std::vector<int64_t> rows(static_cast<size_t>(comm_.size()));
+  const int64_t mine = a.size(0);
+  comm_.all_gather(&mine, rows.data(), 1, DType::i64);
+  const int64_t max_rows = *std::max_element(rows.begin(), rows.end());
+  const Tensor as = gather_rows(comm_, a, max_rows), bs = gather_rows(comm_, b, max_rows);
+  total_.bytes += static_cast<int64_t>(as.nbytes() + bs.nbytes());
+  const double waited = seconds_since(t0);
+  total_.exposed_seconds += waited;
+  total_.busy_seconds += waited;
+
+  // Each rank's product as its pass would form it, summed in rank order in FP32 and rounded once,
+  // a block of the gradient's columns at a time (its products and their sum stay in cache; a
+  // column of the product is the same FMA chain over the rows whatever the block, so the bits do
+  // not depend on it).
+  const int64_t outf = a.size(1), in = b.size(1);
+  const int64_t width = std::max<int64_t>(64, (int64_t{1} << 18) / std::max<int64_t>(outf, 1));
+  Tensor grad;
+  std::vector<float> sum, staged;
+  for (int64_t c0 = 0; c0 < in; c0 += width) {
+    const int64_t cw = std::min(width, in - c0);
+    sum.assign(static_cast<size_t>(outf * cw), 0.0f);
+    staged.resize(sum.size());
+    DType dt = DType::f32;
+    for (int r = 0; r < comm_.size(); ++r) {
+      const int64_t n = rows[static_cast<size_t>(r)];
+      const Tensor p = product(as.select(0, r).narrow(0, 0, n),
+                               bs.select(0, r).narrow(0, 0, n).narrow(1, c0, cw))
+                           .contiguous();
+      MANTISSA_ASSERT(p.dim() == 2 && p.size(0) == outf && p.size(1) == cw,
+                      "dist::FactorGradients: the product of the factors has another shape");
+      dt = p.dtype();
+      convert(p.data_ptr(), dt, r == 0 ? sum.data() : staged.data(), DType::f32, sum.size());
+      if (r > 0)
+        for (size_t j = 0; j < sum.size(); ++j) sum[j] += staged[j];
+    }
+    if (!grad.defined()) {
+      TensorOptions o = charged_to(MemoryCategory::gradients);
+      o.owner = "gradient from factors";
+      grad = Tensor::empty({outf, in}, dt, o);
+    }
+    const size_t es = dtype_size(dt);
+    for (int64_t i = 0; i < outf; ++i)
+      convert(sum.data() + i * cw, DType::f32,
+              static_cast<char*>(grad.data_ptr()) + (i * in + c0) * static_cast<int64_t>(es), dt,
+              static_cast<size_t>(cw));
+  }
+  gathered_[k] = 1;
+  return grad;
+}
+
+void FactorGradients::finish() {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t k = 0; k < weights_.size(); ++k) {
+    AutogradMeta& meta = *meta_[k];
+    if (gathered_[k] || !meta.grad || !meta.grad->defined()) continue;
+    // Formed some other way this pass: the sum over ranks as the reducer's FP32 wire makes it.
+    Tensor& g = *meta.grad;
+    Tensor g32 = g.dtype() == DType::f32 ? g.contiguous() : Tensor();
+    if (!g32.defined()) {
+      g32 = Tensor::empty(g.shape(), DType::f32, charged_to(MemoryCategory::gradients));
+      convert(g.contiguous().data_ptr(), g.dtype(), g32.data_ptr(), DType::f32,
+              static_cast<size_t>(g.numel()));
+    }
+    comm_.all_reduce(g32, comm::ReduceOp::kSum);
+    total_.bytes += static_cast<int64_t>(g32.nbytes());
+    Tensor out = Tensor::empty(g.shape(), g.dtype(), charged_to(MemoryCategory::gradients));
+    convert(g32.data_ptr(), DType::f32, out.data_ptr(), g.dtype(), static_cast<size_t>(g.numel()));
+    g = out;
+  }
+  const double waited = seconds_since(t0);
+  total_.exposed_seconds += waited;
+  total_.busy_seconds += waited;
+  ++total_.steps;
+  std::fill(gathered_.begin(), gathered_.end(), 0);
+}
+
+}  // namespace mantissa::dist

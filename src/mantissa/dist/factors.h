@@ -1,0 +1,62 @@
+// Sufficient factors (Xie et al.'s sufficient factor broadcasting): in data-parallel training a
+// linear layer's weight gradient is dW = dY^T X, the product of the layer's output gradients
+// (rows x out) and inputs (rows x in) over the batch. At a small batch the two factors are far
+// smaller than dW (out x in): the tutorial CNN's fc1 at 12 images a rank has 12 x (100 + 41772)
+// values against 100 x 41772. For such weights the ranks all-gather the factors instead of
+// all-reducing the gradient, and every rank forms the gradient over every rank's batch itself:
+// the product of each rank's factors as that rank's backward pass forms it (the op's own GEMM,
+// the same bits), summed in rank order in FP32 and rounded to the gradient's type once, as the
+// FP32 all-reduce of dist::Reducer sums the ranks' gradients (on 2 ranks the same bits; on more,
+// the same sum, in rank order where MPI may add in another). More arithmetic, fewer bytes: each
+// rank forms N products where it formed one.
+//
+//   dist::FactorGradients factors(comm, weights);  // sets AutogradMeta::gather_grad_factors
+//   autograd::backward(loss);                      // each such layer gathers its factors
+//   factors.finish();                              // every weight's gradient is the sum over ranks
+//
+// A weight whose gradient a pass computed some other way (an op without factors read it) is
+// all-reduced by finish() instead. Every pass must be synchronised: no gradient accumulation
+// inside no_sync (those passes would form global gradients), and the weights are not in a
+// dist::Reducer. The gathers run inside the backward pass, in the order it reaches the weights,
+// the same on every rank.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "mantissa/comm/communicator.h"
+#include "mantissa/dist/reducer.h"
+#include "mantissa/nn/module.h"
+
+namespace mantissa::dist {
+
+class FactorGradients {
+ public:
+  // A collective (the ranks must name the same weights, of the same shapes). Throws Error if a
+  // weight does not require grad or already has the hook.
+  FactorGradients(comm::Communicator& comm, const std::vector<nn::Module::NamedTensor>& weights);
+  // Removes the hooks.
+  ~FactorGradients();
+  FactorGradients(const FactorGradients&) = delete;
+  FactorGradients& operator=(const FactorGradients&) = delete;
+
+  // After a synchronised backward pass: all-reduces the gradient of each weight whose factors the
+  // pass did not gather (if it has one), and counts the pass.
+  void finish();
+
+  const std::vector<nn::Module::NamedTensor>& weights() const { return weights_; }
+  // bytes: the factors gathered (every rank's, as received); exposed and busy seconds: the time
+  // the gathers and finish()'s all-reduces took (the pass waits for them).
+  const CommStats& total() const { return total_; }
+
+ private:
+  Tensor gather(size_t k, const Tensor& a, const Tensor& b, const FactorProduct& product);
+
+  comm::Communicator& comm_;
+  std::vector<nn::Module::NamedTensor> weights_;
+  std::vector<std::shared_ptr<AutogradMeta>> meta_;
+  std::vector<uint8_t> gathered_;  // [weight]: this pass formed its gradient from factors
+  CommStats total_;
+};
+
+}  // namespace mantissa::dist
