@@ -167,9 +167,15 @@ TEST(DataParallel, EqualsGradientAccumulationOfTheRanksBatches) {
 TEST(DataParallel, SufficientFactorsSendLessAndTrainAsTheGradients) {
   // At batch 8 a rank, lenet5's fc2 (120 -> 84) and the tutorial CNN's fc1 have factors over the
   // global batch of at most half their weights' size; the other layers go through the reducer.
+  // In 16-mixed the factors are FP16 (autocast's input and output gradient) and the gradient
+  // FP32; in 16-true all three are FP16 (each rank's product rounded to FP16, the sum too).
   const int n = world().size();
-  for (const std::string model : {"lenet5", "tutorial-cnn"}) {
+  for (const auto& [model, precision] :
+       {std::pair{"lenet5", "32-true"}, std::pair{"tutorial-cnn", "32-true"},
+        std::pair{"tutorial-cnn", "16-mixed"}, std::pair{"tutorial-cnn", "16-true"}}) {
+    SCOPED_TRACE(std::string(model) + " " + precision);
     train::TrainConfig c = small(model, 4);
+    c.precision = precision;
     if (n > 2) c.optimizer = "sgd", c.lr = 0.05;
     const Trained factors = train_on(c, false);
     train::TrainConfig off = c;
@@ -177,7 +183,7 @@ TEST(DataParallel, SufficientFactorsSendLessAndTrainAsTheGradients) {
     const Trained gradients = train_on(off, false);
     const train::Communication& f = *factors.result.communication;
     const train::Communication& g = *gradients.result.communication;
-    if (model == "lenet5") {
+    if (std::string(model) == "lenet5") {
       EXPECT_EQ(f.factored, (std::vector<std::string>{"fc2.weight"}));
     } else {
       EXPECT_EQ(f.factored, (std::vector<std::string>{"fc1.weight"}));

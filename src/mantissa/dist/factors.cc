@@ -94,35 +94,43 @@ Tensor FactorGradients::gather(size_t k, const Tensor& a, const Tensor& b,
   // not depend on it).
   const int64_t outf = a.size(1), in = b.size(1);
   const int64_t width = std::max<int64_t>(64, (int64_t{1} << 18) / std::max<int64_t>(outf, 1));
+  const int ranks = comm_.size();
   Tensor grad;
   std::vector<float> sum, staged;
   for (int64_t c0 = 0; c0 < in; c0 += width) {
     const int64_t cw = std::min(width, in - c0);
-    sum.assign(static_cast<size_t>(outf * cw), 0.0f);
-    staged.resize(sum.size());
-    DType dt = DType::f32;
-    for (int r = 0; r < comm_.size(); ++r) {
+    const size_t block = static_cast<size_t>(outf * cw);
+    for (int r = 0; r < ranks; ++r) {
       const int64_t n = rows[static_cast<size_t>(r)];
       const Tensor p = product(as.select(0, r).narrow(0, 0, n),
                                bs.select(0, r).narrow(0, 0, n).narrow(1, c0, cw))
                            .contiguous();
       MANTISSA_ASSERT(p.dim() == 2 && p.size(0) == outf && p.size(1) == cw,
                       "dist::FactorGradients: the product of the factors has another shape");
-      dt = p.dtype();
-      convert(p.data_ptr(), dt, r == 0 ? sum.data() : staged.data(), DType::f32, sum.size());
-      if (r > 0)
-        for (size_t j = 0; j < sum.size(); ++j) sum[j] += staged[j];
+      const DType dt = p.dtype();
+      if (!grad.defined()) {
+        TensorOptions o = charged_to(MemoryCategory::gradients);
+        o.owner = "gradient from factors";
+        grad = Tensor::empty({outf, in}, dt, o);
+      }
+      // The product as FP32 values (in place when it is FP32).
+      const float* pf = static_cast<const float*>(p.data_ptr());
+      if (dt != DType::f32) {
+        staged.resize(block);
+        convert(p.data_ptr(), dt, staged.data(), DType::f32, block);
+        pf = staged.data();
+      }
+      if (r == 0) {
+        sum.assign(pf, pf + block);
+        continue;
+      }
+      for (size_t j = 0; j < block; ++j) sum[j] += pf[j];
     }
-    if (!grad.defined()) {
-      TensorOptions o = charged_to(MemoryCategory::gradients);
-      o.owner = "gradient from factors";
-      grad = Tensor::empty({outf, in}, dt, o);
-    }
-    const size_t es = dtype_size(dt);
+    const size_t es = dtype_size(grad.dtype());
     for (int64_t i = 0; i < outf; ++i)
       convert(sum.data() + i * cw, DType::f32,
-              static_cast<char*>(grad.data_ptr()) + (i * in + c0) * static_cast<int64_t>(es), dt,
-              static_cast<size_t>(cw));
+              static_cast<char*>(grad.data_ptr()) + (i * in + c0) * static_cast<int64_t>(es),
+              grad.dtype(), static_cast<size_t>(cw));
   }
   gathered_[k] = 1;
   return grad;
