@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Data-parallel training speed (docs/distributed.md), in two parts:
 #   1. one host: 2 ranks x 1 thread (mpirun) against 1 process x 2 threads, the same global batch,
-#      for each wire type (--allreduce-dtype fp32, fp16, bf16), with --zero 1, and with Open MPI's
-#      default all-reduce algorithm: images/s, the ratio to the one process (the target is at
-#      least 0.9), the time a step waited for communication, the time collectives ran, and the
-#      gradients' payload per step;
+#      for each wire type (--allreduce-dtype fp32, fp16, bf16), with every gradient all-reduced
+#      (--no-sufficient-factors: by default the FP32 wire sends the tutorial CNN's fc1 as its
+#      factors), with --zero 1, and with Open MPI's default all-reduce algorithm: images/s, the
+#      ratio to the one process (the target is at least 0.9), the time a step waited for
+#      communication, the time collectives ran, and the payload per step;
 #   2. two simulated hosts: two network namespaces joined by a veth pair whose egress is limited
 #      by tc (token bucket, --rate), one rank in each, mpirun across them over TCP: the FP16 wire
-#      and the overlap of communication with the backward pass (4 MiB buckets, which start while
+#      and fc1's factors (the default) against its gradient (--no-sufficient-factors), and the
+#      overlap of communication with the backward pass (4 MiB buckets, which start while
 #      the backward pass runs, against one bucket holding every gradient but the first MiB, which
 #      starts when it ends; and PyTorch's default of 25 MiB, which for the tutorial CNN holds its
 #      16 MiB fc1 with the convolutions, so it too waits for the end) when the network is the
@@ -127,10 +129,11 @@ for model in $MODELS; do
   for _ in $(seq "$ROUNDS"); do
     printf '%s\t%s\n' "1 process x 2 threads, batch $g" \
       "$(run_one $g -- --model "$model" --batch-size $g --threads 2 --synthetic-size $((g * 8)))" >>"$TMP/rows"
-    for cfg in "fp32" "fp16" "bf16" "fp32 zero" "fp32 default"; do
+    for cfg in "fp32" "fp32 gradients" "fp16" "bf16" "fp32 zero" "fp32 default"; do
       read -r wire extra <<<"$cfg"
       label="2 ranks x 1 thread x batch $b, $wire wire" flags=() mca=("${RING[@]}")
       case $extra in
+        gradients) label="$label, --no-sufficient-factors" flags=(--no-sufficient-factors) ;;
         zero) label="$label, --zero 1" flags=(--zero 1) ;;
         default) label="$label, $MCA_DEFAULT" mca=() ;;
       esac
@@ -183,16 +186,22 @@ for model in $MODELS; do
   g=$((2 * b))
   : >"$TMP/rows"
   for _ in $(seq "$ROUNDS"); do
-    for cfg in "fp32 25" "fp32 4" "fp32 4096" "fp16 4" "fp16 4096" "bf16 4"; do
-      read -r wire bucket <<<"$cfg"
+    for cfg in "fp32 25" "fp32 25 gradients" "fp32 4 gradients" "fp32 4096 gradients" "fp16 4" \
+               "fp16 4096" "bf16 4"; do
+      read -r wire bucket extra <<<"$cfg"
       case $bucket in
         25) label="$wire wire, 25 MiB buckets (the default)" ;;
         4096) label="$wire wire, one bucket (no overlap)" ;;
         *) label="$wire wire, $bucket MiB buckets (overlap)" ;;
       esac
+      flags=()
+      if [ "$extra" = gradients ]; then
+        label="$label, --no-sufficient-factors" flags=(--no-sufficient-factors)
+      fi
       before=$(sent_bytes)
       result=$(run_one $g "${MPI2[@]}" -- --model "$model" --batch-size $b --threads 1 \
-               --synthetic-size $((g * 8)) --allreduce-dtype $wire --bucket-size $bucket)
+               --synthetic-size $((g * 8)) --allreduce-dtype $wire --bucket-size $bucket \
+               "${flags[@]}")
       after=$(sent_bytes)
       # The run's bytes per step (every step, set-up's collectives included).
       sent=$($PY -c "print(($after - $before) / ($STEPS + $WARMUP))")
@@ -200,5 +209,5 @@ for model in $MODELS; do
     done
   done
   report "== $model, two hosts over a $RATE link (global batch $g, one thread a rank): median [min-max] of $ROUNDS rounds; sent/step: bytes rank 1 sent, by tc" \
-    "fp32 wire, 25 MiB buckets (the default)"
+    "fp32 wire, 25 MiB buckets (the default), --no-sufficient-factors"
 done
