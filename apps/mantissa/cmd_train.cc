@@ -141,9 +141,10 @@ constexpr const char* kTrainUsage =
     "  --sync-batchnorm      batch-norm statistics over the global batch (default: each rank's,\n"
     "                        with rank 0's running statistics kept on every rank)\n"
     "  --zero 1              shard the optimizer state and master weights across the ranks\n"
-    "  --no-sufficient-factors  all-reduce every gradient (default: a linear layer whose inputs\n"
-    "                        and output gradients over the global batch are at most half its\n"
-    "                        weight gathers those instead, each rank forming the gradient)\n"
+    "  --no-sufficient-factors  all-reduce every gradient (default: a linear layer of at least\n"
+    "                        2^18 weights whose inputs and output gradients over the global batch\n"
+    "                        are at most half its weight gathers those instead, each rank forming\n"
+    "                        the gradient)\n"
     "  --check-replicas      after every step, check that every rank holds the same weights\n";
 
 constexpr const char* kEvalUsage =

@@ -6,7 +6,6 @@
 
 #include "mantissa/core/convert.h"
 #include "mantissa/core/error.h"
-#include "mantissa/core/parallel.h"
 #include "mantissa/dist/agreement.h"
 
 namespace mantissa::dist {

@@ -128,9 +128,9 @@ struct TrainConfig : amp::PrecisionChoices {
   std::string allreduce_dtype = "fp32";  // the gradients' type on the wire: fp32 | fp16 | bf16
   bool sync_batchnorm = false;  // batch-norm statistics over the global batch, not each rank's
   int64_t zero = 0;             // 1: ZeRO stage 1, optimizer state and master weights sharded
-  // Linear weights whose gradient's factors (the layer's inputs and output gradients over every
-  // rank's batch) are at most half the gradient gather the factors instead of all-reducing the
-  // gradient (dist/factors.h); off: every gradient through the reducer.
+  // Linear weights of at least 2^18 values whose gradient's factors (the layer's inputs and output
+  // gradients over every rank's batch) are at most half the gradient gather the factors instead
+  // of all-reducing the gradient (dist/factors.h); off: every gradient through the reducer.
   bool sufficient_factors = true;
   // After every step, check that every rank holds the same parameters and buffers, bit for bit
   // (a hash per tensor, gathered): a debugging aid that stops naming the first tensor that

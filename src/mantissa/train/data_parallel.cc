@@ -137,6 +137,8 @@ void DataParallel::broadcast_model(nn::Module& model) {
   dist::broadcast_tensors(comm_, tensors, 0);
 }
 
+constexpr int64_t kMinFactoredValues = int64_t{1} << 18;
+
 std::vector<nn::Module::NamedTensor> DataParallel::factored_weights(nn::Module& model) const {
   std::vector<nn::Module::NamedTensor> out;
   // Every pass synchronised, gradients summed in FP32 and whole on every rank: no accumulation
@@ -152,8 +154,10 @@ std::vector<nn::Module::NamedTensor> DataParallel::factored_weights(nn::Module& 
       if (t.name != "weight" || !t.tensor->requires_grad() || t.tensor->dim() != 2) continue;
       const int64_t outf = t.tensor->size(0), in = t.tensor->size(1);
       // The factors at most half the gradient's size (a layer fed more rows than the batch, a
-      // sequence, only gathers more).
-      if (2 * rows * (in + outf) <= in * outf)
+      // sequence, only gathers more), and the gradient at least 2^18 values (1 MiB in FP32):
+      // below that the bytes saved are few, while the gathers wait inside the backward pass
+      // where a bucket's all-reduce overlaps it.
+      if (2 * rows * (in + outf) <= in * outf && in * outf >= kMinFactoredValues)
         out.push_back({path.empty() ? t.name : path + "." + t.name, t.tensor});
     }
   }
