@@ -730,19 +730,38 @@ Sgd::Sgd(ParamList params, const SgdOptions& o, StateTypes types)
 
 void Sgd::update_chunk(const ChunkArgs& a, float* p, const float* g, float* const* s,
                        int64_t n) const {
-  const float wd = static_cast<float>(o_.weight_decay), lr = static_cast<float>(lr_);
-  const float mom = static_cast<float>(o_.momentum), damp = static_cast<float>(1 - o_.dampening);
-  const bool use_mom = o_.momentum != 0, first = use_mom && a.fresh_state;
-  const bool nesterov = o_.nesterov;
+  detail::SgdScalars sc;
+  sc.lr = static_cast<float>(lr_);
+  sc.momentum = static_cast<float>(o_.momentum);
+  sc.damp = static_cast<float>(1 - o_.dampening);
+  sc.wd = static_cast<float>(o_.weight_decay);
+  sc.use_momentum = o_.momentum != 0;
+  sc.first = sc.use_momentum && a.fresh_state;
+  sc.nesterov = o_.nesterov;
+  sc.unscale = a.unscale;
+  sc.clip = a.clip;
+  detail::sgd_update(p, g, sc.use_momentum ? s[0] : nullptr, n, sc);
+}
+
+void detail::sgd_update(float* p, const float* g, float* buf, int64_t n, const SgdScalars& s) {
+  // A momentum buffer whose gradient stays zero decays by the momentum each step into the
+  // subnormal range and stays there (a few units in the last place times 0.9 round back to
+  // themselves): such elements, and tiny weights and gradients, take the exact path.
   for (int64_t j = 0; j < n; ++j) {
-    float d = (g[j] * a.unscale) * a.clip;
-    if (wd != 0) d = d + wd * p[j];
-    if (use_mom) {
-      const float m = first ? d : s[0][j] * mom + damp * d;
-      s[0][j] = m;
-      d = nesterov ? d + mom * m : m;
+    float none = 0;
+    float& b = buf ? buf[j] : none;
+    // The gradient as it enters the formula, in FP64 (no assist; below FP32's range it is small
+    // too).
+    const double d = std::fabs(static_cast<double>(g[j]) * s.unscale * s.clip);
+    const bool small = near_subnormal(p[j]) || near_subnormal(b) || (d != 0 && d < 0x1p-100);
+    if (!small) {
+      sgd_formula<float>(p[j], g[j], b, s);
+      continue;
     }
-    p[j] = p[j] + (-lr) * d;
+    ExactFloat pe(p[j]), be(b);
+    sgd_formula<ExactFloat>(pe, ExactFloat(g[j]), be, s);
+    p[j] = pe.value();
+    b = be.value();
   }
 }
 

@@ -50,6 +50,63 @@ inline void adam_element(float& p, float g, float& m, float& v, const AdamScalar
   adam_formula<float>(p, g, m, v, s);
 }
 
+// PyTorch 1.13's SGD (momentum, dampening, Nesterov, L2 weight decay), one element, over a number
+// type as adam_formula: float, or ExactFloat for an element near the subnormal range.
+struct SgdScalars {
+  float lr, momentum, damp;  // damp: 1 - dampening
+  float wd;
+  bool use_momentum, first, nesterov;  // first: the momentum buffer is created this step
+  float unscale = 1, clip = 1;
+};
+
+template <class T>
+inline void sgd_formula(T& p, T g, T& buf, const SgdScalars& s) {
+  T d = (g * T(s.unscale)) * T(s.clip);
+  if (s.wd != 0) d = d + T(s.wd) * p;
+  if (s.use_momentum) {
+    const T m = s.first ? d : buf * T(s.momentum) + T(s.damp) * d;
+    buf = m;
+    d = s.nesterov ? d + T(s.momentum) * m : m;
+  }
+  p = p + T(-s.lr) * d;
+}
+
+// One FP32 value held as an FP64 one, each operation rounded to FP32 as it is made: the same
+// bits as the FP32 operation (a product of FP32 values is exact in FP64; rounding a sum,
+// quotient or square root to FP64 and then to FP32 is the correctly rounded FP32 result, as
+// 53 >= 2 * 24 + 2, subnormal results included), without the microcode assists some processors
+// take for FP32 arithmetic on subnormals (conversions take none).
+struct ExactFloat {
+  double v;
+  explicit ExactFloat(float x) : v(x) {}
+  static ExactFloat rounded(double x) {
+    // An empty asm the value passes through: otherwise the compiler turns the FP64 operation on
+    // FP32 values and its rounding back into the FP32 operation (the same value, but with the
+    // assists this type is for).
+#if defined(__x86_64__) || defined(__i386__)
+    asm volatile("" : "+x"(x));
+#else
+    asm volatile("" : "+m"(x));
+#endif
+    return ExactFloat(static_cast<float>(x));
+  }
+  float value() const { return static_cast<float>(v); }
+};
+inline ExactFloat operator+(ExactFloat a, ExactFloat b) { return ExactFloat::rounded(a.v + b.v); }
+inline ExactFloat operator*(ExactFloat a, ExactFloat b) { return ExactFloat::rounded(a.v * b.v); }
+
+// Whether an FP32 value is nonzero and below 2^-100 in magnitude (a subnormal included): an
+// operand whose products may leave the normal range.
+inline bool near_subnormal(float x) {
+  const float a = std::fabs(x);
+  return a != 0 && a < 0x1p-100f;
+}
+
+// SGD over n elements of FP32 parameter, gradient and momentum buffer (buf may be null without
+// momentum): sgd_formula in FP32, or in ExactFloat for an element whose weight, buffer or
+// (unscaled, clipped) gradient is near the subnormal range; the same bits either way.
+void sgd_update(float* p, const float* g, float* buf, int64_t n, const SgdScalars& s);
+
 // n elements of a parameter, its gradient and its Adam state in their storage types (f32, f16,
 // bf16), read and written in place: no FP32 staging copies. With `master` the parameter's values
 // come from and go to the FP32 master, and `p` receives them rounded. Writes round to nearest

@@ -1,4 +1,5 @@
-// The AVX2 Adam/AdamW inner loop against adam_element, bit for bit, where it matters most: state
+// The optimizers' inner loops against their FP32 formulas, bit for bit, where it matters most.
+// The AVX2 Adam/AdamW loop against adam_element: state
 // and gradients near and inside the subnormal range, where the loop sends vectors to its exact
 // lanes (FP64, each operation rounded to FP32: AVX-512 ones on a processor that has it, AVX2 ones
 // under MANTISSA_SIMD=avx2, the CTest entry kernels.adam_avx2) instead of FP32 arithmetic that
@@ -179,6 +180,52 @@ TEST(AdamLanes, Avx2EqualsTheElementFormulaNearAndInTheSubnormalRange) {
   }
   // The inputs reach the exact lanes: many moments start subnormal.
   EXPECT_GT(subnormal_moments, 10000);
+}
+
+// SGD's elements near the subnormal range take FP64 values rounded to FP32 after each operation
+// (ExactFloat): the same bits as the FP32 formula, for every kind of value, with momentum or
+// without, on the step that creates the buffer, with Nesterov, dampening, L2, unscaling and
+// clipping. (Fails when ExactFloat skips a rounding.)
+TEST(SgdElements, NearTheSubnormalRangeEqualTheFp32Formula) {
+  std::mt19937 rng(7);
+  const int64_t n = 8 * 700 + 3;
+  struct Case {
+    SgdScalars s;
+    const char* name;
+  };
+  // lr, momentum, 1 - dampening, wd, use momentum, first, nesterov, unscale, clip
+  const Case cases[] = {
+      {{0.1f, 0.9f, 1.0f, 5e-4f, true, false, false, 1.0f / 65536, 1.0f}, "momentum, L2, unscaled"},
+      {{0.05f, 0.9f, 1.0f, 0.0f, true, false, true, 1.0f, 0.37f}, "Nesterov, clipped"},
+      {{0.1f, 0.8f, 0.7f, 1e-3f, true, false, false, 1.0f, 1.0f}, "dampening"},
+      {{0.1f, 0.9f, 1.0f, 0.0f, true, true, false, 1.0f, 1.0f}, "the buffer's first step"},
+      {{1e-3f, 0.0f, 1.0f, 1e-2f, false, false, false, 2.0f, 1.0f}, "no momentum"},
+  };
+  int64_t small = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::vector<uint32_t> p0 = make_values(n, false, rng), g0 = make_values(n, false, rng),
+                                b0 = make_values(n, false, rng);
+    std::vector<float> p(static_cast<size_t>(n)), g(p.size()), b(p.size());
+    for (size_t i = 0; i < p.size(); ++i) {
+      p[i] = from_bits(p0[i]), g[i] = from_bits(g0[i]), b[i] = from_bits(b0[i]);
+      small += std::fpclassify(b[i]) == FP_SUBNORMAL;
+    }
+    std::vector<float> rp = p, rb = b;
+    for (size_t i = 0; i < p.size(); ++i) sgd_formula<float>(rp[i], g[i], rb[i], c.s);
+    sgd_update(p.data(), g.data(), c.s.use_momentum ? b.data() : nullptr, n, c.s);
+    int64_t wrong = 0;
+    for (size_t i = 0; i < p.size() && wrong < 5; ++i) {
+      const bool buffer_ok = !c.s.use_momentum || canonical(b[i]) == canonical(rb[i]);
+      if (canonical(p[i]) != canonical(rp[i]) || !buffer_ok) {
+        ++wrong;
+        ADD_FAILURE() << "element " << i << ": g " << g[i] << " p " << from_bits(p0[i]) << " buf "
+                      << from_bits(b0[i]) << " -> p " << p[i] << " (want " << rp[i] << ") buf "
+                      << b[i] << " (want " << rb[i] << ")";
+      }
+    }
+  }
+  EXPECT_GT(small, 3000);  // the inputs reach the exact path
 }
 
 }  // namespace
