@@ -15,10 +15,12 @@
 //   factors.finish();                              // every weight's gradient is the sum over ranks
 //
 // A weight whose gradient a pass computed some other way (an op without factors read it) is
-// all-reduced by finish() instead. Every pass must be synchronised: no gradient accumulation
-// inside no_sync (those passes would form global gradients), and the weights are not in a
-// dist::Reducer. The gathers run inside the backward pass, in the order it reaches the weights,
-// the same on every rank.
+// all-reduced by finish() instead. A weight read in one pass both by an op that gathers factors
+// and by one that does not would get a global and a local part: the trainer factors only the
+// weights of nn::Linear layers, which their own op alone reads. Every pass must be synchronised: no
+// gradient accumulation inside no_sync (those passes would form global gradients), and the weights
+// are not in a dist::Reducer. The gathers run inside the backward pass, in the order it reaches the
+// weights, the same on every rank.
 #pragma once
 
 #include <string>
