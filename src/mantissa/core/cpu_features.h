@@ -52,7 +52,8 @@ SimdPath active_simd_path();
     "Winograd transforms, ReLU rows with 16-bit operands")                                        \
   X(kPooling, "pooling", kAvx2, "kernels/vector_kernels.cc: 2x2 stride-2 max pooling rows")       \
   X(kOptimizer, "optimizer", kAvx512,                                                             \
-    "optim/optim.cc: the Adam/AdamW update (AVX-512: its exact lanes) and the sum of squares")    \
+    "optim/optim.cc: the Adam/AdamW (AVX-512: its exact lanes) and SGD updates, the sum of "      \
+    "squares")                                                                                    \
   X(kFmaProbe, "fma probe", kAvx512, "core/cpu_features.cc: fma_chains, the FMA ceiling's probe") \
   X(kQuantize, "quantize", kAvx2, "kernels/quantize.cc: FP8 quantization with a scale, and amax")
 

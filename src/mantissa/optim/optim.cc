@@ -747,21 +747,13 @@ void detail::sgd_update(float* p, const float* g, float* buf, int64_t n, const S
   // A momentum buffer whose gradient stays zero decays by the momentum each step into the
   // subnormal range and stays there (a few units in the last place times 0.9 round back to
   // themselves): such elements, and tiny weights and gradients, take the exact path.
+#if MANTISSA_HAVE_X86_SIMD
+  static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
+  if (simd) return sgd_update_avx2(p, g, buf, n, s);
+#endif
   for (int64_t j = 0; j < n; ++j) {
     float none = 0;
-    float& b = buf ? buf[j] : none;
-    // The gradient as it enters the formula, in FP64 (no assist; below FP32's range it is small
-    // too).
-    const double d = std::fabs(static_cast<double>(g[j]) * s.unscale * s.clip);
-    const bool small = near_subnormal(p[j]) || near_subnormal(b) || (d != 0 && d < 0x1p-100);
-    if (!small) {
-      sgd_formula<float>(p[j], g[j], b, s);
-      continue;
-    }
-    ExactFloat pe(p[j]), be(b);
-    sgd_formula<ExactFloat>(pe, ExactFloat(g[j]), be, s);
-    p[j] = pe.value();
-    b = be.value();
+    sgd_element(p[j], g[j], buf ? buf[j] : none, s);
   }
 }
 

@@ -375,7 +375,58 @@ __attribute__((target("avx2"))) void sum_squares_8wide(const float* x, int64_t n
   }
 }
 
+// SGD, eight elements a vector: sgd_formula<float>'s operations in the same order (no FMA); a
+// vector with a weight, buffer or gradient lane below 2^-100 in magnitude (nonzero) goes element
+// by element through sgd_element, which computes such elements exactly without assists.
+__attribute__((target("avx2,f16c"))) void sgd_avx2(float* p, const float* g, float* buf, int64_t n,
+                                                   const SgdScalars& s) {
+  const __m256 unscale = _mm256_set1_ps(s.unscale), clip = _mm256_set1_ps(s.clip);
+  const __m256 wd = _mm256_set1_ps(s.wd), mom = _mm256_set1_ps(s.momentum);
+  const __m256 damp = _mm256_set1_ps(s.damp), neg_lr = _mm256_set1_ps(-s.lr);
+  // Magnitudes minus one as unsigned (zero the largest): small below 2^-100's bits minus one;
+  // the gradient's threshold is 2^-100 over the unscale and clip factors.
+  const double factor = std::fabs(static_cast<double>(s.unscale) * static_cast<double>(s.clip));
+  const double gt = factor > 0 ? std::min(0x1p-100 / factor, 1.0) : 0.0;
+  const __m256i t_state = _mm256_set1_epi32(static_cast<int>(fp32_bits(0x1p-100) - 1));
+  const __m256i t_grad =
+      _mm256_set1_epi32(static_cast<int>((gt > 0 ? fp32_bits(std::max(gt, 0x1p-126)) : 1) - 1));
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 pv = _mm256_loadu_ps(p + j), gv = _mm256_loadu_ps(g + j);
+    const __m256 bv = buf ? _mm256_loadu_ps(buf + j) : _mm256_setzero_ps();
+    const __m256i state =
+        _mm256_min_epu32(magnitude_minus_one<kF32>(pv), magnitude_minus_one<kF32>(bv));
+    const __m256i grad = magnitude_minus_one<kF32>(gv);
+    const __m256i safe =
+        _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(state, t_state), state),
+                         _mm256_cmpeq_epi32(_mm256_max_epu32(grad, t_grad), grad));
+    if (!_mm256_testc_si256(safe, _mm256_set1_epi32(-1))) {
+      for (int64_t k = j; k < j + 8; ++k) {
+        float none = 0;
+        sgd_element(p[k], g[k], buf ? buf[k] : none, s);
+      }
+      continue;
+    }
+    __m256 d = _mm256_mul_ps(_mm256_mul_ps(gv, unscale), clip);
+    if (s.wd != 0) d = _mm256_add_ps(d, _mm256_mul_ps(wd, pv));
+    if (s.use_momentum) {
+      const __m256 m = s.first ? d : _mm256_add_ps(_mm256_mul_ps(bv, mom), _mm256_mul_ps(damp, d));
+      _mm256_storeu_ps(buf + j, m);
+      d = s.nesterov ? _mm256_add_ps(d, _mm256_mul_ps(mom, m)) : m;
+    }
+    _mm256_storeu_ps(p + j, _mm256_add_ps(pv, _mm256_mul_ps(neg_lr, d)));
+  }
+  for (; j < n; ++j) {
+    float none = 0;
+    sgd_element(p[j], g[j], buf ? buf[j] : none, s);
+  }
+}
+
 }  // namespace
+
+void sgd_update_avx2(float* p, const float* g, float* buf, int64_t n, const SgdScalars& s) {
+  sgd_avx2(p, g, buf, n, s);
+}
 
 void sum_squares_avx2(const float* x, int64_t n, float scale, float* acc) {
   sum_squares_8wide(x, n, scale, acc);

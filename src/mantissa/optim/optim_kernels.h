@@ -102,10 +102,30 @@ inline bool near_subnormal(float x) {
   return a != 0 && a < 0x1p-100f;
 }
 
+// One SGD element: sgd_formula in FP32, or in ExactFloat when its weight, buffer or (unscaled,
+// clipped) gradient is near the subnormal range; the same bits either way. b: the buffer's
+// element (any value without momentum).
+inline void sgd_element(float& p, float g, float& b, const SgdScalars& s) {
+  // The gradient as it enters the formula, in FP64 (no assist; below FP32's range it is small
+  // too).
+  const double d = std::fabs(static_cast<double>(g) * s.unscale * s.clip);
+  if (!near_subnormal(p) && !near_subnormal(b) && !(d != 0 && d < 0x1p-100)) {
+    sgd_formula<float>(p, g, b, s);
+    return;
+  }
+  ExactFloat pe(p), be(b);
+  sgd_formula<ExactFloat>(pe, ExactFloat(g), be, s);
+  p = pe.value();
+  b = be.value();
+}
+
 // SGD over n elements of FP32 parameter, gradient and momentum buffer (buf may be null without
-// momentum): sgd_formula in FP32, or in ExactFloat for an element whose weight, buffer or
-// (unscaled, clipped) gradient is near the subnormal range; the same bits either way.
+// momentum), sgd_element's bits: eight at a time on the AVX2 path (a vector with an element near
+// the subnormal range element by element).
 void sgd_update(float* p, const float* g, float* buf, int64_t n, const SgdScalars& s);
+#if MANTISSA_HAVE_X86_SIMD
+void sgd_update_avx2(float* p, const float* g, float* buf, int64_t n, const SgdScalars& s);
+#endif
 
 // n elements of a parameter, its gradient and its Adam state in their storage types (f32, f16,
 // bf16), read and written in place: no FP32 staging copies. With `master` the parameter's values
