@@ -141,17 +141,20 @@ void FactorGradients::finish() {
     AutogradMeta& meta = *meta_[k];
     if (gathered_[k] || !meta.grad || !meta.grad->defined()) continue;
     // Formed some other way this pass: the sum over ranks as the reducer's FP32 wire makes it.
+    // Summed in an FP32 copy (the gradient may share its storage with another tensor), which
+    // becomes the gradient when that is FP32.
     Tensor& g = *meta.grad;
-    Tensor g32 = g.dtype() == DType::f32 ? g.contiguous() : Tensor();
-    if (!g32.defined()) {
-      g32 = Tensor::empty(g.shape(), DType::f32, charged_to(MemoryCategory::gradients));
-      convert(g.contiguous().data_ptr(), g.dtype(), g32.data_ptr(), DType::f32,
-              static_cast<size_t>(g.numel()));
-    }
+    const size_t n = static_cast<size_t>(g.numel());
+    Tensor g32 = Tensor::empty(g.shape(), DType::f32, charged_to(MemoryCategory::gradients));
+    convert(g.contiguous().data_ptr(), g.dtype(), g32.data_ptr(), DType::f32, n);
     comm_.all_reduce(g32, comm::ReduceOp::kSum);
     total_.bytes += static_cast<int64_t>(g32.nbytes());
+    if (g.dtype() == DType::f32) {
+      g = g32;
+      continue;
+    }
     Tensor out = Tensor::empty(g.shape(), g.dtype(), charged_to(MemoryCategory::gradients));
-    convert(g32.data_ptr(), DType::f32, out.data_ptr(), g.dtype(), static_cast<size_t>(g.numel()));
+    convert(g32.data_ptr(), DType::f32, out.data_ptr(), g.dtype(), n);
     g = out;
   }
   const double waited = seconds_since(t0);

@@ -534,10 +534,10 @@ __attribute__((target("avx2,f16c,fma"))) void dot_tile(int rows_a, int rows_b, i
       }
 }
 
-// R rows of A (R <= kDotColumnRows) against one B row: each value of the B row read (widened, or
-// rounded and widened) once for all R rows, where the 3 x 4 tile reads it once for every three
-// rows of A: for 16-bit and rounded B rows, whose reading costs more than the FMAs it feeds.
-template <DotRow L, int R>
+// R rows of A (R <= kDotColumnRows) against one FP32 B row read as its BF16 copy: each value
+// rounded once for all R rows, where the 3 x 4 tile rounds it once for every three rows of A
+// (BF16's rounding costs more than the FMAs a value feeds).
+template <int R>
 __attribute__((target("avx2,f16c,fma"))) void dot_column(int64_t k0, int64_t k1,
                                                          const float* const* a, const void* b,
                                                          float* const* P) {
@@ -545,12 +545,12 @@ __attribute__((target("avx2,f16c,fma"))) void dot_column(int64_t k0, int64_t k1,
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_loadu_ps(P[i]);
   for (int64_t k = k0; k < k8; k += 8) {
-    const __m256 bv = dot_b8<L>(b, k);
+    const __m256 bv = dot_b8<DotRow::kF32AsBF16>(b, k);
     for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(a[i] + k), bv, acc[i]);
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(P[i], acc[i]);
   for (int64_t k = k8; k < k1; ++k) {
-    const float bk = dot_b1<L>(b, k);
+    const float bk = dot_b1<DotRow::kF32AsBF16>(b, k);
     for (int i = 0; i < R; ++i) {
       float& lane = P[i][k % 8];
       lane = std::fma(a[i][k], bk, lane);
@@ -558,13 +558,12 @@ __attribute__((target("avx2,f16c,fma"))) void dot_column(int64_t k0, int64_t k1,
   }
 }
 
-template <DotRow L>
 void dot_column_rows(int rows_a, int64_t k0, int64_t k1, const float* const* a, const void* b,
                      float* const* P) {
   switch (rows_a) {
 #define MANTISSA_COLUMN(r) \
   case r:                  \
-    return dot_column<L, r>(k0, k1, a, b, P);
+    return dot_column<r>(k0, k1, a, b, P);
     MANTISSA_COLUMN(1)
     MANTISSA_COLUMN(2)
     MANTISSA_COLUMN(3)
@@ -637,20 +636,9 @@ __attribute__((target("avx2,f16c,fma"))) void relu_backward_row_avx2(const void*
   }
 }
 
-void dot_lanes_column_avx2(DotRow kind, int rows_a, int64_t k0, int64_t k1, const float* const* a,
-                           const void* b, float* const* P) {
-  switch (kind) {
-    case DotRow::kF32:
-      return dot_column_rows<DotRow::kF32>(rows_a, k0, k1, a, b, P);
-    case DotRow::kF16:
-      return dot_column_rows<DotRow::kF16>(rows_a, k0, k1, a, b, P);
-    case DotRow::kBF16:
-      return dot_column_rows<DotRow::kBF16>(rows_a, k0, k1, a, b, P);
-    case DotRow::kF32AsF16:
-      return dot_column_rows<DotRow::kF32AsF16>(rows_a, k0, k1, a, b, P);
-    case DotRow::kF32AsBF16:
-      return dot_column_rows<DotRow::kF32AsBF16>(rows_a, k0, k1, a, b, P);
-  }
+void dot_lanes_bf16_column_avx2(int rows_a, int64_t k0, int64_t k1, const float* const* a,
+                                const float* b, float* const* P) {
+  dot_column_rows(rows_a, k0, k1, a, b, P);
 }
 
 void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,

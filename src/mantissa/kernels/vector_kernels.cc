@@ -320,13 +320,11 @@ void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
           if (column) {
             const float* arows[kDotColumnRows];
             float* lanes[kDotColumnRows];
+            for (int64_t i = 0; i < M; ++i) arows[i] = a + i * lda + shift;
             for (int j = 0; j < rb; ++j) {
-              for (int64_t i = 0; i < M; ++i) {
-                arows[i] = a + i * lda + shift;
-                lanes[i] = P + (i * N + j0 + j) * kDotLanes;
-              }
-              dot_lanes_column_avx2(kind, static_cast<int>(M), k0 - shift, k1 - shift, arows,
-                                    brows[j], lanes);
+              for (int64_t i = 0; i < M; ++i) lanes[i] = P + (i * N + j0 + j) * kDotLanes;
+              dot_lanes_bf16_column_avx2(static_cast<int>(M), k0 - shift, k1 - shift, arows,
+                                         static_cast<const float*>(brows[j]), lanes);
             }
             continue;
           }

@@ -128,12 +128,12 @@ void winograd_output_gather8_avx2(const float* m, int64_t ms, float bias, void* 
 // convert() would stage, so the same sums.
 void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
                          const float* const* a, const void* const* b, float* const* P);
-// Up to kDotColumnRows rows of A against one row of B (read as `kind` says, each value once for
-// all of them), columns [k0, k1) as above: the driver's tile for 16-bit and rounded B rows when A
-// has that few rows.
+// Up to kDotColumnRows rows of A against one FP32 row of B read as its BF16 copy (each value
+// rounded once for all of them), columns [k0, k1) as above: the driver's tile for kF32AsBF16
+// rows when A has that few rows.
 inline constexpr int kDotColumnRows = 12;
-void dot_lanes_column_avx2(DotRow kind, int rows_a, int64_t k0, int64_t k1, const float* const* a,
-                           const void* b, float* const* P);
+void dot_lanes_bf16_column_avx2(int rows_a, int64_t k0, int64_t k1, const float* const* a,
+                                const float* b, float* const* P);
 void relu_row_avx2(const void* x, DType tx, void* y, DType ty, int64_t n);
 void relu_backward_row_avx2(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                             int64_t n);

@@ -340,26 +340,23 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
           // After dx, which read the weights: an update in the backward pass may take dw in
           // parts, changing the weights as each part is handed over.
           const Tensor x2 = xd.reshape({rows, in});
-          // Data parallelism may gather the factors of every rank instead of reducing dw.
           const FactorProduct product = [p, dt = n.input_dtype(1)](const Tensor& gr,
                                                                    const Tensor& xr) {
             return kernels::matmul(gr.transpose(0, 1), xr, dt, p, MemoryCategory::gradients);
           };
-          if (const auto gather = autograd::grad_factor_gatherer(n, 1)) {
-            out[1] = gather(g2, x2, product);
-            if (n.needs_input_grad(2))
-              out[2] = kernels::sum(g2, {0}, false, n.input_dtype(2), MemoryCategory::gradients);
-            return out;
-          }
-          // Or the optimizer keeps the gradient as its producer (g and x, small at such a
-          // batch) and computes the parts at its step.
+          // Data parallelism may gather the factors of every rank instead of reducing dw. Or the
+          // optimizer keeps the gradient as its producer (g and x, small at such a batch) and
+          // computes the parts at its step.
+          const auto gather = autograd::grad_factor_gatherer(n, 1);
           GradPartConsumer parts;
           std::function<void(GradPartProducer, double)> defer;
-          if (p == Partials::kF32 && kernels::linear_weight_grad_parts_fit(rows)) {
+          if (!gather && p == Partials::kF32 && kernels::linear_weight_grad_parts_fit(rows)) {
             parts = autograd::take_grad_part_consumer(n, 1);
             if (!parts) defer = autograd::take_grad_part_deferral(n, 1);
           }
-          if (parts)
+          if (gather)
+            out[1] = gather(g2, x2, product);
+          else if (parts)
             kernels::linear_weight_grad_parts(g2, x2, n.input_dtype(1), parts);
           else if (defer)
             defer(

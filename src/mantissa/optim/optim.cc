@@ -21,6 +21,15 @@ namespace {
 
 constexpr int64_t kChunk = 1024;
 
+#if MANTISSA_HAVE_X86_SIMD
+// Whether the optimizer family runs its SIMD loops (the AVX2 ones; on the AVX-512 path the same
+// loops with AVX-512 exact lanes), asked once.
+bool simd_loops() {
+  static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
+  return simd;
+}
+#endif
+
 // Calls f(begin, count) over [0, n) in chunks of at most kChunk elements, in parallel.
 template <class F>
 void for_chunks(int64_t n, F&& f) {
@@ -748,8 +757,7 @@ void detail::sgd_update(float* p, const float* g, float* buf, int64_t n, const S
   // subnormal range and stays there (a few units in the last place times 0.9 round back to
   // themselves): such elements, and tiny weights and gradients, take the exact path.
 #if MANTISSA_HAVE_X86_SIMD
-  static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
-  if (simd) return sgd_update_avx2(p, g, buf, n, s);
+  if (simd_loops()) return sgd_update_avx2(p, g, buf, n, s);
 #endif
   for (int64_t j = 0; j < n; ++j) {
     float none = 0;
@@ -794,9 +802,7 @@ void Adam::update_chunk(const ChunkArgs& a, float* p, const float* g, float* con
 
 void detail::sum_squares(const float* x, int64_t n, float scale, float* acc) {
 #if MANTISSA_HAVE_X86_SIMD
-  // (The AVX-512 path is the AVX2 loop with AVX-512 exact lanes.)
-  static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
-  if (simd) return sum_squares_avx2(x, n, scale, acc);
+  if (simd_loops()) return sum_squares_avx2(x, n, scale, acc);
 #endif
   sum_squares8(x, n, scale, acc);
 }
@@ -810,12 +816,10 @@ bool Adam::update_chunk_direct(const ChunkArgs& a, const detail::DirectChunk& c,
 
 bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScalars& s) {
 #if MANTISSA_HAVE_X86_SIMD
-  // (The AVX-512 path is the AVX2 loop with AVX-512 exact lanes.)
-  static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
   // All-FP32 tensors gain nothing from it: the staged path reads them in place.
   const bool all_f32 =
       c.pt == DType::f32 && c.gt == DType::f32 && c.mt == DType::f32 && c.vt == DType::f32;
-  if (simd && !all_f32 && is_compute_float(c.pt) && is_compute_float(c.gt) &&
+  if (simd_loops() && !all_f32 && is_compute_float(c.pt) && is_compute_float(c.gt) &&
       is_compute_float(c.mt) && is_compute_float(c.vt)) {
     adam_update_direct_avx2(c, n, s);
     return true;
@@ -828,9 +832,7 @@ bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScala
 void detail::adam_update(float* p, const float* g, float* m, float* v, int64_t n,
                          const detail::AdamScalars& s) {
 #if MANTISSA_HAVE_X86_SIMD
-  // (The AVX-512 path is the AVX2 loop with AVX-512 exact lanes.)
-  static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
-  if (simd) return adam_update_avx2(p, g, m, v, n, s);
+  if (simd_loops()) return adam_update_avx2(p, g, m, v, n, s);
 #endif
   for (int64_t j = 0; j < n; ++j) adam_element(p[j], g[j], m[j], v[j], s);
 }

@@ -140,9 +140,9 @@ MANTISSA_AVX2 inline Exact16 sqrt(const Exact16& a) {
 }
 
 // The bit patterns below which a nonzero magnitude sends a vector to the exact lanes, minus one:
-// 2^-100 for the state and the weight (products of them with the betas, the decay and the step
-// stay normal), and for the gradient the size at which (1 - beta2) * grad^2 or (1 - beta1) * grad
-// would come within 2^-120 of the subnormal range, divided by the unscale and clip factors.
+// 2^-100 for the state and the weight (products of them with the betas, the momentum, the decay
+// and the step stay normal), and for the gradient the smallest safe size of (g * unscale) * clip
+// divided by the unscale and clip factors.
 struct ExactThresholds {
   __m256i state, grad;
 };
@@ -154,6 +154,20 @@ inline uint32_t fp32_bits(double x) {
   return b;
 }
 
+// safe_grad: the smallest safe magnitude of the gradient as it enters the formula (0: none).
+__attribute__((target("avx2,f16c"))) inline ExactThresholds exact_thresholds(double safe_grad,
+                                                                             float unscale,
+                                                                             float clip) {
+  const double factor = std::fabs(static_cast<double>(unscale) * static_cast<double>(clip));
+  // Zero factor: the gradient is zero whatever g is; a threshold of 1 (bits 0: none) then.
+  const double g = factor > 0 ? std::min(safe_grad / factor, 1.0) : 0.0;
+  const uint32_t gb = g > 0 ? fp32_bits(std::max(g, std::ldexp(1.0, -126))) : 1;
+  return {_mm256_set1_epi32(static_cast<int>(fp32_bits(std::ldexp(1.0, -100)) - 1)),
+          _mm256_set1_epi32(static_cast<int>(gb - 1))};
+}
+
+// Adam's: the gradient where (1 - beta2) * grad^2 or (1 - beta1) * grad would come within 2^-120
+// of the subnormal range.
 __attribute__((target("avx2,f16c"))) inline ExactThresholds exact_thresholds(const AdamScalars& s) {
   const double tiny = std::ldexp(1.0, -120);
   const double o1 = std::fabs(static_cast<double>(s.one_minus_b1));
@@ -161,12 +175,7 @@ __attribute__((target("avx2,f16c"))) inline ExactThresholds exact_thresholds(con
   double grad = 0;  // the smallest safe |grad|
   if (o1 > 0) grad = std::max(grad, tiny / o1);
   if (o2 > 0) grad = std::max(grad, std::sqrt(tiny / o2));
-  const double factor = std::fabs(static_cast<double>(s.unscale) * static_cast<double>(s.clip));
-  // Zero factor: the gradient is zero whatever g is; a threshold of 1 (bits 0: none) then.
-  const double g = factor > 0 ? std::min(grad / factor, 1.0) : 0.0;
-  const uint32_t gb = g > 0 ? fp32_bits(std::max(g, std::ldexp(1.0, -126))) : 1;
-  return {_mm256_set1_epi32(static_cast<int>(fp32_bits(std::ldexp(1.0, -100)) - 1)),
-          _mm256_set1_epi32(static_cast<int>(gb - 1))};
+  return exact_thresholds(grad, s.unscale, s.clip);
 }
 
 // (|x| - 1) as unsigned: zero becomes the largest value, so a lane is small when this is below
@@ -179,6 +188,16 @@ __attribute__((target("avx2,f16c"))) inline __m256i magnitude_minus_one(__m256 x
                           _mm256_set1_epi32(1));
 }
 
+// Whether any lane is small: state (the minimum of the state's and weight's magnitude_minus_one)
+// or grad (the gradient's) below its threshold.
+__attribute__((target("avx2,f16c"))) inline bool any_small(__m256i state, __m256i grad,
+                                                           const ExactThresholds& t) {
+  // y >= t (unsigned) exactly when max(y, t) == y.
+  const __m256i safe = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(state, t.state), state),
+                                        _mm256_cmpeq_epi32(_mm256_max_epu32(grad, t.grad), grad));
+  return !_mm256_testc_si256(safe, _mm256_set1_epi32(-1));
+}
+
 // Whether any lane of the vector holds a nonzero value below its threshold (or a subnormal).
 template <int PT, int GT, int MT, int VT, bool kMaster>
 __attribute__((target("avx2,f16c"))) inline bool exact_lanes(__m256 g, __m256 param, __m256 m,
@@ -187,11 +206,7 @@ __attribute__((target("avx2,f16c"))) inline bool exact_lanes(__m256 g, __m256 pa
       _mm256_min_epu32(magnitude_minus_one<(kMaster ? static_cast<int>(DType::f32) : PT)>(param),
                        magnitude_minus_one<MT>(m)),
       magnitude_minus_one<VT>(v));
-  const __m256i grad = magnitude_minus_one<GT>(g);
-  // y >= t (unsigned) exactly when max(y, t) == y.
-  const __m256i safe = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(state, t.state), state),
-                                        _mm256_cmpeq_epi32(_mm256_max_epu32(grad, t.grad), grad));
-  return !_mm256_testc_si256(safe, _mm256_set1_epi32(-1));
+  return any_small(state, magnitude_minus_one<GT>(g), t);
 }
 
 // Sixteen lanes (vectors x[0], x[1] of each operand) on the exact lanes, in place: FP64 lanes
@@ -383,24 +398,13 @@ __attribute__((target("avx2,f16c"))) void sgd_avx2(float* p, const float* g, flo
   const __m256 unscale = _mm256_set1_ps(s.unscale), clip = _mm256_set1_ps(s.clip);
   const __m256 wd = _mm256_set1_ps(s.wd), mom = _mm256_set1_ps(s.momentum);
   const __m256 damp = _mm256_set1_ps(s.damp), neg_lr = _mm256_set1_ps(-s.lr);
-  // Magnitudes minus one as unsigned (zero the largest): small below 2^-100's bits minus one;
-  // the gradient's threshold is 2^-100 over the unscale and clip factors.
-  const double factor = std::fabs(static_cast<double>(s.unscale) * static_cast<double>(s.clip));
-  const double gt = factor > 0 ? std::min(0x1p-100 / factor, 1.0) : 0.0;
-  const __m256i t_state = _mm256_set1_epi32(static_cast<int>(fp32_bits(0x1p-100) - 1));
-  const __m256i t_grad =
-      _mm256_set1_epi32(static_cast<int>((gt > 0 ? fp32_bits(std::max(gt, 0x1p-126)) : 1) - 1));
+  const ExactThresholds thresholds = exact_thresholds(0x1p-100, s.unscale, s.clip);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m256 pv = _mm256_loadu_ps(p + j), gv = _mm256_loadu_ps(g + j);
     const __m256 bv = buf ? _mm256_loadu_ps(buf + j) : _mm256_setzero_ps();
-    const __m256i state =
-        _mm256_min_epu32(magnitude_minus_one<kF32>(pv), magnitude_minus_one<kF32>(bv));
-    const __m256i grad = magnitude_minus_one<kF32>(gv);
-    const __m256i safe =
-        _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(state, t_state), state),
-                         _mm256_cmpeq_epi32(_mm256_max_epu32(grad, t_grad), grad));
-    if (!_mm256_testc_si256(safe, _mm256_set1_epi32(-1))) {
+    if (any_small(_mm256_min_epu32(magnitude_minus_one<kF32>(pv), magnitude_minus_one<kF32>(bv)),
+                  magnitude_minus_one<kF32>(gv), thresholds)) {
       for (int64_t k = j; k < j + 8; ++k) {
         float none = 0;
         sgd_element(p[k], g[k], buf ? buf[k] : none, s);

@@ -256,9 +256,8 @@ Communication DataParallel::communication() const {
   c.bytes_per_step = (static_cast<double>(t.bytes) + gather_bytes_) / steps;
   c.seconds_per_step = (t.busy_seconds + gather_seconds_) / steps;
   c.exposed_seconds_per_step = (t.exposed_seconds + gather_seconds_) / steps;
-  for (const nn::Module::NamedTensor& w :
-       factors_ ? factors_->weights() : std::vector<nn::Module::NamedTensor>{})
-    c.factored.push_back(w.name);
+  if (factors_)
+    for (const nn::Module::NamedTensor& w : factors_->weights()) c.factored.push_back(w.name);
   return c;
 }
 
