@@ -466,7 +466,9 @@ TEST(Pool, MaxPool2x2MatchesItsDefinition) {
             }
             const size_t o = static_cast<size_t>((pl * 3 + oh) * wo + ow);
             const float want = v[static_cast<size_t>(pl * H * W + at)];
-            ASSERT_EQ(idx.data<int32_t>()[o], at)
+            ASSERT_EQ(idx.dtype(), DType::u8);
+            ASSERT_EQ(max_pool2d_argmax(idx, x.shape(), Pool2dParams{}, static_cast<int64_t>(o)),
+                      at)
                 << "width " << W << " plane " << pl << " at " << oh << "," << ow;
             ASSERT_TRUE(std::isnan(want) ? std::isnan(got[o]) : got[o] == want);
           }
@@ -508,7 +510,10 @@ TEST(Pool, MaxPool2x2ReadsAndWrites16BitStorage) {
                 }
                 const size_t o = static_cast<size_t>((pl * 2 + oh) * wo + ow);
                 want[o] = xv[static_cast<size_t>(pl * H * W + at)];
-                ASSERT_EQ(idx.data<int32_t>()[o], at) << dtype_name(tx) << " -> " << dtype_name(ty);
+                ASSERT_EQ(idx.dtype(), DType::u8);
+                ASSERT_EQ(
+                    max_pool2d_argmax(idx, x.shape(), Pool2dParams{}, static_cast<int64_t>(o)), at)
+                    << dtype_name(tx) << " -> " << dtype_name(ty);
               }
           // The winners as FP32, rounded into ty by convert(): the bits of the staged loop.
           const Tensor w = Tensor::from_floats(want, y.shape()).to(ty);
@@ -517,5 +522,52 @@ TEST(Pool, MaxPool2x2ReadsAndWrites16BitStorage) {
         }
 }
 
+// Where each maximum is: a byte per output (its offset in the window) up to 256 window positions,
+// four beyond; either way the position of the window's largest value (distinct values, windows
+// clipped by padding and ceil mode), and the backward adds each output's gradient there, in
+// output order (overlapping windows), exactly.
+TEST(Pool, MaxPoolOffsetsFindTheMaximumAndRouteTheGradient) {
+  std::mt19937 gen(17);
+  const int64_t H = 20, W = 21;
+  std::vector<float> v(static_cast<size_t>(2 * H * W)), g;
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i);
+  std::shuffle(v.begin(), v.end(), gen);
+  const Tensor x = Tensor::from_floats(v, {1, 2, H, W});
+  struct Case {
+    int64_t k, s, pad;
+    bool ceil;
+  };
+  for (const Case c :
+       {Case{2, 2, 0, false}, Case{3, 2, 1, true}, Case{16, 4, 8, false}, Case{17, 3, 8, true}}) {
+    Pool2dParams p;
+    p.kernel_h = p.kernel_w = c.k, p.stride_h = p.stride_w = c.s, p.pad_h = p.pad_w = c.pad;
+    p.ceil_mode = c.ceil;
+    auto [y, offsets] = max_pool2d(x, p, DType::f32);
+    EXPECT_EQ(offsets.dtype(), c.k * c.k <= 256 ? DType::u8 : DType::i32) << c.k;
+    const int64_t Ho = y.size(2), Wo = y.size(3);
+    std::normal_distribution<float> dist;
+    g.resize(static_cast<size_t>(2 * Ho * Wo));
+    for (float& e : g) e = dist(gen);
+    std::vector<float> want_dx(v.size(), 0.0f);
+    for (int64_t pl = 0; pl < 2; ++pl)
+      for (int64_t oh = 0; oh < Ho; ++oh)
+        for (int64_t ow = 0; ow < Wo; ++ow) {
+          int64_t best = -1;
+          for (int64_t h = oh * c.s - c.pad; h < oh * c.s - c.pad + c.k; ++h)
+            for (int64_t w = ow * c.s - c.pad; w < ow * c.s - c.pad + c.k; ++w)
+              if (h >= 0 && h < H && w >= 0 && w < W &&
+                  (best < 0 || v[static_cast<size_t>(pl * H * W + h * W + w)] >
+                                   v[static_cast<size_t>(pl * H * W + best)]))
+                best = h * W + w;
+          const int64_t i = (pl * Ho + oh) * Wo + ow;
+          ASSERT_EQ(max_pool2d_argmax(offsets, x.shape(), p, i), best)
+              << c.k << " at " << oh << "," << ow;
+          want_dx[static_cast<size_t>(pl * H * W + best)] += g[static_cast<size_t>(i)];
+        }
+    const Tensor dx =
+        max_pool2d_backward(Tensor::from_floats(g, y.shape()), offsets, x.shape(), p, DType::f32);
+    EXPECT_EQ(dx.to_float_vector(), want_dx) << c.k;
+  }
+}
 }  // namespace
 }  // namespace mantissa::kernels

@@ -87,14 +87,25 @@ class OutPlane {
 };
 }  // namespace
 
+namespace {
+// Offsets fit a byte up to this many window positions.
+constexpr int64_t kByteOffsetsMax = 256;
+
+// Output i's window offset, whatever the offsets' dtype.
+int64_t window_offset(const Tensor& offsets, int64_t i) {
+  return offsets.dtype() == DType::u8 ? offsets.data<uint8_t>()[i] : offsets.data<int32_t>()[i];
+}
+}  // namespace
+
 std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, DType out) {
   require_float(x_in, "max_pool2d", "input");
   const Shape ys = pool2d_output_shape(x_in.shape(), p);
   const Tensor x = x_in.contiguous();
   const int64_t H = x.size(2), W = x.size(3), Ho = ys[2], Wo = ys[3];
   Tensor y = Tensor::empty(ys, out, charged_to(MemoryCategory::activations));
-  Tensor idx = Tensor::empty(ys, DType::i32, charged_to(MemoryCategory::activations));
-  int32_t* ib = idx.data<int32_t>();
+  const bool bytes_fit = p.kernel_h * p.kernel_w <= kByteOffsetsMax;
+  Tensor offsets = Tensor::empty(ys, bytes_fit ? DType::u8 : DType::i32,
+                                 charged_to(MemoryCategory::activations));
   // The common 2x2 window with stride 2 and no padding, every window inside the input (ceil mode
   // on an odd size makes a last window of one row or column: the general loop): the four
   // candidates in window order, NaN propagating from the first one found (as the general loop
@@ -111,16 +122,16 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
     const int64_t planes = ys[0] * ys[1], sx = esize(x.dtype()), sy = esize(out);
     const char* xb = bytes(x);
     char* yb = bytes(y);
-    parallel_for(static_cast<size_t>(planes), 1, threads_for(planes * H * W),
-                 [&](size_t p0, size_t p1) {
-                   for (int64_t pl = static_cast<int64_t>(p0); pl < static_cast<int64_t>(p1); ++pl)
-                     for (int64_t oh = 0; oh < Ho; ++oh)
-                       detail::max_pool_2x2_row(
-                           xb + (pl * H + 2 * oh) * W * sx, xb + (pl * H + 2 * oh + 1) * W * sx,
-                           x.dtype(), Wo, static_cast<int32_t>(2 * oh * W), static_cast<int32_t>(W),
-                           yb + (pl * Ho + oh) * Wo * sy, out, ib + (pl * Ho + oh) * Wo);
-                 });
-    return {y, idx};
+    uint8_t* ob = offsets.data<uint8_t>();
+    parallel_for(
+        static_cast<size_t>(planes), 1, threads_for(planes * H * W), [&](size_t p0, size_t p1) {
+          for (int64_t pl = static_cast<int64_t>(p0); pl < static_cast<int64_t>(p1); ++pl)
+            for (int64_t oh = 0; oh < Ho; ++oh)
+              detail::max_pool_2x2_row(
+                  xb + (pl * H + 2 * oh) * W * sx, xb + (pl * H + 2 * oh + 1) * W * sx, x.dtype(),
+                  Wo, yb + (pl * Ho + oh) * Wo * sy, out, ob + (pl * Ho + oh) * Wo);
+        });
+    return {y, offsets};
   }
   // Any other window (or storage): the plane in FP32, the first NaN found propagating.
   for_each_plane(x, ys[0] * ys[1], H * W, [&](int64_t pl, const float* in) {
@@ -130,39 +141,63 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
       for (int64_t ow = 0; ow < Wo; ++ow) {
         const int64_t h0 = oh * p.stride_h - p.pad_h, w0 = ow * p.stride_w - p.pad_w;
         float best = -INFINITY;
-        int32_t at = -1;
+        int64_t at = -1;
         for (int64_t h = std::max<int64_t>(h0, 0); h < std::min(h0 + p.kernel_h, H); ++h)
           for (int64_t w = std::max<int64_t>(w0, 0); w < std::min(w0 + p.kernel_w, W); ++w) {
             const float v = in[h * W + w];
             if (at < 0 || v > best || std::isnan(v)) {
               best = v;
-              at = static_cast<int32_t>(h * W + w);
+              at = (h - h0) * p.kernel_w + (w - w0);
               if (std::isnan(v)) goto done;  // NaN propagates, as in PyTorch
             }
           }
       done:
         row[oh * Wo + ow] = best;
-        ib[pl * Ho * Wo + oh * Wo + ow] = at;
+        const int64_t i = pl * Ho * Wo + oh * Wo + ow;
+        if (bytes_fit)
+          offsets.data<uint8_t>()[i] = static_cast<uint8_t>(at);
+        else
+          offsets.data<int32_t>()[i] = static_cast<int32_t>(at);
       }
     plane.flush();
   });
-  return {y, idx};
+  return {y, offsets};
 }
 
-Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& indices, const Shape& x_shape,
-                           DType out) {
+int64_t max_pool2d_argmax(const Tensor& offsets, const Shape& x_shape, const Pool2dParams& p,
+                          int64_t i) {
+  const int64_t Ho = offsets.size(2), Wo = offsets.size(3), W = x_shape[3];
+  const int64_t oh = i / Wo % Ho, ow = i % Wo, at = window_offset(offsets, i);
+  return (oh * p.stride_h - p.pad_h + at / p.kernel_w) * W + ow * p.stride_w - p.pad_w +
+         at % p.kernel_w;
+}
+
+Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& offsets, const Shape& x_shape,
+                           const Pool2dParams& p, DType out) {
   const Tensor dy = dy_in.contiguous();
-  const int64_t planes = x_shape[0] * x_shape[1], HW = x_shape[2] * x_shape[3],
-                OHW = dy.size(2) * dy.size(3);
+  const int64_t planes = x_shape[0] * x_shape[1], W = x_shape[3], HW = x_shape[2] * W,
+                Ho = dy.size(2), Wo = dy.size(3), OHW = Ho * Wo;
   Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
-  const int32_t* ib = indices.data<int32_t>();
-  for_each_plane(dy, planes, OHW, [&](int64_t pl, const float* g) {
-    OutPlane plane(dx, pl, HW);
-    float* acc = plane.data();
-    std::fill(acc, acc + HW, 0.0f);
-    for (int64_t i = 0; i < OHW; ++i) acc[ib[pl * OHW + i]] += g[i];
-    plane.flush();
-  });
+  const auto scatter = [&](const auto* offset) {
+    for_each_plane(dy, planes, OHW, [&](int64_t pl, const float* g) {
+      OutPlane plane(dx, pl, HW);
+      float* acc = plane.data();
+      std::fill(acc, acc + HW, 0.0f);
+      const auto* at = offset + pl * OHW;
+      for (int64_t oh = 0, i = 0; oh < Ho; ++oh) {
+        const int64_t h0 = oh * p.stride_h - p.pad_h;
+        for (int64_t ow = 0; ow < Wo; ++ow, ++i) {
+          const int64_t a = at[i];
+          acc[(h0 + a / p.kernel_w) * W + ow * p.stride_w - p.pad_w + a % p.kernel_w] += g[i];
+        }
+      }
+      plane.flush();
+    });
+  };
+  if (offsets.dtype() == DType::u8)
+    scatter(offsets.data<uint8_t>());
+  else
+    scatter(offsets.data<int32_t>());
   return dx;
 }
 

@@ -18,11 +18,17 @@ struct Pool2dParams {
   bool count_include_pad = true;  // average pooling
 };
 Shape pool2d_output_shape(const Shape& x, const Pool2dParams& p);
-// Returns y and the flat (h * W + w) index of each maximum in its input plane (i32). The first
-// maximum in window order wins; a NaN wins from the first one found (PyTorch's propagation).
+// Returns y and where each maximum is: its offset in its window, kh * kernel_w + kw from the
+// window's corner (padding included): u8 for windows of at most 256 positions, i32 for larger
+// ones (a byte an output where plane indices would take four: the offsets live from the forward
+// to the backward pass in every precision). The first maximum in window order wins; a NaN wins
+// from the first one found (PyTorch's propagation).
 std::pair<Tensor, Tensor> max_pool2d(const Tensor& x, const Pool2dParams& p, DType out);
-Tensor max_pool2d_backward(const Tensor& dy, const Tensor& indices, const Shape& x_shape,
-                           DType out);
+// The input position (h * W + w in its plane) of output i's maximum (i: the flat output index).
+int64_t max_pool2d_argmax(const Tensor& offsets, const Shape& x_shape, const Pool2dParams& p,
+                          int64_t i);
+Tensor max_pool2d_backward(const Tensor& dy, const Tensor& offsets, const Shape& x_shape,
+                           const Pool2dParams& p, DType out);
 // Each output is its window's FP32 sum (rows, then columns, in order) times 1 / count (count:
 // the window's size, with the padding when count_include_pad).
 Tensor avg_pool2d(const Tensor& x, const Pool2dParams& p, DType out);

@@ -207,17 +207,15 @@ __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, flo
 }
 
 __attribute__((target("avx2,f16c,fma"))) void max_pool_2x2_row_avx2(const void* r0, const void* r1,
-                                                                    DType tx, int64_t n,
-                                                                    int32_t base, int32_t ld,
-                                                                    void* out, DType ty,
-                                                                    int32_t* idx) {
+                                                                    DType tx, int64_t n, void* out,
+                                                                    DType ty, uint8_t* at) {
   const int64_t sx = static_cast<int64_t>(dtype_size(tx)),
                 sy = static_cast<int64_t>(dtype_size(ty));
   const char* p0 = static_cast<const char*>(r0);
   const char* p1 = static_cast<const char*>(r1);
-  const __m256i step = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-  const __m256i off1 = _mm256_set1_epi32(1), offw = _mm256_set1_epi32(ld),
-                offw1 = _mm256_set1_epi32(ld + 1);
+  const __m256 offset[3] = {_mm256_castsi256_ps(_mm256_set1_epi32(1)),
+                            _mm256_castsi256_ps(_mm256_set1_epi32(2)),
+                            _mm256_castsi256_ps(_mm256_set1_epi32(3))};
   for (int64_t j = 0; j < n; j += 8) {
     // 16-bit inputs widen exactly in registers (no FP32 staging of the plane).
     const __m256 a0 = simd::load8(p0 + 2 * j * sx, tx), a1 = simd::load8(p0 + (2 * j + 8) * sx, tx),
@@ -225,12 +223,8 @@ __attribute__((target("avx2,f16c,fma"))) void max_pool_2x2_row_avx2(const void* 
     // The window's four values in window order: top-left, top-right, bottom-left, bottom-right.
     const __m256 c[4] = {even_lanes(a0, a1), odd_lanes(a0, a1), even_lanes(b0, b1),
                          odd_lanes(b0, b1)};
-    const __m256i at0 =
-        _mm256_add_epi32(_mm256_set1_epi32(base + static_cast<int32_t>(2 * j)), step);
-    const __m256i pos[3] = {_mm256_add_epi32(at0, off1), _mm256_add_epi32(at0, offw),
-                            _mm256_add_epi32(at0, offw1)};
     __m256 best = c[0];
-    __m256 at = _mm256_castsi256_ps(at0);
+    __m256 won = _mm256_setzero_ps();  // offsets as 32-bit integers
     for (int k = 0; k < 3; ++k) {
       const __m256 cand = c[k + 1];
       // take = !isnan(best) && (cand > best || isnan(cand))
@@ -238,10 +232,13 @@ __attribute__((target("avx2,f16c,fma"))) void max_pool_2x2_row_avx2(const void* 
                                            _mm256_or_ps(_mm256_cmp_ps(cand, best, _CMP_GT_OQ),
                                                         _mm256_cmp_ps(cand, cand, _CMP_UNORD_Q)));
       best = _mm256_blendv_ps(best, cand, take);
-      at = _mm256_blendv_ps(at, _mm256_castsi256_ps(pos[k]), take);
+      won = _mm256_blendv_ps(won, offset[k], take);
     }
     simd::store8(static_cast<char*>(out) + j * sy, ty, best);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + j), _mm256_castps_si256(at));
+    // Eight 32-bit offsets (0..3) to eight bytes.
+    const __m256i w = _mm256_castps_si256(won);
+    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(at + j), _mm_packus_epi16(w16, w16));
   }
 }
 

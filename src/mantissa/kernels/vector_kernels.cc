@@ -143,8 +143,8 @@ void store_value(void* row, DType t, int64_t i, float v) {
 }
 }  // namespace
 
-void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, int32_t base, int32_t ld,
-                      void* out, DType ty, int32_t* idx) {
+void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void* out, DType ty,
+                      uint8_t* at) {
   const auto supported = [](DType t) {
     return t == DType::f32 || t == DType::f16 || t == DType::bf16;
   };
@@ -152,15 +152,15 @@ void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, int32
   int64_t j = 0;
 #if MANTISSA_HAVE_X86_SIMD
   if (avx2_pooling() && n >= 8) {
-    max_pool_2x2_row_avx2(r0, r1, tx, n / 8 * 8, base, ld, out, ty, idx);
+    max_pool_2x2_row_avx2(r0, r1, tx, n / 8 * 8, out, ty, at);
     if (n % 8 != 0) {
       // The last 1-7 outputs as one block of 8 ending at the row's end: the outputs it repeats
       // get the same bits again (each is a function of its window alone).
       const int64_t k = n - 8, sx = static_cast<int64_t>(dtype_size(tx)),
                     sy = static_cast<int64_t>(dtype_size(ty));
-      max_pool_2x2_row_avx2(
-          static_cast<const char*>(r0) + 2 * k * sx, static_cast<const char*>(r1) + 2 * k * sx, tx,
-          8, base + static_cast<int32_t>(2 * k), ld, static_cast<char*>(out) + k * sy, ty, idx + k);
+      max_pool_2x2_row_avx2(static_cast<const char*>(r0) + 2 * k * sx,
+                            static_cast<const char*>(r1) + 2 * k * sx, tx, 8,
+                            static_cast<char*>(out) + k * sy, ty, at + k);
     }
     return;
   }
@@ -168,17 +168,16 @@ void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, int32
   for (; j < n; ++j) {
     const int64_t c = 2 * j;
     float best = load_value(r0, tx, c);
-    int32_t at = base + static_cast<int32_t>(c);
+    uint8_t won = 0;
     const float cand[3] = {load_value(r0, tx, c + 1), load_value(r1, tx, c),
                            load_value(r1, tx, c + 1)};
-    const int32_t pos[3] = {at + 1, at + ld, at + ld + 1};
-    for (int k = 0; k < 3; ++k) {
+    for (uint8_t k = 0; k < 3; ++k) {
       const bool take = !std::isnan(best) && (cand[k] > best || std::isnan(cand[k]));
       best = take ? cand[k] : best;
-      at = take ? pos[k] : at;
+      won = take ? static_cast<uint8_t>(k + 1) : won;
     }
     store_value(out, ty, j, best);
-    idx[j] = at;
+    at[j] = won;
   }
 }
 

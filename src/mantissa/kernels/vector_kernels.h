@@ -16,13 +16,13 @@ void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n);
 // ---- 2x2 max pooling with stride 2, one output row of n: out[j] is the largest of the window's
 // r0[2j], r0[2j + 1], r1[2j], r1[2j + 1], taken in that order (a later value wins when it is
 // larger or NaN, unless a NaN is already held: the first NaN wins, as PyTorch propagates it), and
-// idx[j] its index in the plane, base + 2j plus 0, 1, ld or ld + 1 (base: r0[0]'s index, ld: the
-// input row stride). The rows are stored in tx and out in ty (each f32, f16 or bf16): values are
+// at[j] its offset in the window: 0, 1, 2 or 3 in that order. The rows are stored in tx and out in
+// ty (each f32, f16 or bf16): values are
 // widened to FP32 exactly in registers and the winner rounded to nearest even into ty (convert()'s
 // rounding; exact when ty holds tx's values), the bits of converting the rows to FP32, pooling
 // and converting the result. Comparisons only: identical results on every path.
-void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, int32_t base, int32_t ld,
-                      void* out, DType ty, int32_t* idx);
+void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void* out, DType ty,
+                      uint8_t* at);
 
 // ---- Direct convolution rows (few input channels and taps: the tutorial CNN's conv1), a row
 // segment of n output columns at a time, all output channels and taps together so that the sums
@@ -146,8 +146,8 @@ void conv_wgrad_rows_f32_avx2(float* lanes, int64_t O, const float* dy, int64_t 
                               const float* const* x, int64_t taps, int64_t n);
 void axpy_f32_avx2(float* a, const float* x, float w, int64_t n);  // stride 1
 // Whole blocks of 8 outputs (n a multiple of 8).
-void max_pool_2x2_row_avx2(const void* r0, const void* r1, DType tx, int64_t n, int32_t base,
-                           int32_t ld, void* out, DType ty, int32_t* idx);
+void max_pool_2x2_row_avx2(const void* r0, const void* r1, DType tx, int64_t n, void* out, DType ty,
+                           uint8_t* at);
 #endif
 
 }  // namespace mantissa::kernels::detail

@@ -446,8 +446,8 @@ Tensor max_pool2d(const Tensor& x, const Pool2dParams& p, const OpOptions& opt) 
   auto [y, idx] = kernels::max_pool2d(x.detach(), p, out_or(opt, x.dtype()));
   const Shape xs = x.shape();
   return recorded(y, OpId::max_pool2d, {&x},
-                  [idx, xs](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
-                    return {kernels::max_pool2d_backward(g, idx, xs, n.input_dtype(0))};
+                  [idx, xs, p](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+                    return {kernels::max_pool2d_backward(g, idx, xs, p, n.input_dtype(0))};
                   });
 }
 
