@@ -605,5 +605,40 @@ TEST(Linear, Fp32WeightReadAsSixteenBitsEqualsItsSixteenBitCopy) {
                Error);
 }
 
+// A 16-bit input through the lane-split dot products is widened a depth block at a time: the
+// sums are those of its FP32 copy, bit for bit, across several blocks and a partial last one (a
+// block that broke the lanes' order would move some products to another lane); the weight
+// gradient's parts, widened a column block at a time, equal the FP32 copy's too.
+TEST(Linear, SixteenBitInputGivesTheSumsOfItsFp32Copy) {
+  for (DType t : {DType::f16, DType::bf16})
+    for (DType wt : {DType::f32, t}) {
+      const int64_t rows = 12, in = 3 * 8192 + 1237, outf = 13;
+      std::mt19937 gen(9);
+      std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+      std::vector<float> xv(static_cast<size_t>(rows * in)), wv(static_cast<size_t>(outf * in)),
+          gv(static_cast<size_t>(rows * outf));
+      for (float& v : xv) v = d(gen);
+      for (float& v : wv) v = d(gen);
+      for (float& v : gv) v = d(gen);
+      const Tensor x = Tensor::from_floats(xv, {rows, in}, t), x32 = x.to(DType::f32),
+                   w = Tensor::from_floats(wv, {outf, in}, wt),
+                   g = Tensor::from_floats(gv, {rows, outf}, DType::f32);
+      const std::string where =
+          std::string(dtype_name(t)) + " weight " + std::string(dtype_name(wt));
+      EXPECT_EQ(linear(x, w, Tensor(), DType::f32).to_float_vector(),
+                linear(x32, w, Tensor(), DType::f32).to_float_vector())
+          << where;
+      auto parts = [&](const Tensor& input) {
+        std::vector<float> dw(static_cast<size_t>(outf * in), NAN);
+        linear_weight_grad_parts(
+            g, input, DType::f32, [&](int64_t begin, int64_t n, const void* v, DType vt) {
+              convert(v, vt, dw.data() + begin, DType::f32, static_cast<size_t>(n));
+            });
+        return dw;
+      };
+      EXPECT_EQ(parts(x), parts(x32)) << where;
+    }
+}
+
 }  // namespace
 }  // namespace mantissa::kernels

@@ -88,7 +88,7 @@ Tensor implicit_forward(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
                         MemoryCategory cat, bool by_rows) {
   Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(cat));
   const int64_t CKK = g.C * g.KH * g.KW;
-  const int64_t nb_max = g.chunk();
+  const int64_t nb_max = g.chunk(x.dtype());
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
   std::vector<int64_t> offset, position;
   const bool dense = g.dense();
@@ -176,7 +176,7 @@ Tensor implicit_weight_grad_dots(const Tensor& dy, const Tensor& x, const Shape&
                                  const ConvGeometry& cg, DType out) {
   const ImplicitConv g(cg);
   const int64_t CKK = cg.CKK, HWo = g.Ho * g.Wo;
-  const int64_t nb_max = g.chunk();
+  const int64_t nb_max = g.chunk(x.dtype());
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
   Tensor dyw = f32_workspace({g.O * nb_max * g.plane});   // (O, nb * Hp * Wp)
   Tensor lanes = f32_workspace({g.O, CKK, kDotLanes});
@@ -223,7 +223,7 @@ Tensor implicit_weight_grad_gemm(const Tensor& dy, const Tensor& x, const Shape&
   const ImplicitConv g(cg);
   const int64_t CKK = cg.CKK, HWo = g.Ho * g.Wo;
   const int64_t nb_max = std::clamp<int64_t>(
-      conv_settings().column_budget / std::max<int64_t>(g.C * g.plane + g.O * HWo, 1), 1, g.N);
+      staged_budget(x.dtype()) / std::max<int64_t>(g.C * g.plane + g.O * HWo, 1), 1, g.N);
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});        // (C, nb, Hp, Wp)
   Tensor dyg = byte_workspace(g.O * nb_max * HWo, dy.dtype());  // (O, nb * Ho * Wo)
   Tensor dw32 = f32_workspace({g.O * CKK});

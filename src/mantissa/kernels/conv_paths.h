@@ -90,6 +90,17 @@ struct ConvSettings {
   int64_t column_budget = int64_t{1} << 20;  // MANTISSA_CONV_COLUMNS (at least 1024)
 };
 const ConvSettings& conv_settings();
+// The FP32 elements an implicit path may stage per chunk for operands stored in `staged`: the
+// column budget, a quarter of it for 16-bit operands. Their FP32 copies take twice the bytes of
+// the values they copy, in a model that holds half the bytes of an FP32 one: a quarter keeps the
+// staging of a 16-bit model from undoing what its storage saves (the tutorial CNN's conv2 weight
+// gradient at batch 12: 3.1 MiB of copies for all 12 images, 0.8 MiB in chunks of 3), and it was
+// no slower there nor on ResNet-18 in 16-true. FP32 operands keep the whole budget (a quarter made
+// ResNet-18 in 32-true 7% slower), and so does Winograd for any storage (its tile batches are the
+// GEMM's columns: 16-true's ResNet-18 was 7% slower with a quarter for every path).
+inline int64_t staged_budget(DType staged) {
+  return dtype_size(staged) < 4 ? conv_settings().column_budget / 4 : conv_settings().column_budget;
+}
 
 // A convolution's sizes; the constructor checks the shapes (conv2d_output_shape).
 struct ConvGeometry {
@@ -132,10 +143,10 @@ struct ImplicitConv {
   explicit ImplicitConv(const ConvGeometry& g)
       : ImplicitConv({g.N, g.C, g.H, g.W}, g.O, g.KH, g.KW, g.p.pad_h, g.p.pad_w, g.p.dilation_h,
                      g.p.dilation_w, g.p.stride_h, g.p.stride_w) {}
-  // Images per chunk: the padded input and the wide output (or gradient) within the budget.
-  int64_t chunk() const {
-    return std::clamp<int64_t>(
-        conv_settings().column_budget / std::max<int64_t>((C + O) * plane, 1), 1, N);
+  // Images per chunk: the padded input and the wide output (or gradient) within the budget
+  // (staged_budget: a quarter of it when the staged operands are 16-bit).
+  int64_t chunk(DType staged = DType::f32) const {
+    return std::clamp<int64_t>(staged_budget(staged) / std::max<int64_t>((C + O) * plane, 1), 1, N);
   }
   // Output rows whose positions fill the GEMM's 16-column slivers exactly.
   bool dense() const { return sh > 1 || sw > 1 || Wo % 16 == 0 || Wo == 8 || Wo == 4; }

@@ -16,6 +16,9 @@ namespace {
 
 // Lane-split dot products for linear's forward from this depth on (with at most kDotMaxRows rows).
 constexpr int64_t kDotMinDepth = 1024;
+// The depth a 16-bit input is widened by at a time for them (a multiple of kDotLanes).
+constexpr int64_t kDotDepthBlock = 8192;
+static_assert(kDotDepthBlock % detail::kDotLanes == 0);
 // linear_weight_grad_parts: batches of up to kPartsMaxRows rows (at 64 the row kernel, reading
 // 64 input rows per part from L3, is slower than the GEMM and a separate update: docs/numerics.md);
 // parts of kPartRows outputs (the row kernel's block) by kPartColumns inputs (48 KiB, in L2 with
@@ -51,25 +54,35 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
   Tensor y = Tensor::empty(yshape, out, charged_to(MemoryCategory::activations));
   // A small batch through a long layer (the tutorial CNN's fc1: 12 x 41772 by 100 x 41772):
   // lane-split dot products read the weight rows in place, once (16-bit weights converted a
-  // depth pass at a time; a 16-bit input staged in FP32, a few rows); the GEMM would pack
+  // depth pass at a time; a 16-bit input widened a depth block at a time); the GEMM would pack
   // (transpose) the whole weight for a dozen uses of each value.
   if (rows <= kDotMaxRows && in >= kDotMinDepth && p == Partials::kF32 && w_in.stride(1) == 1 &&
       (w_in.dtype() == DType::f32 || w_in.dtype() == DType::f16 || w_in.dtype() == DType::bf16)) {
-    Tensor x32 = x.dtype() == DType::f32 ? x : f32_workspace({rows, in});
-    if (x.dtype() != DType::f32)
-      convert(x.data_ptr(), x.dtype(), x32.data_ptr(), DType::f32, static_cast<size_t>(rows * in));
+    // A 16-bit input is widened kDotDepthBlock columns at a time (a multiple of the lanes, so
+    // every product stays in its lane: the sums of one call over the whole depth).
+    const bool wide = x.dtype() == DType::f32;
+    const int64_t block = wide ? in : std::min(in, kDotDepthBlock);
+    Tensor x32 = wide ? x : f32_workspace({rows, block});  // (rows, block)
     Tensor lanes = f32_workspace({rows, outf, detail::kDotLanes});
     std::fill(lanes.data<float>(), lanes.data<float>() + lanes.numel(), 0.0f);
     std::vector<int64_t> w_rows(static_cast<size_t>(outf));
-    for (int64_t j = 0; j < outf; ++j) w_rows[static_cast<size_t>(j)] = j * w_in.stride(0);
-    if (round_w != DType::f32)
-      detail::dot_lanes_accumulate_rounded(rows, outf, in, x32.data<float>(), in,
-                                           w_in.data<float>(), round_w, w_rows.data(),
-                                           lanes.data<float>(), default_num_threads());
-    else
-      detail::dot_lanes_accumulate(rows, outf, in, x32.data<float>(), in, w_in.data_ptr(),
-                                   w_in.dtype(), w_rows.data(), lanes.data<float>(),
-                                   default_num_threads());
+    for (int64_t k0 = 0; k0 < in; k0 += block) {
+      const int64_t n = std::min(block, in - k0);
+      if (!wide)
+        for (int64_t i = 0; i < rows; ++i)
+          load_f32(bytes(x) + static_cast<size_t>(i * in + k0) * esize(x.dtype()), x.dtype(), 1, n,
+                   x32.data<float>() + i * block);
+      for (int64_t j = 0; j < outf; ++j) w_rows[static_cast<size_t>(j)] = j * w_in.stride(0) + k0;
+      const int64_t lda = wide ? in : block;
+      const float* a = x32.data<float>() + (wide ? k0 : 0);
+      if (round_w != DType::f32)
+        detail::dot_lanes_accumulate_rounded(rows, outf, n, a, lda, w_in.data<float>(), round_w,
+                                             w_rows.data(), lanes.data<float>(),
+                                             default_num_threads());
+      else
+        detail::dot_lanes_accumulate(rows, outf, n, a, lda, w_in.data_ptr(), w_in.dtype(),
+                                     w_rows.data(), lanes.data<float>(), default_num_threads());
+    }
     const std::vector<float> bias = bias_f32(b, outf);
     std::vector<float> row(static_cast<size_t>(outf));
     for (int64_t i = 0; i < rows; ++i) {
@@ -110,26 +123,40 @@ void linear_weight_grad_parts(const Tensor& g_in, const Tensor& x_in, DType out,
   require_float(x_in, "linear backward", "input");
   const int64_t rows = g_in.size(0), outf = g_in.size(1), in = x_in.size(1);
   // FP32 operands (16-bit values convert exactly, as the GEMM's packing converts them):
-  // g^T (out, rows), row o holding the factors of output o in row order, and x (rows, in).
-  const Tensor g = g_in.to(DType::f32).contiguous(), x = x_in.to(DType::f32).contiguous();
+  // g^T (out, rows), row o holding the factors of output o in row order, and x (rows, in), a
+  // 16-bit x widened a column block at a time (no FP32 copy of the whole input).
+  const Tensor g = g_in.to(DType::f32).contiguous(), x = x_in.contiguous();
   std::vector<float> gt(static_cast<size_t>(outf * rows));
   const float* gd = g.data<float>();
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t o = 0; o < outf; ++o) gt[static_cast<size_t>(o * rows + r)] = gd[r * outf + o];
-  const float* xd = x.data<float>();
+  const bool wide = x.dtype() == DType::f32;
+  const char* xd = bytes(x);
+  const size_t x_size = esize(x.dtype()), out_size = esize(out);
   const int64_t groups = (outf + kPartRows - 1) / kPartRows;
-  const size_t out_size = esize(out);
-  // Each thread takes whole groups of outputs and walks their rows from the first input to the
-  // last: the consumer streams through a few rows of the parameter and its state at a time.
+  // Each thread takes whole groups of outputs and walks the inputs in column blocks, all its
+  // groups per block: the consumer streams through a few rows of the parameter and its state at
+  // a time, and a 16-bit block is widened once per thread.
   parallel_for(static_cast<size_t>(groups), 1, default_num_threads(), [&](size_t g0, size_t g1) {
     std::vector<float> part(static_cast<size_t>(kPartRows * kPartColumns));  // (kPartRows, cols)
+    std::vector<float> block(wide ? 0 : static_cast<size_t>(rows * kPartColumns));  // (rows, cols)
     std::vector<char> rounded(out == DType::f32 ? 0 : kPartColumns * out_size);
     std::vector<const float*> xr(static_cast<size_t>(rows));
-    for (size_t grp = g0; grp < g1; ++grp) {
-      const int64_t o0 = static_cast<int64_t>(grp) * kPartRows, no = std::min(kPartRows, outf - o0);
-      for (int64_t j0 = 0; j0 < in; j0 += kPartColumns) {
-        const int64_t n = std::min(kPartColumns, in - j0);
-        for (int64_t r = 0; r < rows; ++r) xr[static_cast<size_t>(r)] = xd + r * in + j0;
+    for (int64_t j0 = 0; j0 < in; j0 += kPartColumns) {
+      const int64_t n = std::min(kPartColumns, in - j0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const char* src = xd + static_cast<size_t>(r * in + j0) * x_size;
+        if (wide) {
+          xr[static_cast<size_t>(r)] = reinterpret_cast<const float*>(src);
+        } else {
+          float* dst = block.data() + r * kPartColumns;
+          load_f32(src, x.dtype(), 1, n, dst);
+          xr[static_cast<size_t>(r)] = dst;
+        }
+      }
+      for (size_t grp = g0; grp < g1; ++grp) {
+        const int64_t o0 = static_cast<int64_t>(grp) * kPartRows,
+                      no = std::min(kPartRows, outf - o0);
         detail::fma_rows_f32(part.data(), kPartColumns, no, nullptr, gt.data() + o0 * rows, rows,
                              xr.data(), rows, n);
         for (int64_t o = 0; o < no; ++o) {
