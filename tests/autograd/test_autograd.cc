@@ -5,6 +5,8 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -89,6 +91,62 @@ TEST(Autograd, NodesKeepOnlyWhatBackwardNeeds) {
   Tensor d = ops::dropout(a, 0.5, true, 1, 1);  // dropout recomputes its mask: nothing saved
   EXPECT_EQ(a.storage().use_count(), before + 1);
   (void)s, (void)r, (void)m, (void)d;
+}
+
+// A node drops what it saved once its gradients have gone out: a pass frees the activations as
+// it walks back, not when the graph dies, and a second pass through the graph is an error that
+// says so.
+TEST(Autograd, ABackwardPassFreesWhatEachNodeSavedAsItGoes) {
+  Tensor x = leaf({1, -2, 3}, {3});
+  Tensor y = ops::relu(x);  // relu keeps its output
+  const std::weak_ptr<Storage> saved = y.storage();
+  Tensor loss = ops::sum(ops::mul_scalar(y, 2.0));
+  y = Tensor();
+  ASSERT_FALSE(saved.expired()) << "the relu node holds its output until the pass";
+  autograd::backward(loss);
+  EXPECT_TRUE(saved.expired()) << "freed by the pass while the graph (loss) is still alive";
+  EXPECT_EQ(x.grad().to_float_vector(), (std::vector<float>{2, 0, 2}));
+  const std::string e = error_of([&] { autograd::backward(loss); });
+  EXPECT_NE(e.find("a second time"), std::string::npos) << e;
+  EXPECT_NE(e.find("run the forward again"), std::string::npos) << e;
+}
+
+// An elementwise backward writes its input's gradient over the gradient it was given when
+// nothing else holds that one: a chain of ReLUs holds one gradient of the chain's size at a time,
+// not two (with anomaly detection on, which reads the given gradient afterwards, each step gets
+// its own buffer), with the same values. A gradient two nodes receive (add gives both operands
+// its own) is not overwritten by the first of them.
+TEST(Autograd, ElementwiseBackwardWritesOverAGradientNothingElseHolds) {
+  const int64_t n = 1 << 16;
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = static_cast<float>(i % 7) - 3.0f;
+  const Tensor seed = Tensor::full({n}, 0.5f, DType::f32);
+  auto chain = [&](bool anomaly) {
+    Tensor x = leaf(v, {n});
+    Tensor h = ops::relu(ops::relu(ops::relu(x)));
+    MemoryTracker& tr = default_memory_tracker();
+    const size_t before = tr.stats().current_of(MemoryCategory::gradients);
+    tr.reset_peaks();
+    {
+      std::optional<autograd::DetectAnomalyScope> scope;
+      if (anomaly) scope.emplace();
+      autograd::backward(h, seed);
+    }
+    const size_t grown = tr.stats().peak_of(MemoryCategory::gradients) - before;
+    return std::make_pair(grown / (n * sizeof(float)), x.grad().to_float_vector());
+  };
+  const auto [buffers, values] = chain(false);
+  EXPECT_EQ(buffers, 1u) << "the first ReLU's gradient, written over by the next two";
+  const auto [anomaly_buffers, anomaly_values] = chain(true);
+  EXPECT_EQ(anomaly_buffers, 2u);
+  EXPECT_EQ(anomaly_values, values);
+  for (size_t i = 0; i < v.size(); ++i) ASSERT_EQ(values[i], v[i] > 0 ? 0.5f : 0.0f) << i;
+
+  Tensor x = leaf(v, {n});
+  autograd::backward(ops::add(ops::relu(x), ops::relu(ops::mul_scalar(x, -1.0))), seed);
+  const std::vector<float> got = x.grad().to_float_vector();
+  for (size_t i = 0; i < v.size(); ++i)
+    ASSERT_EQ(got[i], v[i] > 0 ? 0.5f : v[i] < 0 ? -0.5f : 0.0f) << "at " << i << ": " << v[i];
 }
 
 TEST(Autograd, RootsMustBeScalarsOrGetAGradient) {

@@ -192,8 +192,8 @@ TEST(MemoryProfile, AnAllocationRefusedWithoutABudgetOfItsOwnIsTheError) {
 
 // The mixed modes read each FP32 weight of linear and conv2d as its 16-bit copy without keeping
 // one for the backward pass, so on the tutorial CNN at batch 12 they hold less than 32-true at
-// the peak (90.7%; 102.9% while the graph held the f16 copy of fc1's weight until the backward
-// pass ended).
+// the peak (94.7%; a kept f16 copy of fc1's weight adds 8 MiB, 13% of 32-true's 59.5 MiB), and
+// what they save for the backward pass is 16-bit (the activations' own peak).
 TEST(MemoryProfile, MixedModesHoldLessThanFp32WithoutSavedWeightCopies) {
   train::TrainConfig c = testing::small_run("tutorial-cnn", 64);
   c.image_size = 0;  // the model's own 128x128
@@ -204,12 +204,40 @@ TEST(MemoryProfile, MixedModesHoldLessThanFp32WithoutSavedWeightCopies) {
   for (const std::string precision : {"16-mixed", "bf16-mixed"}) {
     c.precision = precision;
     const train::StepMemory mixed = train::profile_step(c);
-    EXPECT_LE(static_cast<double>(mixed.peak_total), 0.92 * static_cast<double>(fp32.peak_total))
+    EXPECT_LE(static_cast<double>(mixed.peak_total), 0.97 * static_cast<double>(fp32.peak_total))
         << precision;
-    // What is saved for the backward pass at the peak: 16-bit activations, no weight copies.
-    EXPECT_LT(mixed.at_peak[static_cast<size_t>(MemoryCategory::activations)],
-              fp32.at_peak[static_cast<size_t>(MemoryCategory::activations)])
+    EXPECT_LT(
+        static_cast<double>(mixed.category_peaks[static_cast<size_t>(MemoryCategory::activations)]),
+        0.75 * static_cast<double>(
+                   fp32.category_peaks[static_cast<size_t>(MemoryCategory::activations)]))
         << precision;
+  }
+}
+
+// The true modes hold half of 32-true's peak on the tutorial CNN at batch 12, within what does
+// not halve: the max-pooling offsets (a byte an output in every mode) and the GEMM's per-thread
+// packing buffers (50.1% on one thread). Each of these took it above 50.5%: the FP32 copy of a
+// 16-bit input in linear's forward and weight gradient (2 MB), conv2's FP32 staging of all 12
+// images (3.1 MiB), i32 plane indices for the pooling (four bytes an output), a ReLU backward
+// beside the gradient it reads, saved tensors kept until the end of the backward pass.
+TEST(MemoryProfile, TrueModesHoldHalfOfFp32) {
+  train::TrainConfig c = testing::small_run("tutorial-cnn", 64);
+  c.image_size = 0;  // the model's own 128x128
+  c.batch_size = 12;
+  c.threads = 1;
+  c.precision = "32-true";
+  const train::StepMemory fp32 = train::profile_step(c);
+  // The step's own bytes: what earlier tests of this process left in the per-thread buffers is
+  // held before the step, in both runs alike.
+  const auto own = [](const train::StepMemory& m) {
+    size_t held = 0;
+    for (const train::LayerMemory& l : m.layers)
+      if (l.layer == "(held before the step)") held += l.total;
+    return static_cast<double>(m.peak_total - held);
+  };
+  for (const std::string precision : {"16-true", "bf16-true"}) {
+    c.precision = precision;
+    EXPECT_LE(own(train::profile_step(c)), 0.505 * own(fp32)) << precision;
   }
 }
 

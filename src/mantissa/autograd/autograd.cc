@@ -193,6 +193,11 @@ std::function<Tensor(const Tensor&, const Tensor&, const FactorProduct&)> grad_f
   return in.leaf->gather_grad_factors;
 }
 
+bool may_overwrite(const Tensor& grad_output) {
+  return !t_anomaly && grad_output.defined() && grad_output.storage() &&
+         grad_output.storage().use_count() == 1;
+}
+
 void backward(const Tensor& root, const Tensor& grad_root) {
   MANTISSA_CHECK(root.defined(), "backward: the root tensor is undefined",
                  "call backward on a computed tensor");
@@ -283,7 +288,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
       edges_done(*node);
       continue;
     }
-    const Tensor g = found->second;
+    Tensor g = std::move(found->second);
     pending.erase(found);
     ModulePathScope module(&node->module_path());
     ProfileTimer timed("backward", node->module_path(), node->name());
@@ -294,6 +299,8 @@ void backward(const Tensor& root, const Tensor& grad_root) {
                        std::to_string(node->inputs().size()) + " inputs",
                    "report this as a bug");
     if (t_anomaly) check_gradients(*node, g, grads);
+    g = Tensor();  // a gradient the node wrote over is held by `grads` alone: a leaf adopts it
+    node->release();
     for (size_t i = 0; i < grads.size(); ++i) {
       const Node::Input& in = node->inputs()[i];
       if (!in.needs_grad() || !grads[i].defined()) continue;

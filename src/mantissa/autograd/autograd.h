@@ -89,6 +89,11 @@ class Node {
   // Gradients of the inputs, given the gradient of the output (same shape and dtype as the
   // output). One entry per input; an undefined tensor where an input needs none.
   virtual std::vector<Tensor> backward(const Tensor& grad_output) = 0;
+  // Drops what backward() needed (the saved tensors): the engine calls it once the node's
+  // gradients have gone out, so a pass frees each op's activations as it goes, not at its end.
+  // A later backward() through the node is an error (the graph is walked once, as PyTorch's
+  // without retain_graph).
+  virtual void release() {}
 
   // Where each input's gradient goes: the node that computed it, or the leaf's state.
   struct Input {
@@ -126,6 +131,12 @@ std::function<void(GradPartProducer, double)> take_grad_part_deferral(const Node
 // op then returns what the hook gives as the input's gradient); empty otherwise.
 std::function<Tensor(const Tensor&, const Tensor&, const FactorProduct&)> grad_factor_gatherer(
     const Node& node, size_t i);
+
+// Whether a node's backward may write over the gradient it was given: the engine holds the only
+// reference to its storage (no other node, leaf, hook, caller or view does) and anomaly
+// detection, which reads it after the node ran, is off. An elementwise backward then writes its
+// input's gradient there (same dtype) instead of allocating a second buffer of the same size.
+bool may_overwrite(const Tensor& grad_output);
 
 // Whether an op on these inputs must record: grad mode is on and an input requires grad.
 bool needs_grad(std::initializer_list<const Tensor*> inputs);

@@ -371,8 +371,12 @@ void backward_apply(UnaryOp op, const float* g, const float* x, const float* y, 
 }  // namespace
 
 Tensor unary_backward(UnaryOp op, const Tensor& grad_out, const Tensor& x, const Tensor& y,
-                      DType out, MemoryCategory cat) {
-  Tensor dx = Tensor::empty(grad_out.shape(), out, charged_to(cat));
+                      DType out, MemoryCategory cat, Tensor into) {
+  MANTISSA_ASSERT(!into.defined() || (into.shape() == grad_out.shape() && into.dtype() == out &&
+                                      into.is_contiguous()),
+                  "unary_backward writes into a contiguous tensor of the gradient's shape");
+  Tensor dx =
+      into.defined() ? std::move(into) : Tensor::empty(grad_out.shape(), out, charged_to(cat));
   const Tensor& xx = x.defined() ? x : y;  // whichever the op's derivative is computed from
   const Tensor& yy = y.defined() ? y : x;
   const size_t gs = dtype_size(grad_out.dtype()), xs = dtype_size(xx.dtype()),

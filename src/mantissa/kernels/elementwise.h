@@ -21,9 +21,12 @@ Shape broadcast_shapes(const Shape& a, const Shape& b);
 // y = op(x).
 Tensor unary(UnaryOp op, const Tensor& x, DType out,
              MemoryCategory cat = MemoryCategory::activations);
-// dx = dy * op'(x), from x (GELU) or from y = op(x) (ReLU, sigmoid, tanh use y).
+// dx = dy * op'(x), from x (GELU) or from y = op(x) (ReLU, sigmoid, tanh use y). `into`, when
+// defined, receives dx and is returned (a contiguous tensor of dy's shape in dtype `out`: dy
+// itself when nothing else reads it; each element is read before it is written).
 Tensor unary_backward(UnaryOp op, const Tensor& grad_out, const Tensor& x, const Tensor& y,
-                      DType out, MemoryCategory cat = MemoryCategory::gradients);
+                      DType out, MemoryCategory cat = MemoryCategory::gradients,
+                      Tensor into = Tensor());
 
 // a op b with broadcasting.
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b, DType out,

@@ -81,6 +81,10 @@ class RecomputeNode : public autograd::Node {
         random_(random_context()) {}
   const char* name() const override { return "recompute"; }
   std::vector<Tensor> backward(const Tensor& grad_output) override {
+    MANTISSA_CHECK(!released_,
+                   "backward() reached a recomputed module a second time: its saved input was "
+                   "freed by the first pass",
+                   "run the forward again before another backward()");
     std::vector<Tensor> grads(inputs().size());
     Tensor y, x;
     {
@@ -94,6 +98,10 @@ class RecomputeNode : public autograd::Node {
     if (y.requires_grad()) autograd::backward(y, grad_output);
     if (needs_input_grad(0)) grads[0] = x.grad();
     return grads;
+  }
+  void release() override {
+    input_ = Tensor();
+    released_ = true;
   }
 
  private:
@@ -130,6 +138,7 @@ class RecomputeNode : public autograd::Node {
   std::vector<std::pair<Module*, std::vector<uint64_t>>> rng_;
   ops::OpContextSnapshot context_;
   RandomContext random_;
+  bool released_ = false;
 };
 // The numerics report's probe: an identity whose backward records the gradient reaching a
 // module's output.

@@ -65,7 +65,14 @@ class FnNode : public Node {
   using Fn = std::function<std::vector<Tensor>(const Tensor& grad, const FnNode& self)>;
   FnNode(OpId op, Fn fn) : op_(op), fn_(std::move(fn)) {}
   const char* name() const override { return op_info(op_).name.data(); }
-  std::vector<Tensor> backward(const Tensor& grad) override { return fn_(grad, *this); }
+  std::vector<Tensor> backward(const Tensor& grad) override {
+    MANTISSA_CHECK(fn_ != nullptr,
+                   std::string("backward() reached ") + name() +
+                       " a second time: its saved tensors were freed by the first pass",
+                   "run the forward again before another backward()");
+    return fn_(grad, *this);
+  }
+  void release() override { fn_ = nullptr; }
   DType input_dtype(size_t i) const { return inputs()[i].dtype; }
 
  private:
@@ -91,9 +98,13 @@ Tensor unary_op(OpId id, UnaryOp op, const Tensor& x, const OpOptions& opt, bool
   return recorded(
       y, id, {&x},
       [op, saved, backward_from_y](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
-        return {backward_from_y
-                    ? kernels::unary_backward(op, g, Tensor(), saved, n.input_dtype(0))
-                    : kernels::unary_backward(op, g, saved, Tensor(), n.input_dtype(0))};
+        // dx over dy when nothing else holds dy: a pass keeps one gradient of this size.
+        const DType dt = n.input_dtype(0);
+        Tensor into =
+            g.dtype() == dt && g.is_contiguous() && autograd::may_overwrite(g) ? g : Tensor();
+        return {kernels::unary_backward(op, g, backward_from_y ? Tensor() : saved,
+                                        backward_from_y ? saved : Tensor(), dt,
+                                        MemoryCategory::gradients, std::move(into))};
       });
 }
 
