@@ -178,6 +178,11 @@ Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& offsets, const Sha
   const int64_t planes = x_shape[0] * x_shape[1], W = x_shape[3], HW = x_shape[2] * W,
                 Ho = dy.size(2), Wo = dy.size(3), OHW = Ho * Wo;
   Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
+  // An offset's place relative to its window's corner in the plane, looked up (no division per
+  // output).
+  std::vector<int64_t> delta(static_cast<size_t>(p.kernel_h * p.kernel_w));
+  for (int64_t a = 0; a < p.kernel_h * p.kernel_w; ++a)
+    delta[static_cast<size_t>(a)] = a / p.kernel_w * W + a % p.kernel_w;
   const auto scatter = [&](const auto* offset) {
     for_each_plane(dy, planes, OHW, [&](int64_t pl, const float* g) {
       OutPlane plane(dx, pl, HW);
@@ -185,11 +190,9 @@ Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& offsets, const Sha
       std::fill(acc, acc + HW, 0.0f);
       const auto* at = offset + pl * OHW;
       for (int64_t oh = 0, i = 0; oh < Ho; ++oh) {
-        const int64_t h0 = oh * p.stride_h - p.pad_h;
-        for (int64_t ow = 0; ow < Wo; ++ow, ++i) {
-          const int64_t a = at[i];
-          acc[(h0 + a / p.kernel_w) * W + ow * p.stride_w - p.pad_w + a % p.kernel_w] += g[i];
-        }
+        const int64_t row = (oh * p.stride_h - p.pad_h) * W - p.pad_w;
+        for (int64_t ow = 0; ow < Wo; ++ow, ++i)
+          acc[row + ow * p.stride_w + delta[static_cast<size_t>(at[i])]] += g[i];
       }
       plane.flush();
     });
