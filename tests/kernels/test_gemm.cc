@@ -640,5 +640,44 @@ TEST(Linear, SixteenBitInputGivesTheSumsOfItsFp32Copy) {
     }
 }
 
+// A weight gradient summed over terms (every rank's factors) in parts: each term's values are its
+// own gradient's (matmul with FP32 partials, rounded into the output type), added in term order
+// in FP32 and rounded once, bit for bit; terms of 12, 7 and 16 rows, 16-bit and FP32 inputs, 13
+// outputs (a partial group) by 5000 inputs (a partial column block); the bound holds every value.
+TEST(Linear, WeightGradientPartsSummedOverTermsAreTheTermsGradientsAddedInOrder) {
+  std::mt19937 gen(21);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  const int64_t outf = 13, in = 5000;
+  for (DType out : {DType::f32, DType::f16, DType::bf16}) {
+    std::vector<GradFactors> terms;
+    for (const int64_t rows : {12, 7, 16}) {
+      std::vector<float> gv(static_cast<size_t>(rows * outf)), xv(static_cast<size_t>(rows * in));
+      for (float& v : gv) v = d(gen);
+      for (float& v : xv) v = d(gen);
+      const DType xt = rows == 7 ? DType::f32 : out == DType::f32 ? DType::bf16 : out;
+      terms.push_back({Tensor::from_floats(gv, {rows, outf}, DType::f32),
+                       Tensor::from_floats(xv, {rows, in}, xt)});
+    }
+    std::vector<float> want(static_cast<size_t>(outf * in), 0.0f);
+    for (size_t k = 0; k < terms.size(); ++k) {
+      const std::vector<float> t =
+          matmul(terms[k].g.transpose(0, 1), terms[k].x, out, Partials::kF32).to_float_vector();
+      for (size_t j = 0; j < want.size(); ++j) want[j] = k == 0 ? t[j] : want[j] + t[j];
+    }
+    want = Tensor::from_floats(want, {outf, in}).to(out).to_float_vector();
+    std::vector<float> got(want.size(), NAN);
+    std::vector<int> seen(want.size(), 0);
+    linear_weight_grad_parts_sum(terms, out, [&](int64_t begin, int64_t n, const void* v, DType t) {
+      EXPECT_EQ(t, out);
+      convert(v, t, got.data() + begin, DType::f32, static_cast<size_t>(n));
+      for (int64_t j = begin; j < begin + n; ++j) ++seen[static_cast<size_t>(j)];
+    });
+    EXPECT_EQ(seen, std::vector<int>(want.size(), 1)) << dtype_name(out);
+    EXPECT_EQ(got, want) << dtype_name(out);
+    const double bound = linear_weight_grad_bound_sum(terms, out);
+    for (float v : got) ASSERT_LE(std::fabs(v), bound) << dtype_name(out);
+  }
+}
+
 }  // namespace
 }  // namespace mantissa::kernels

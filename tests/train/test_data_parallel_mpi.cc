@@ -168,7 +168,9 @@ TEST(DataParallel, SufficientFactorsSendLessAndTrainAsTheGradients) {
   // The tutorial CNN at 64 x 64: fc1 (8748 -> 100) has factors over the global batch (8 images a
   // rank) of at most half its weight's size; the other layers go through the reducer. In 16-mixed
   // the factors are FP16 (autocast's input and output gradient) and the gradient FP32; in 16-true
-  // all three are FP16 (each rank's product rounded to FP16, the sum too).
+  // all three are FP16 (each rank's product rounded to FP16, the sum too). By default the step
+  // forms fc1's gradient a part at a time from the gathered factors as it updates it (16-mixed:
+  // also under loss scaling), never storing it; --no-update-in-backward stores it whole.
   const int n = world().size();
   for (const char* precision : {"32-true", "16-mixed", "16-true"}) {
     SCOPED_TRACE(precision);
@@ -177,15 +179,26 @@ TEST(DataParallel, SufficientFactorsSendLessAndTrainAsTheGradients) {
     c.precision = precision;
     if (n > 2) c.optimizer = "sgd", c.lr = 0.05;
     const Trained factors = train_on(c, false);
+    train::TrainConfig stored = c;
+    stored.update_in_backward = false;
+    const Trained whole = train_on(stored, false);
     train::TrainConfig off = c;
     off.sufficient_factors = false;
     const Trained gradients = train_on(off, false);
     const train::Communication& f = *factors.result.communication;
     const train::Communication& g = *gradients.result.communication;
     EXPECT_EQ(f.factored, (std::vector<std::string>{"fc1.weight"}));
+    EXPECT_EQ(whole.result.communication->factored, f.factored);
     EXPECT_TRUE(g.factored.empty());
     EXPECT_LT(f.bytes_per_step, g.bytes_per_step);
-    // The same sums: on 2 ranks bit for bit (g0 + g1 either way), on 3 in another order.
+    // fc1's gradient (3.3 MiB in FP32) is never held when the step forms it in parts.
+    const size_t fc1_grad = size_t{100} * 8748 * (std::string(precision) == "16-true" ? 2 : 4);
+    EXPECT_LT(factors.result.memory.peak_of(MemoryCategory::gradients) + fc1_grad / 2,
+              whole.result.memory.peak_of(MemoryCategory::gradients));
+    // The same sums: on 2 ranks bit for bit (g0 + g1 either way), on 3 in another order; formed
+    // in parts or whole, the same bits.
+    EXPECT_EQ(factors.result.step_losses, whole.result.step_losses);
+    expect_same_weights(factors, whole);
     if (n == 2) {
       EXPECT_EQ(factors.result.step_losses, gradients.result.step_losses);
       expect_same_weights(factors, gradients);

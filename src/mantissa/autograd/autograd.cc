@@ -174,19 +174,18 @@ GradPartConsumer take_grad_part_consumer(const Node& node, size_t i) {
   return consume;
 }
 
-std::function<void(GradPartProducer, double)> take_grad_part_deferral(const Node& node, size_t i) {
+GradPartDeferral take_grad_part_deferral(const Node& node, size_t i) {
   if (i >= node.inputs().size() || t_anomaly) return {};
   const Node::Input& in = node.inputs()[i];
   if (in.fn || !in.leaf) return {};
   AutogradMeta& meta = *in.leaf;
   if (!meta.defer_grad_parts || meta.grad) return {};
-  std::function<void(GradPartProducer, double)> defer = std::move(meta.defer_grad_parts);
+  GradPartDeferral defer = std::move(meta.defer_grad_parts);
   meta.defer_grad_parts = nullptr;
   return defer;
 }
 
-std::function<Tensor(const Tensor&, const Tensor&, const FactorProduct&)> grad_factor_gatherer(
-    const Node& node, size_t i) {
+std::function<Tensor(const GradFactorCall&)> grad_factor_gatherer(const Node& node, size_t i) {
   if (i >= node.inputs().size()) return {};
   const Node::Input& in = node.inputs()[i];
   if (in.fn || !in.leaf) return {};

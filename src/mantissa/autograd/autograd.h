@@ -124,13 +124,12 @@ GradPartConsumer take_grad_part_consumer(const Node& node, size_t i);
 // takes that way, and anomaly detection is off; empty otherwise. Taking it clears the leaf's
 // hook: the op must then give the deferral a producer of every element of the gradient (with an
 // upper bound of their magnitudes, or +infinity) and return no gradient for that input.
-std::function<void(GradPartProducer, double)> take_grad_part_deferral(const Node& node, size_t i);
+GradPartDeferral take_grad_part_deferral(const Node& node, size_t i);
 
 // For an op whose gradient of a leaf input is a product of two factors (AutogradMeta::
 // gather_grad_factors): that hook of input i of `node` when the input is a leaf that has one (the
 // op then returns what the hook gives as the input's gradient); empty otherwise.
-std::function<Tensor(const Tensor&, const Tensor&, const FactorProduct&)> grad_factor_gatherer(
-    const Node& node, size_t i);
+std::function<Tensor(const GradFactorCall&)> grad_factor_gatherer(const Node& node, size_t i);
 
 // Whether a node's backward may write over the gradient it was given: the engine holds the only
 // reference to its storage (no other node, leaf, hook, caller or view does) and anomaly

@@ -91,9 +91,14 @@ using GradPartConsumer = std::function<void(int64_t begin, int64_t n, const void
 // Gives every part of a gradient to a consumer, computing the parts anew on each call (the same
 // bits each time): a gradient kept as what computes it instead of as its values.
 using GradPartProducer = std::function<void(const GradPartConsumer& consume)>;
+// Takes a gradient as its producer, with an upper bound of |v| over the values it gives
+// (+infinity when none is known): AutogradMeta::defer_grad_parts.
+using GradPartDeferral = std::function<void(GradPartProducer produce, double bound)>;
 // A weight gradient that is the product of two factors (a linear layer's dW = dY^T X): computes
 // the product of `a` and `b` as the op would for its own batch.
 using FactorProduct = std::function<Tensor(const Tensor& a, const Tensor& b)>;
+// What an op hands AutogradMeta::gather_grad_factors (defined after Tensor).
+struct GradFactorCall;
 
 // Autograd state of a tensor, shared by every copy of the Tensor handle (not by views, which are
 // new tensors). A leaf that requires grad accumulates into `grad`; a computed tensor points to the
@@ -129,7 +134,7 @@ struct AutogradMeta {
   // computes the parts twice, once to check them and once to apply them, or only to apply them
   // when the bound alone proves them finite. Cleared as consume_grad is: where the leaf would get
   // more than one gradient or already has one.
-  std::function<void(GradPartProducer produce, double bound)> defer_grad_parts;
+  GradPartDeferral defer_grad_parts;
   // Set on a leaf by code that needs the leaf's gradient as soon as a backward pass has finished
   // computing it (dist::Reducer starts the gradient's all-reduce from here, while the pass goes
   // on with the layers below). Called once per backward pass whose graph reaches the leaf, on the
@@ -146,9 +151,9 @@ struct AutogradMeta {
   // dW = dY^T X at a small batch): such an op hands this function its factors and how it forms
   // their product, and takes what it returns as its gradient for the leaf, in place of the
   // product of its own factors: the gradient over every rank's batch (the ranks' products summed
-  // in rank order, identical on every rank). Kept across passes; the owner clears it.
-  std::function<Tensor(const Tensor& a, const Tensor& b, const FactorProduct& product)>
-      gather_grad_factors;
+  // in rank order, identical on every rank), or nothing when the call carried a deferral (the
+  // gradient then went to it as its producer). Kept across passes; the owner clears it.
+  std::function<Tensor(const GradFactorCall& call)> gather_grad_factors;
 };
 
 class Tensor {
@@ -252,6 +257,18 @@ class Tensor {
   Shape strides_;
   int64_t offset_ = 0;  // in elements
   std::shared_ptr<AutogradMeta> autograd_;
+};
+
+// What an op hands AutogradMeta::gather_grad_factors: its factors a (rows, out) and b (rows, in),
+// how it forms their product, the gradient's dtype, and, when the leaf's gradient is deferred this
+// pass (AutogradMeta::defer_grad_parts, taken by the op) and the op's product is the FMA chain that
+// kernels::linear_weight_grad_parts gives (FP32 partials), that deferral: the gatherer must then
+// hand it a producer of the whole gradient and return an undefined tensor.
+struct GradFactorCall {
+  Tensor a, b;
+  FactorProduct product;
+  DType dtype = DType::f32;
+  GradPartDeferral defer;
 };
 
 // Returns the blocks kept for reuse (freed tensors of 1 MiB or more, by size) to the system.

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <unordered_set>
 
 #include "mantissa/core/convert.h"
 #include "mantissa/core/error.h"
 #include "mantissa/dist/agreement.h"
+#include "mantissa/kernels/linear.h"
 
 namespace mantissa::dist {
 namespace {
@@ -59,9 +61,8 @@ FactorGradients::FactorGradients(comm::Communicator& comm,
   check_config_agreement(comm_, fields, "weights whose gradients travel as factors");
   gathered_.assign(weights_.size(), 0);
   for (size_t k = 0; k < weights_.size(); ++k)
-    meta_[k]->gather_grad_factors = [this, k](const Tensor& a, const Tensor& b,
-                                              const FactorProduct& product) {
-      return gather(k, a, b, product);
+    meta_[k]->gather_grad_factors = [this, k](const GradFactorCall& call) {
+      return gather(k, call);
     };
 }
 
@@ -69,8 +70,9 @@ FactorGradients::~FactorGradients() {
   for (const auto& meta : meta_) meta->gather_grad_factors = nullptr;
 }
 
-Tensor FactorGradients::gather(size_t k, const Tensor& a, const Tensor& b,
-                               const FactorProduct& product) {
+Tensor FactorGradients::gather(size_t k, const GradFactorCall& call) {
+  const Tensor &a = call.a, &b = call.b;
+  const FactorProduct& product = call.product;
   MANTISSA_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0),
                  "dist::FactorGradients: the factors of '" + weights_[k].name +
                      "' are not two matrices of the same rows",
@@ -87,13 +89,36 @@ Tensor FactorGradients::gather(size_t k, const Tensor& a, const Tensor& b,
   total_.exposed_seconds += waited;
   total_.busy_seconds += waited;
 
+  const int ranks = comm_.size();
+  // A deferred gradient (the optimizer forms it at its step, a part at a time, fused with its
+  // update): each rank's part as its pass would form it, the parts summed in rank order in FP32
+  // and rounded once, from the gathered factors, which the producer keeps.
+  const bool parts_fit = std::all_of(rows.begin(), rows.end(), [](int64_t n) {
+    return n == 0 || kernels::linear_weight_grad_parts_fit(n);
+  });
+  if (call.defer && parts_fit) {
+    std::vector<kernels::GradFactors> terms;
+    for (int r = 0; r < ranks; ++r) {
+      const int64_t n = rows[static_cast<size_t>(r)];
+      if (n > 0)
+        terms.push_back({as.select(0, r).narrow(0, 0, n), bs.select(0, r).narrow(0, 0, n)});
+    }
+    const double bound = kernels::linear_weight_grad_bound_sum(terms, call.dtype);
+    call.defer(
+        [terms = std::move(terms), dt = call.dtype](const GradPartConsumer& consume) {
+          kernels::linear_weight_grad_parts_sum(terms, dt, consume);
+        },
+        bound);
+    gathered_[k] = 1;
+    return Tensor();
+  }
+
   // Each rank's product as its pass would form it, summed in rank order in FP32 and rounded once,
   // a block of the gradient's columns at a time (its products and their sum stay in cache; a
   // column of the product is the same FMA chain over the rows whatever the block, so the bits do
   // not depend on it).
   const int64_t outf = a.size(1), in = b.size(1);
   const int64_t width = std::max<int64_t>(64, (int64_t{1} << 18) / std::max<int64_t>(outf, 1));
-  const int ranks = comm_.size();
   Tensor grad;
   std::vector<float> sum, staged;
   for (int64_t c0 = 0; c0 < in; c0 += width) {
@@ -132,6 +157,14 @@ Tensor FactorGradients::gather(size_t k, const Tensor& a, const Tensor& b,
               grad.dtype(), static_cast<size_t>(cw));
   }
   gathered_[k] = 1;
+  if (call.defer) {  // rows past the parts' kernel: the formed gradient, as one part
+    call.defer(
+        [grad](const GradPartConsumer& consume) {
+          consume(0, grad.numel(), grad.data_ptr(), grad.dtype());
+        },
+        std::numeric_limits<double>::infinity());
+    return Tensor();
+  }
   return grad;
 }
 

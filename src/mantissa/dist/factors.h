@@ -52,7 +52,7 @@ class FactorGradients {
   const CommStats& total() const { return total_; }
 
  private:
-  Tensor gather(size_t k, const Tensor& a, const Tensor& b, const FactorProduct& product);
+  Tensor gather(size_t k, const GradFactorCall& call);
 
   comm::Communicator& comm_;
   std::vector<nn::Module::NamedTensor> weights_;

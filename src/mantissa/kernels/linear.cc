@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "mantissa/core/parallel.h"
@@ -113,54 +114,100 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
 
 bool linear_weight_grad_parts_fit(int64_t rows) { return rows >= 1 && rows <= kPartsMaxRows; }
 
-void linear_weight_grad_parts(const Tensor& g_in, const Tensor& x_in, DType out,
+void linear_weight_grad_parts(const Tensor& g, const Tensor& x, DType out,
                               const GradPartConsumer& consume) {
-  MANTISSA_ASSERT(g_in.dim() == 2 && x_in.dim() == 2 && g_in.size(0) == x_in.size(0) &&
-                      linear_weight_grad_parts_fit(g_in.size(0)),
-                  "linear_weight_grad_parts takes (rows, out) and (rows, in) matrices of at most " +
-                      str(kPartsMaxRows) + " rows");
-  require_float(g_in, "linear backward", "gradient");
-  require_float(x_in, "linear backward", "input");
-  const int64_t rows = g_in.size(0), outf = g_in.size(1), in = x_in.size(1);
-  // FP32 operands (16-bit values convert exactly, as the GEMM's packing converts them):
-  // g^T (out, rows), row o holding the factors of output o in row order, and x (rows, in), a
+  const GradFactors term{g, x};
+  linear_weight_grad_parts_sum({&term, 1}, out, consume);
+}
+
+void linear_weight_grad_parts_sum(std::span<const GradFactors> terms, DType out,
+                                  const GradPartConsumer& consume) {
+  MANTISSA_ASSERT(!terms.empty(), "linear_weight_grad_parts_sum takes at least one term");
+  const int64_t outf = terms[0].g.dim() == 2 ? terms[0].g.size(1) : -1;
+  const int64_t in = terms[0].x.dim() == 2 ? terms[0].x.size(1) : -1;
+  // Per term: g^T (out, rows), row o holding the factors of output o in row order, in FP32
+  // (16-bit values convert exactly, as the GEMM's packing converts them), and x (rows, in), a
   // 16-bit x widened a column block at a time (no FP32 copy of the whole input).
-  const Tensor g = g_in.to(DType::f32).contiguous(), x = x_in.contiguous();
-  std::vector<float> gt(static_cast<size_t>(outf * rows));
-  const float* gd = g.data<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t o = 0; o < outf; ++o) gt[static_cast<size_t>(o * rows + r)] = gd[r * outf + o];
-  const bool wide = x.dtype() == DType::f32;
-  const char* xd = bytes(x);
-  const size_t x_size = esize(x.dtype()), out_size = esize(out);
+  struct Term {
+    int64_t rows;
+    std::vector<float> gt;
+    Tensor x;
+    bool wide;
+  };
+  std::vector<Term> ts;
+  for (const GradFactors& t : terms) {
+    MANTISSA_ASSERT(t.g.dim() == 2 && t.x.dim() == 2 && t.g.size(0) == t.x.size(0) &&
+                        t.g.size(1) == outf && t.x.size(1) == in &&
+                        linear_weight_grad_parts_fit(t.g.size(0)),
+                    "linear_weight_grad_parts takes (rows, out) and (rows, in) matrices of at "
+                    "most " +
+                        str(kPartsMaxRows) + " rows, of the same out and in for every term");
+    require_float(t.g, "linear backward", "gradient");
+    require_float(t.x, "linear backward", "input");
+    const int64_t rows = t.g.size(0);
+    const Tensor g = t.g.to(DType::f32).contiguous();
+    std::vector<float> gt(static_cast<size_t>(outf * rows));
+    const float* gd = g.data<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < outf; ++o) gt[static_cast<size_t>(o * rows + r)] = gd[r * outf + o];
+    const Tensor x = t.x.contiguous();
+    ts.push_back({rows, std::move(gt), x, x.dtype() == DType::f32});
+  }
+  const size_t out_size = esize(out);
   const int64_t groups = (outf + kPartRows - 1) / kPartRows;
+  const bool summed = ts.size() > 1;
   // Each thread takes whole groups of outputs and walks the inputs in column blocks, all its
   // groups per block: the consumer streams through a few rows of the parameter and its state at
   // a time, and a 16-bit block is widened once per thread.
   parallel_for(static_cast<size_t>(groups), 1, default_num_threads(), [&](size_t g0, size_t g1) {
     std::vector<float> part(static_cast<size_t>(kPartRows * kPartColumns));  // (kPartRows, cols)
-    std::vector<float> block(wide ? 0 : static_cast<size_t>(rows * kPartColumns));  // (rows, cols)
+    std::vector<float> sum(summed ? part.size() : 0);                        // (kPartRows, cols)
     std::vector<char> rounded(out == DType::f32 ? 0 : kPartColumns * out_size);
-    std::vector<const float*> xr(static_cast<size_t>(rows));
+    std::vector<std::vector<float>> blocks(ts.size());  // per term: (rows, cols) widened
+    std::vector<std::vector<const float*>> xr(ts.size());
+    for (size_t k = 0; k < ts.size(); ++k) {
+      if (!ts[k].wide) blocks[k].resize(static_cast<size_t>(ts[k].rows * kPartColumns));
+      xr[k].resize(static_cast<size_t>(ts[k].rows));
+    }
     for (int64_t j0 = 0; j0 < in; j0 += kPartColumns) {
       const int64_t n = std::min(kPartColumns, in - j0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const char* src = xd + static_cast<size_t>(r * in + j0) * x_size;
-        if (wide) {
-          xr[static_cast<size_t>(r)] = reinterpret_cast<const float*>(src);
-        } else {
-          float* dst = block.data() + r * kPartColumns;
-          load_f32(src, x.dtype(), 1, n, dst);
-          xr[static_cast<size_t>(r)] = dst;
+      for (size_t k = 0; k < ts.size(); ++k) {
+        const Term& t = ts[k];
+        const size_t x_size = esize(t.x.dtype());
+        for (int64_t r = 0; r < t.rows; ++r) {
+          const char* src = bytes(t.x) + static_cast<size_t>(r * in + j0) * x_size;
+          if (t.wide) {
+            xr[k][static_cast<size_t>(r)] = reinterpret_cast<const float*>(src);
+          } else {
+            float* dst = blocks[k].data() + r * kPartColumns;
+            load_f32(src, t.x.dtype(), 1, n, dst);
+            xr[k][static_cast<size_t>(r)] = dst;
+          }
         }
       }
       for (size_t grp = g0; grp < g1; ++grp) {
         const int64_t o0 = static_cast<int64_t>(grp) * kPartRows,
                       no = std::min(kPartRows, outf - o0);
-        detail::fma_rows_f32(part.data(), kPartColumns, no, nullptr, gt.data() + o0 * rows, rows,
-                             xr.data(), rows, n);
+        for (size_t k = 0; k < ts.size(); ++k) {
+          const Term& t = ts[k];
+          detail::fma_rows_f32(part.data(), kPartColumns, no, nullptr, t.gt.data() + o0 * t.rows,
+                               t.rows, xr[k].data(), t.rows, n);
+          if (!summed) break;
+          // A term's values as its own gradient would hold them (rounded into `out`), added in
+          // term order in FP32.
+          for (int64_t o = 0; o < no; ++o) {
+            float* v = part.data() + o * kPartColumns;
+            float* acc = sum.data() + o * kPartColumns;
+            if (out != DType::f32) detail::round_through(v, n, out);
+            if (k == 0)
+              std::copy(v, v + n, acc);
+            else
+              for (int64_t j = 0; j < n; ++j) acc[j] += v[j];
+          }
+        }
+        const float* result = summed ? sum.data() : part.data();
         for (int64_t o = 0; o < no; ++o) {
-          const float* values = part.data() + o * kPartColumns;
+          const float* values = result + o * kPartColumns;
           if (out == DType::f32) {
             consume((o0 + o) * in + j0, n, values, out);
           } else {  // rounded once, to nearest even, as the GEMM stores a 16-bit result
@@ -194,6 +241,25 @@ double linear_weight_grad_bound(const Tensor& g_in, const Tensor& x_in, DType ou
   // double sum above is off by far less: 2^-10 covers both. A value at most `largest` rounds
   // to at most `largest`, and by at most half a unit (bf16: a factor 1 + 2^-8) above itself.
   t *= 1 + 0x1p-10;
+  if (!(t <= largest)) return kInf;
+  return std::min(t * (1 + 0x1p-7), largest);
+}
+
+double linear_weight_grad_bound_sum(std::span<const GradFactors> terms, DType out) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const double largest = max_finite(out);
+  double t = 0;
+  for (const GradFactors& term : terms) {
+    const double b = linear_weight_grad_bound(term.g, term.x, out);
+    if (!(b < kInf)) return kInf;
+    t += b;
+  }
+  if (terms.size() == 1) return t;
+  // The terms' values (each at most its bound, rounding into `out` included) are added in FP32
+  // (a relative 2^-24 per addition, at most 2^-20 for 16 terms), and the sum is rounded into
+  // `out` once more: a value at most `largest` rounds to at most `largest`, and by at most half
+  // a unit (bf16: a factor 1 + 2^-8) above itself.
+  t *= 1 + 0x1p-20;
   if (!(t <= largest)) return kInf;
   return std::min(t * (1 + 0x1p-7), largest);
 }

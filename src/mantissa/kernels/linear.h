@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "mantissa/core/tensor.h"
 #include "mantissa/kernels/gemm.h"
@@ -27,6 +28,18 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, DType out,
 // costs more than the products.
 void linear_weight_grad_parts(const Tensor& g, const Tensor& x, DType out,
                               const GradPartConsumer& consume);
+// One term of a weight gradient summed over several batches: the factors g (rows, out) and x
+// (rows, in) of g^T x (dist::FactorGradients: one rank's).
+struct GradFactors {
+  Tensor g, x;
+};
+// The sum of the terms' weight gradients, sum_k g_k^T x_k, given to `consume` in parts as
+// linear_weight_grad_parts gives one gradient: each term's part is its own gradient's values
+// (matmul's FMA chain over its rows, rounded into `out`), the terms are added in order in FP32
+// and the sum is rounded into `out` once. One term: linear_weight_grad_parts. Every term has the
+// same out and in, and rows that linear_weight_grad_parts_fit.
+void linear_weight_grad_parts_sum(std::span<const GradFactors> terms, DType out,
+                                  const GradPartConsumer& consume);
 // An upper bound of |v| over every value v that linear_weight_grad_parts(g, x, out, ...) gives:
 // the sum over rows r of max_o |g[r][o]| * max_j |x[r][j]| (which bounds each exact dot
 // product), widened for the FP32 chain's roundings and the one rounding into `out`; +infinity when
@@ -34,6 +47,9 @@ void linear_weight_grad_parts(const Tensor& g, const Tensor& x, DType out,
 // reads g and x once (no product): a finite bound proves every value of the gradient finite
 // without computing it (the optimizer's inf/NaN check of a deferred gradient).
 double linear_weight_grad_bound(const Tensor& g, const Tensor& x, DType out);
+// The same for linear_weight_grad_parts_sum: the terms' bounds summed, widened for the FP32 sum
+// and its rounding into `out`.
+double linear_weight_grad_bound_sum(std::span<const GradFactors> terms, DType out);
 // Whether linear's backward gives its weight gradient in parts at this many rows (a batch small
 // enough that computing dw costs less than storing and re-reading it).
 bool linear_weight_grad_parts_fit(int64_t rows);

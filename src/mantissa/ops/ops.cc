@@ -356,17 +356,17 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
             return kernels::matmul(gr.transpose(0, 1), xr, dt, p, MemoryCategory::gradients);
           };
           // Data parallelism may gather the factors of every rank instead of reducing dw. Or the
-          // optimizer keeps the gradient as its producer (g and x, small at such a batch) and
-          // computes the parts at its step.
+          // optimizer keeps the gradient as its producer (g and x, small at such a batch; with
+          // the factors gathered, every rank's) and computes the parts at its step.
           const auto gather = autograd::grad_factor_gatherer(n, 1);
           GradPartConsumer parts;
-          std::function<void(GradPartProducer, double)> defer;
-          if (!gather && p == Partials::kF32 && kernels::linear_weight_grad_parts_fit(rows)) {
-            parts = autograd::take_grad_part_consumer(n, 1);
+          GradPartDeferral defer;
+          if (p == Partials::kF32 && kernels::linear_weight_grad_parts_fit(rows)) {
+            if (!gather) parts = autograd::take_grad_part_consumer(n, 1);
             if (!parts) defer = autograd::take_grad_part_deferral(n, 1);
           }
           if (gather)
-            out[1] = gather(g2, x2, product);
+            out[1] = gather({g2, x2, product, n.input_dtype(1), std::move(defer)});
           else if (parts)
             kernels::linear_weight_grad_parts(g2, x2, n.input_dtype(1), parts);
           else if (defer)

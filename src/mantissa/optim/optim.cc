@@ -543,7 +543,7 @@ DType Optimizer::grad_type(size_t i) const {
   return meta && meta->grad_dtype ? *meta->grad_dtype : p.dtype();
 }
 
-size_t Optimizer::defer_gradients() {
+size_t Optimizer::defer_gradients(const std::function<bool(const Tensor&)>& only) {
   MANTISSA_CHECK(shards_.empty(), "deferred gradients with a sharded optimizer",
                  "a shard's check needs the gradients reduced over every shard: use step()");
   MANTISSA_ASSERT(!backward_step_, "defer_gradients during a step begun in the backward pass");
@@ -554,7 +554,8 @@ size_t Optimizer::defer_gradients() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = *params_[i].tensor;
     AutogradMeta* meta = p.autograd_meta().get();
-    if (!meta || !p.requires_grad() || !p.is_contiguous() || meta->grad) continue;
+    if (!meta || !p.requires_grad() || !p.is_contiguous() || meta->grad || (only && !only(p)))
+      continue;
     meta->defer_grad_parts = [this, i](GradPartProducer produce, double bound) {
       deferred_[i] = std::move(produce);
       deferred_bounds_[i] = bound;

@@ -109,8 +109,10 @@ class Optimizer {
   // without clipping). An overflow anywhere, also in the last gradient the backward pass
   // produces, skips the step before any parameter or state changes. The deferrals live until
   // step() or zero_grad(). Eligible: contiguous parameters that require grad and have no
-  // gradient; not with shards or a step begun in the backward pass. Returns how many got one.
-  size_t defer_gradients();
+  // gradient; not with shards or a step begun in the backward pass. `only`, when given, picks the
+  // parameters that get one (data parallelism: those whose gradients are formed from factors
+  // gathered over the ranks, global as soon as formed). Returns how many got one.
+  size_t defer_gradients(const std::function<bool(const Tensor&)>& only = {});
   // Parameters whose gradient is now kept as its producer.
   size_t deferred_gradients() const;
 

@@ -197,6 +197,16 @@ void DataParallel::attach(nn::Module& model, optim::Optimizer& optimizer) {
   }
 }
 
+size_t DataParallel::defer_factored_gradients(optim::Optimizer& optimizer) {
+  if (!factors_) return 0;
+  std::vector<const AutogradMeta*> factored;
+  for (const nn::Module::NamedTensor& w : factors_->weights())
+    factored.push_back(w.tensor->autograd_meta().get());
+  return optimizer.defer_gradients([&factored](const Tensor& p) {
+    return std::find(factored.begin(), factored.end(), p.autograd_meta().get()) != factored.end();
+  });
+}
+
 void DataParallel::prepare(optim::StepOptions& options) {
   if (zero_) options.combine = zero_->combine();
 }

@@ -53,6 +53,14 @@ class DataParallel {
   // of the optimizer, the batch norms joined; before the first step.
   void attach(nn::Module& model, optim::Optimizer& optimizer);
 
+  // Before a backward pass: the weights whose gradients are formed from gathered factors keep
+  // them as their producers (optim::Optimizer::defer_gradients), so the step forms each part
+  // from every rank's factors as it updates it: no gradient of the weight's size is stored, and
+  // the products are added and rounded a cached part at a time. The same bits as storing the
+  // gradient; the trainer asks for it where one process would update in the backward pass.
+  // Returns how many weights defer.
+  size_t defer_factored_gradients(optim::Optimizer& optimizer);
+
   // The gradient-accumulation micro-batches before a step's last: gradients stay local.
   dist::Reducer::NoSync no_sync() { return reducer_->no_sync(); }
   // After the last micro-batch's backward pass: waits for the reduced gradients (and those formed

@@ -478,7 +478,9 @@ int64_t Trainer::micro_batches_per_step() const {
 // the step computes them twice, to check and to apply, so no update is applied before every
 // gradient is known to be finite, and the largest gradients are never held whole.
 // With several ranks an update must wait for the gradient summed over the ranks, so every step
-// updates after the backward pass.
+// updates after the backward pass; the weights whose gradients are formed from factors gathered
+// over the ranks keep them as their producers in the same cases, with or without loss scaling
+// (DataParallel::defer_factored_gradients): the step forms each part as it applies it.
 double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   const int64_t N = config_.gradient_accumulation;
   const auto t0 = Clock::now();
@@ -492,6 +494,9 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
                           !config_.recompute;
   const bool update_in_backward = local_step && !scaler_;
   const bool defer_gradients = local_step && scaler_;
+  const bool defer_factored = dp_ && config_.update_in_backward && N == 1 &&
+                              config_.max_grad_norm <= 0 && !numerics && !config_.detect_anomaly &&
+                              !config_.recompute;
   double loss_sum = 0;
   for (int64_t f = 0; f < N; ++f) {
     // "running" keeps the mean so far, s = f/(f+1) s + g/(f+1): micro-batch f's loss is weighted
@@ -506,6 +511,7 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
     default_memory_tracker().set_phase("backward");
     if (update_in_backward) optimizer_->begin_backward_step();
     if (defer_gradients) optimizer_->defer_gradients();
+    if (defer_factored) dp_->defer_factored_gradients(*optimizer_);
     {
       ProfileTimer timed("step", "", "backward");
       std::optional<dist::Reducer::NoSync> local;  // communication on the last micro-batch only
