@@ -522,6 +522,39 @@ TEST(Pool, MaxPool2x2ReadsAndWrites16BitStorage) {
         }
 }
 
+// The lane-split weight gradient (kImplicitDots) gives the same bits however many images a
+// chunk holds: 16-bit operands get a quarter of the column budget (the tutorial CNN's conv2 at
+// batch 12: chunks of 3 images against one chunk of 12 for FP32), and the sums of their values
+// equal those of the same values stored in FP32; the chunks' columns start at the lanes one call
+// over every image would use (63 x 63 planes: an odd stride, every chunk at another lane).
+TEST(ConvWeightGrad, LaneSplitSumsDoNotDependOnTheChunk) {
+  const Shape xs{12, 5, 63, 63}, ws{12, 5, 5, 5};
+  const Conv2dParams prm;
+  const detail::ConvGeometry g(xs, ws, prm);
+  ASSERT_EQ(detail::conv_weight_grad_path(g, Partials::kF32), detail::ConvPath::kImplicitDots);
+  const detail::ImplicitConv ic(g);
+  std::mt19937 gen(23);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> xv(static_cast<size_t>(12 * 5 * 63 * 63)),
+      gv(static_cast<size_t>(12 * 12 * 59 * 59));
+  for (float& v : xv) v = d(gen);
+  for (float& v : gv) v = d(gen);
+  for (DType t : {DType::bf16, DType::f16}) {
+    const Tensor x16 = Tensor::from_floats(xv, xs, t),
+                 dy16 = Tensor::from_floats(gv, {12, 12, 59, 59}, t);
+    const Tensor x32 = x16.to(DType::f32), dy32 = dy16.to(DType::f32);
+    if (!std::getenv("MANTISSA_CONV_COLUMNS")) {  // the default budget: 12 images against 3
+      EXPECT_EQ(ic.chunk(DType::f32), 12);
+      EXPECT_EQ(ic.chunk(t), 3);
+    }
+    const std::vector<float> a =
+        conv2d_backward_weight(dy16, x16, ws, prm, DType::f32, Partials::kF32).to_float_vector();
+    const std::vector<float> b =
+        conv2d_backward_weight(dy32, x32, ws, prm, DType::f32, Partials::kF32).to_float_vector();
+    EXPECT_EQ(a, b) << dtype_name(t);
+  }
+}
+
 // Where each maximum is: a byte per output (its offset in the window) up to 256 window positions,
 // four beyond; either way the position of the window's largest value (distinct values, windows
 // clipped by padding and ceil mode), and the backward adds each output's gradient there, in

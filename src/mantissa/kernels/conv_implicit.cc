@@ -177,14 +177,20 @@ Tensor implicit_weight_grad_dots(const Tensor& dy, const Tensor& x, const Shape&
   const ImplicitConv g(cg);
   const int64_t CKK = cg.CKK, HWo = g.Ho * g.Wo;
   const int64_t nb_max = g.chunk(x.dtype());
-  Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
-  Tensor dyw = f32_workspace({g.O * nb_max * g.plane});   // (O, nb * Hp * Wp)
+  // A chunk's columns start at lane (n0 * plane) mod 8, behind that many zero columns: the lanes
+  // take the columns of one call over every image, in the same order, whatever the chunk (a zero
+  // gradient times a finite value adds +0 to a lane, which is never -0). The padded buffer has
+  // kDotLanes zeros ahead of it for the first tap's leading columns to read.
+  Tensor xbuf = f32_workspace({kDotLanes + g.C * nb_max * g.plane});   // zeros, (C, nb, Hp, Wp)
+  Tensor dyw = f32_workspace({g.O * (kDotLanes + nb_max * g.plane)});  // (O, lead + nb * Hp * Wp)
   Tensor lanes = f32_workspace({g.O, CKK, kDotLanes});
   std::fill(lanes.data<float>(), lanes.data<float>() + lanes.numel(), 0.0f);
+  float* xp = xbuf.data<float>() + kDotLanes;
+  std::fill(xbuf.data<float>(), xp, 0.0f);
   std::vector<int64_t> offset;
   for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
-    const int64_t nb = std::min(nb_max, g.N - n0), Nw = wide_columns(g, nb);
-    float* xp = xpad.data<float>();
+    const int64_t nb = std::min(nb_max, g.N - n0), lead = n0 * g.plane % kDotLanes,
+                  Nw = lead + wide_columns(g, nb);
     float* dw = dyw.data<float>();
     pad_images(x, g, n0, nb, xp);
     tap_offsets(g, nb, offset);
@@ -192,6 +198,7 @@ Tensor implicit_weight_grad_dots(const Tensor& dy, const Tensor& x, const Shape&
       for (size_t o = o0; o < o1; ++o) {
         float* row = dw + static_cast<int64_t>(o) * Nw;
         std::fill(row, row + Nw, 0.0f);
+        row += lead;
         for (int64_t img = 0; img < nb; ++img) {
           const char* src =
               bytes(dy) + (((n0 + img) * g.O + static_cast<int64_t>(o)) * HWo) * esize(dy.dtype());
@@ -201,7 +208,7 @@ Tensor implicit_weight_grad_dots(const Tensor& dy, const Tensor& x, const Shape&
         }
       }
     });
-    dot_lanes_accumulate(g.O, CKK, Nw, dw, Nw, xp, offset.data(), lanes.data<float>(),
+    dot_lanes_accumulate(g.O, CKK, Nw, dw, Nw, xp - lead, offset.data(), lanes.data<float>(),
                          default_num_threads());
   }
   std::vector<float> total(static_cast<size_t>(g.O * CKK));

@@ -45,8 +45,11 @@
 // MANTISSA_CONV_COLUMNS=n (elements, at least 1024; default 2^20) is the chunk budget: how many
 // images a path takes at a time. It changes no path and no forward or input gradient. Weight
 // gradients carry their sums from chunk to chunk: with FP32 partials the GEMM paths continue one
-// FMA chain (the same bits for any budget), but kImplicitDots restarts its lane assignment and
-// FP16 partials restart their 16-product groups at each chunk, so those round differently.
+// FMA chain and kImplicitDots starts each chunk's columns at the lane one call over every image
+// would (the same bits for any budget, and so for 16-bit operands, which get a quarter of it, as
+// for their FP32 values; inputs holding inf aside: the columns a chunk leaves out or adds pair a
+// zero gradient with other input values), but FP16 partials restart their 16-product groups at
+// each chunk, so those round differently.
 #pragma once
 
 #include <algorithm>
