@@ -457,7 +457,8 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   }
   refuse_ranks("memory", "run it in one process, with --ranks N for what each of N ranks holds");
   train::TrainConfig c = m.config;
-  // With several ranks every update waits for the reduced gradients: measured that way.
+  // With several ranks every update waits for the reduced gradients: measured that way (weights
+  // whose gradients travel as factors, formed by the step in parts, are not modelled).
   if (m.ranks > 1) c.update_in_backward = false;
   // Checked with the first precision (each is checked again when measured): the settings that
   // hold for one precision only (--kahan) then see it.

@@ -95,7 +95,7 @@ TEST(Autograd, NodesKeepOnlyWhatBackwardNeeds) {
 
 // A node drops what it saved once its gradients have gone out: a pass frees the activations as
 // it walks back, not when the graph dies, and a second pass through the graph is an error that
-// says so.
+// says so, unless the first kept the graph (retain_graph).
 TEST(Autograd, ABackwardPassFreesWhatEachNodeSavedAsItGoes) {
   Tensor x = leaf({1, -2, 3}, {3});
   Tensor y = ops::relu(x);  // relu keeps its output
@@ -109,6 +109,17 @@ TEST(Autograd, ABackwardPassFreesWhatEachNodeSavedAsItGoes) {
   const std::string e = error_of([&] { autograd::backward(loss); });
   EXPECT_NE(e.find("a second time"), std::string::npos) << e;
   EXPECT_NE(e.find("run the forward again"), std::string::npos) << e;
+  // retain_graph: the saved output lives on, and a second pass adds its gradient again.
+  Tensor x2 = leaf({1, -2, 3}, {3});
+  Tensor y2 = ops::relu(x2);
+  const std::weak_ptr<Storage> kept = y2.storage();
+  Tensor loss2 = ops::sum(ops::mul_scalar(y2, 2.0));
+  y2 = Tensor();
+  autograd::backward(loss2, Tensor(), /*retain_graph=*/true);
+  EXPECT_FALSE(kept.expired());
+  autograd::backward(loss2);
+  EXPECT_TRUE(kept.expired());
+  EXPECT_EQ(x2.grad().to_float_vector(), (std::vector<float>{4, 0, 4}));
 }
 
 // An elementwise backward writes its input's gradient over the gradient it was given when

@@ -197,7 +197,7 @@ bool may_overwrite(const Tensor& grad_output) {
          grad_output.storage().use_count() == 1;
 }
 
-void backward(const Tensor& root, const Tensor& grad_root) {
+void backward(const Tensor& root, const Tensor& grad_root, bool retain_graph) {
   MANTISSA_CHECK(root.defined(), "backward: the root tensor is undefined",
                  "call backward on a computed tensor");
   MANTISSA_CHECK(
@@ -299,7 +299,7 @@ void backward(const Tensor& root, const Tensor& grad_root) {
                    "report this as a bug");
     if (t_anomaly) check_gradients(*node, g, grads);
     g = Tensor();  // a gradient the node wrote over is held by `grads` alone: a leaf adopts it
-    node->release();
+    if (!retain_graph) node->release();
     for (size_t i = 0; i < grads.size(); ++i) {
       const Node::Input& in = node->inputs()[i];
       if (!in.needs_grad() || !grads[i].defined()) continue;

@@ -87,7 +87,10 @@ class Node {
   // The module whose forward recorded it ("" outside modules).
   const std::string& module_path() const { return module_path_; }
   // Gradients of the inputs, given the gradient of the output (same shape and dtype as the
-  // output). One entry per input; an undefined tensor where an input needs none.
+  // output). One entry per input; an undefined tensor where an input needs none. A node may write
+  // an input's gradient over grad_output where may_overwrite(grad_output) holds (the caller's
+  // handle is the only reference): the engine passes a gradient it will not read again; any other
+  // caller passes one it keeps a second handle to.
   virtual std::vector<Tensor> backward(const Tensor& grad_output) = 0;
   // Drops what backward() needed (the saved tensors): the engine calls it once the node's
   // gradients have gone out, so a pass frees each op's activations as it goes, not at its end.
@@ -152,6 +155,11 @@ void record_many(Tensor& out, std::shared_ptr<Node> node, const std::vector<cons
 // gradient of this pass is complete (the contributions are counted when the graph is walked
 // before any node runs), so leaves become ready in the order the pass finishes them: roughly the
 // reverse of the order the forward pass used them.
-void backward(const Tensor& root, const Tensor& grad_root = Tensor());
+// Each node drops what it saved once its gradients have gone out (Node::release), so a graph is
+// walked once: a second pass through a node of it throws when it reaches that node, after the
+// nodes before it have added their gradients (and an optimizer updating in the backward pass may
+// have applied them). retain_graph keeps every node's saved tensors for another pass (PyTorch's
+// flag of that name), at the cost of holding them until the graph is dropped.
+void backward(const Tensor& root, const Tensor& grad_root = Tensor(), bool retain_graph = false);
 
 }  // namespace mantissa::autograd

@@ -19,7 +19,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 // Every rank's (rows, cols) factor, as rows_of[r] x cols blocks of a (ranks, max_rows, cols)
 // tensor: all-gathered, padded to the longest rank's rows.
-Tensor gather_rows(comm::Communicator& comm, const Tensor& x, int64_t max_rows) {
+Tensor gather_rows(comm::Communicator& comm, const Tensor& x, int64_t max_rows,
+                   MemoryCategory category) {
   const int64_t rows = x.size(0), cols = x.size(1);
   Tensor send = x.contiguous();
   if (rows != max_rows) {
@@ -29,7 +30,7 @@ Tensor gather_rows(comm::Communicator& comm, const Tensor& x, int64_t max_rows) 
                 static_cast<char*>(padded.data_ptr()));
     send = padded;
   }
-  TensorOptions o = charged_to(MemoryCategory::workspace);
+  TensorOptions o = charged_to(category);
   o.owner = "gathered factors";
   Tensor all = Tensor::empty({comm.size(), max_rows, cols}, x.dtype(), o);
   comm.all_gather(send, all);
@@ -83,7 +84,14 @@ Tensor FactorGradients::gather(size_t k, const GradFactorCall& call) {
   const int64_t mine = a.size(0);
   comm_.all_gather(&mine, rows.data(), 1, DType::i64);
   const int64_t max_rows = *std::max_element(rows.begin(), rows.end());
-  const Tensor as = gather_rows(comm_, a, max_rows), bs = gather_rows(comm_, b, max_rows);
+  const bool parts_fit = std::all_of(rows.begin(), rows.end(), [](int64_t n) {
+    return n == 0 || kernels::linear_weight_grad_parts_fit(n);
+  });
+  // Factors a deferred gradient's producer keeps until the step are that gradient (charged so).
+  const MemoryCategory held =
+      call.defer && parts_fit ? MemoryCategory::gradients : MemoryCategory::workspace;
+  const Tensor as = gather_rows(comm_, a, max_rows, held),
+               bs = gather_rows(comm_, b, max_rows, held);
   total_.bytes += static_cast<int64_t>(as.nbytes() + bs.nbytes());
   const double waited = seconds_since(t0);
   total_.exposed_seconds += waited;
@@ -93,9 +101,6 @@ Tensor FactorGradients::gather(size_t k, const GradFactorCall& call) {
   // A deferred gradient (the optimizer forms it at its step, a part at a time, fused with its
   // update): each rank's part as its pass would form it, the parts summed in rank order in FP32
   // and rounded once, from the gathered factors, which the producer keeps.
-  const bool parts_fit = std::all_of(rows.begin(), rows.end(), [](int64_t n) {
-    return n == 0 || kernels::linear_weight_grad_parts_fit(n);
-  });
   if (call.defer && parts_fit) {
     std::vector<kernels::GradFactors> terms;
     for (int r = 0; r < ranks; ++r) {

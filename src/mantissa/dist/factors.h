@@ -14,6 +14,11 @@
 //   autograd::backward(loss);                      // each such layer gathers its factors
 //   factors.finish();                              // every weight's gradient is the sum over ranks
 //
+// Where the optimizer keeps the weight's gradient as its producer this pass (the op hands the
+// deferral over with GradFactorCall::defer: train::DataParallel::defer_factored_gradients), no
+// gradient is formed: the producer keeps every rank's factors and gives the same values a part at
+// a time (kernels::linear_weight_grad_parts_sum), and the weight has no grad after finish().
+//
 // A weight whose gradient a pass computed some other way (an op without factors read it) is
 // all-reduced by finish() instead. A weight read in one pass both by an op that gathers factors
 // and by one that does not would get a global and a local part: the trainer factors only the

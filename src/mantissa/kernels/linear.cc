@@ -157,8 +157,9 @@ void linear_weight_grad_parts_sum(std::span<const GradFactors> terms, DType out,
   const int64_t groups = (outf + kPartRows - 1) / kPartRows;
   const bool summed = ts.size() > 1;
   // Each thread takes whole groups of outputs and walks the inputs in column blocks, all its
-  // groups per block: the consumer streams through a few rows of the parameter and its state at
-  // a time, and a 16-bit block is widened once per thread.
+  // groups per block: the consumer takes kPartColumns of each of the thread's rows of the
+  // parameter and its state per block (fc1 on 2 threads: 50 rows), and an input block is widened
+  // once per thread.
   parallel_for(static_cast<size_t>(groups), 1, default_num_threads(), [&](size_t g0, size_t g1) {
     std::vector<float> part(static_cast<size_t>(kPartRows * kPartColumns));  // (kPartRows, cols)
     std::vector<float> sum(summed ? part.size() : 0);                        // (kPartRows, cols)
@@ -256,10 +257,10 @@ double linear_weight_grad_bound_sum(std::span<const GradFactors> terms, DType ou
   }
   if (terms.size() == 1) return t;
   // The terms' values (each at most its bound, rounding into `out` included) are added in FP32
-  // (a relative 2^-24 per addition, at most 2^-20 for 16 terms), and the sum is rounded into
-  // `out` once more: a value at most `largest` rounds to at most `largest`, and by at most half
-  // a unit (bf16: a factor 1 + 2^-8) above itself.
-  t *= 1 + 0x1p-20;
+  // (a relative 2^-24 per addition), and the sum is rounded into `out` once more: a value at most
+  // `largest` rounds to at most `largest`, and by at most half a unit (bf16: a factor 1 + 2^-8)
+  // above itself.
+  t *= 1 + static_cast<double>(terms.size() - 1) * 0x1p-24;
   if (!(t <= largest)) return kInf;
   return std::min(t * (1 + 0x1p-7), largest);
 }
