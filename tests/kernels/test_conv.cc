@@ -522,6 +522,41 @@ TEST(Pool, MaxPool2x2ReadsAndWrites16BitStorage) {
         }
 }
 
+// The 2x2 backward in 16-bit storage: for every gradient and output type among f32, f16 and
+// bf16, each gradient (-0, NaN, infinities, values 16 bits round or overflow) at its window
+// position as 0 + g and +0 elsewhere, a last odd row and column zero, bit for bit as zeroing an
+// FP32 plane, adding and converting it.
+TEST(Pool, MaxPool2x2BackwardInSixteenBitStorage) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = INFINITY;
+  const float pick[] = {-0.0f, 1.1f, -2.0f, 70000.0f, 1e-7f, -inf, inf, nan};
+  const DType types[] = {DType::f32, DType::f16, DType::bf16};
+  std::mt19937 gen(31);
+  for (const DType tg : types)
+    for (const DType td : types)
+      for (const int64_t wo : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{24}})
+        for (const int64_t extra : {int64_t{0}, int64_t{1}}) {
+          const int64_t H = 4 + extra, W = 2 * wo + extra;
+          std::vector<float> xv(static_cast<size_t>(2 * H * W));
+          for (float& e : xv) e = static_cast<float>(gen() % 1000);
+          const Tensor x = Tensor::from_floats(xv, {1, 2, H, W});
+          auto [y, offsets] = max_pool2d(x, Pool2dParams{}, DType::f32);
+          std::vector<float> gv(static_cast<size_t>(2 * 2 * wo));
+          for (float& e : gv) e = pick[gen() % 8];
+          const Tensor g = Tensor::from_floats(gv, y.shape()).to(tg);
+          const std::vector<float> gs = g.to_float_vector();  // as stored in tg
+          std::vector<float> want(xv.size(), 0.0f);
+          for (int64_t i = 0; i < static_cast<int64_t>(gs.size()); ++i)
+            want[static_cast<size_t>((i / (2 * wo)) * H * W +
+                                     max_pool2d_argmax(offsets, x.shape(), Pool2dParams{}, i))] +=
+                gs[static_cast<size_t>(i)];
+          const Tensor w = Tensor::from_floats(want, x.shape()).to(td);
+          const Tensor dx = max_pool2d_backward(g, offsets, x.shape(), Pool2dParams{}, td);
+          ASSERT_EQ(dx.dtype(), td);
+          ASSERT_EQ(0, std::memcmp(dx.data_ptr(), w.data_ptr(), w.nbytes()))
+              << dtype_name(tg) << " -> " << dtype_name(td) << ", width " << W << ", height " << H;
+        }
+}
+
 // The lane-split weight gradient (kImplicitDots) gives the same bits however many images a
 // chunk holds: 16-bit operands get a quarter of the column budget (the tutorial CNN's conv2 at
 // batch 12: chunks of 3 images against one chunk of 12 for FP32), and the sums of their values
