@@ -28,6 +28,17 @@ inline train::TrainConfig small_run(const std::string& model, int64_t synthetic_
   return c;
 }
 
+// The tutorial CNN at its own 128x128, batch 12, one thread, 32-true: the memory tests'
+// configuration (mantissa memory --model tutorial-cnn --batch-size 12 --threads 1).
+inline train::TrainConfig tutorial_cnn_batch_12() {
+  train::TrainConfig c = small_run("tutorial-cnn", 64);
+  c.image_size = 0;  // the model's own 128x128
+  c.batch_size = 12;
+  c.threads = 1;
+  c.precision = "32-true";
+  return c;
+}
+
 // A user-defined classifier: features -> width, a residual block (layer norm, two linear layers),
 // -> classes. Its blocks can be recomputed.
 class UserMlp : public nn::Classifier {

@@ -365,11 +365,7 @@ TEST(DeferredGradients, TrainerTrainsAsTheOrdinaryStepWithLessMemory) {
 // mantissa memory's figures for the tutorial CNN at batch 12: 16-true with dynamic loss scaling
 // holds at most 55% of 32-true's peak (it held 66% while every gradient was kept until the step).
 TEST(DeferredGradients, SixteenTrueWithDynamicScalingPeakAtMost55Percent) {
-  train::TrainConfig c = testing::small_run("tutorial-cnn", 64);
-  c.image_size = 0;  // the model's own 128x128
-  c.batch_size = 12;
-  c.threads = 1;
-  c.precision = "32-true";
+  train::TrainConfig c = testing::tutorial_cnn_batch_12();
   const train::StepMemory fp32 = train::profile_step(c);
   c.precision = "16-true";
   c.loss_scaling = "dynamic";

@@ -192,14 +192,10 @@ TEST(MemoryProfile, AnAllocationRefusedWithoutABudgetOfItsOwnIsTheError) {
 
 // The mixed modes read each FP32 weight of linear and conv2d as its 16-bit copy without keeping
 // one for the backward pass, so on the tutorial CNN at batch 12 they hold less than 32-true at
-// the peak (94.7%; a kept f16 copy of fc1's weight adds 8 MiB, 13% of 32-true's 59.5 MiB), and
+// the peak (94.9%; a kept f16 copy of fc1's weight adds 8 MiB, 13% of 32-true's 59.3 MiB), and
 // what they save for the backward pass is 16-bit (the activations' own peak).
 TEST(MemoryProfile, MixedModesHoldLessThanFp32WithoutSavedWeightCopies) {
-  train::TrainConfig c = testing::small_run("tutorial-cnn", 64);
-  c.image_size = 0;  // the model's own 128x128
-  c.batch_size = 12;
-  c.threads = 1;
-  c.precision = "32-true";
+  train::TrainConfig c = testing::tutorial_cnn_batch_12();
   const train::StepMemory fp32 = train::profile_step(c);
   for (const std::string precision : {"16-mixed", "bf16-mixed"}) {
     c.precision = precision;
@@ -221,11 +217,7 @@ TEST(MemoryProfile, MixedModesHoldLessThanFp32WithoutSavedWeightCopies) {
 // images (3.1 MiB), i32 plane indices for the pooling (four bytes an output), a ReLU backward
 // beside the gradient it reads, saved tensors kept until the end of the backward pass.
 TEST(MemoryProfile, TrueModesHoldHalfOfFp32) {
-  train::TrainConfig c = testing::small_run("tutorial-cnn", 64);
-  c.image_size = 0;  // the model's own 128x128
-  c.batch_size = 12;
-  c.threads = 1;
-  c.precision = "32-true";
+  train::TrainConfig c = testing::tutorial_cnn_batch_12();
   const train::StepMemory fp32 = train::profile_step(c);
   // The step's own bytes: what earlier tests of this process left in the per-thread buffers is
   // held before the step, in both runs alike.
