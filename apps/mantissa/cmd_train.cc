@@ -457,9 +457,6 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   }
   refuse_ranks("memory", "run it in one process, with --ranks N for what each of N ranks holds");
   train::TrainConfig c = m.config;
-  // With several ranks every update waits for the reduced gradients: measured that way (weights
-  // whose gradients travel as factors, formed by the step in parts, are not modelled).
-  if (m.ranks > 1) c.update_in_backward = false;
   // Checked with the first precision (each is checked again when measured): the settings that
   // hold for one precision only (--kahan) then see it.
   train::TrainConfig first = c;
@@ -472,7 +469,8 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   for (const std::string& p : m.precisions) {
     train::TrainConfig rc = c;
     rc.precision = p;
-    runs.push_back(train::profile_step(rc));
+    // With several ranks measured as one rank runs it (updates after the backward pass).
+    runs.push_back(train::profile_step(rc, m.ranks > 1 ? static_cast<int>(m.ranks) : 1));
     if (m.ranks > 0)
       per_rank.push_back(train::rank_memory(runs.back(), static_cast<int>(m.ranks),
                                             c.bucket_size_mib, settings.allreduce_dtype));

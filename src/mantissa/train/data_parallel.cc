@@ -139,15 +139,16 @@ void DataParallel::broadcast_model(nn::Module& model) {
 
 constexpr int64_t kMinFactoredValues = int64_t{1} << 18;
 
-std::vector<nn::Module::NamedTensor> DataParallel::factored_weights(nn::Module& model) const {
+std::vector<nn::Module::NamedTensor> factored_weights(nn::Module& model, const TrainConfig& c,
+                                                      const RunSettings& s, int ranks) {
   std::vector<nn::Module::NamedTensor> out;
   // Every pass synchronised, gradients summed in FP32 and whole on every rank: no accumulation
   // (its passes inside no_sync would form global gradients), no ZeRO, an FP32 wire, no FP8 (its
   // linear layers form their gradients otherwise).
-  if (!config_.sufficient_factors || comm_.size() < 2 || config_.gradient_accumulation != 1 ||
-      config_.zero != 0 || settings_.allreduce_dtype != DType::f32 || settings_.precision.fp8)
+  if (!c.sufficient_factors || ranks < 2 || c.gradient_accumulation != 1 || c.zero != 0 ||
+      s.allreduce_dtype != DType::f32 || s.precision.fp8)
     return out;
-  const int64_t rows = comm_.size() * config_.batch_size;  // every rank's factors
+  const int64_t rows = ranks * c.batch_size;  // every rank's factors
   for (auto& [path, m] : model.named_modules()) {
     if (!dynamic_cast<nn::Linear*>(m)) continue;
     for (const nn::Module::NamedTensor& t : m->named_parameters()) {
@@ -172,7 +173,8 @@ void DataParallel::attach(nn::Module& model, optim::Optimizer& optimizer) {
   // Linear weights whose gradient's factors are smaller than it travel as factors; the reducer
   // takes the other parameters.
   std::vector<nn::Module::NamedTensor> params = model.named_parameters();
-  const std::vector<nn::Module::NamedTensor> factored = factored_weights(model);
+  const std::vector<nn::Module::NamedTensor> factored =
+      factored_weights(model, config_, settings_, comm_.size());
   if (!factored.empty()) {
     factors_ = std::make_unique<dist::FactorGradients>(comm_, factored);
     std::erase_if(params, [&](const nn::Module::NamedTensor& p) {

@@ -33,6 +33,13 @@
 
 namespace mantissa::train {
 
+// The linear weights whose gradients travel as their factors on `ranks` ranks (dist/factors.h):
+// where every pass is synchronised (no gradient accumulation, no ZeRO, an FP32 wire, no FP8) and
+// the factors of every rank's batch are at most half the gradient, for weights of at least 2^18
+// values. DataParallel factors these; mantissa memory --ranks models them.
+std::vector<nn::Module::NamedTensor> factored_weights(nn::Module& model, const TrainConfig& c,
+                                                      const RunSettings& s, int ranks);
+
 class DataParallel {
  public:
   // Checks that every rank runs the same configuration (dist::check_config_agreement over the
@@ -95,10 +102,6 @@ class DataParallel {
   comm::Communicator& comm_;
   TrainConfig config_;
   RunSettings settings_;
-  // The linear weights whose gradients travel as their factors (dist/factors.h): where every
-  // pass is synchronised and the factors of every rank's batch are at most half the gradient.
-  std::vector<nn::Module::NamedTensor> factored_weights(nn::Module& model) const;
-
   std::unique_ptr<dist::FactorGradients> factors_;
   std::unique_ptr<dist::Reducer> reducer_;
   std::unique_ptr<dist::Zero1> zero_;

@@ -9,6 +9,7 @@
 #include "mantissa/core/error.h"
 #include "mantissa/dist/reducer.h"
 #include "mantissa/io/html.h"
+#include "mantissa/train/data_parallel.h"
 
 namespace mantissa::train {
 namespace {
@@ -32,7 +33,8 @@ namespace {
 // One measured run of the training step of `c` (already made synthetic and short): the events
 // recorded, with the mode's name and settings in `m`. An allocation that fails (past the budget or
 // refused by the system) throws OutOfMemoryError, the recording stopped.
-std::vector<MemoryEvent> record_step(const TrainConfig& c, StepMemory& m) {
+std::vector<MemoryEvent> record_step(const TrainConfig& c, StepMemory& m, int ranks,
+                                     bool defer_factors) {
   MemoryTracker& tracker = default_memory_tracker();
   tracker.set_phase("setup");
   tracker.start_recording();
@@ -53,6 +55,20 @@ std::vector<MemoryEvent> record_step(const TrainConfig& c, StepMemory& m) {
                                                    ? dtype_size(p.tensor->dtype())
                                                    : 0),
                           opt.has_master_weights() && p.tensor->dtype() != DType::f32});
+    // The weights `ranks` ranks would factor: one rank's factors (batch x (in + out) values, in
+    // the op's 16-bit type where the mode computes linear layers in 16 bits).
+    const RunSettings settings = resolve(c);
+    const amp::PrecisionMode& mode = settings.precision.mode;
+    const size_t factor_size = mode.autocast || is_16bit_float(mode.param_dtype) ? 2 : 4;
+    for (const nn::Module::NamedTensor& w : factored_weights(trainer.model(), c, settings, ranks)) {
+      for (size_t i = 0; i < opt.params().size(); ++i) {
+        if (opt.params()[i].tensor != w.tensor) continue;
+        m.params[i].factor_bytes =
+            static_cast<size_t>(c.batch_size * (w.tensor->size(0) + w.tensor->size(1))) *
+            factor_size;
+        m.params[i].factor_deferred = defer_factors;
+      }
+    }
   } catch (...) {
     tracker.stop_recording();
     tracker.set_phase("");
@@ -65,7 +81,13 @@ std::vector<MemoryEvent> record_step(const TrainConfig& c, StepMemory& m) {
 
 }  // namespace
 
-StepMemory profile_step(TrainConfig c) {
+StepMemory profile_step(TrainConfig c, int ranks) {
+  // A rank updates after the backward pass; where it would update in it, it forms the gradients
+  // of the weights that travel as factors in parts at the step instead (the trainer's rule).
+  const bool defer_factors = ranks > 1 && c.update_in_backward && c.gradient_accumulation == 1 &&
+                             c.max_grad_norm <= 0 && !c.detect_anomaly && !c.recompute &&
+                             c.numerics_report.empty();
+  if (ranks > 1) c.update_in_backward = false;
   // Two calls of the training step on synthetic data (nothing read, nothing written): the first
   // allocates the optimizer's state, the second is measured (the steady state). The settings are
   // checked first, which bounds the examples of a call (kMaxCount).
@@ -98,7 +120,7 @@ StepMemory profile_step(TrainConfig c) {
   const CategoryBytes before = default_memory_tracker().stats().current;
   std::vector<MemoryEvent> events;
   try {
-    events = record_step(c, m);
+    events = record_step(c, m, ranks, defer_factors);
   } catch (const OutOfMemoryError& e) {
     // Past --memory-budget: the step does not fit; what it needs is the same step measured
     // without the budget (the verdict and the report stay). A refusal by the system, or one
@@ -106,7 +128,7 @@ StepMemory profile_step(TrainConfig c) {
     if (!e.over_budget() || c.memory_budget.empty()) throw;
     TrainConfig unlimited = c;
     unlimited.memory_budget.clear();
-    StepMemory need = profile_step(unlimited);
+    StepMemory need = profile_step(unlimited, ranks);
     need.budget = m.budget;
     need.fits = false;
     need.oom_report = e.what();
@@ -180,18 +202,28 @@ RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib
   MANTISSA_CHECK(ranks >= 1, "--ranks must be at least 1", "e.g. --ranks 4");
   RankMemory m;
   m.ranks = ranks;
-  std::vector<int64_t> numels;
+  // Plain data parallelism buckets the trained parameters but the factored ones; ZeRO-1, which
+  // factors none, all of them.
+  std::vector<int64_t> numels, bucketed;
   std::vector<const ParamMemory*> trained;
+  size_t gathered = 0, formed = 0;  // factors of every rank; gradients the step forms in parts
   for (const ParamMemory& p : step.params) {
     if (!p.trained) continue;
     numels.push_back(p.numel);
     trained.push_back(&p);
+    if (p.factor_bytes == 0) {
+      bucketed.push_back(p.numel);
+      continue;
+    }
+    gathered += static_cast<size_t>(ranks) * p.factor_bytes;
+    if (p.factor_deferred)
+      formed += static_cast<size_t>(p.numel) * (p.master ? 4 : dtype_size(p.dtype));
   }
   const size_t ws = dtype_size(wire);
   dist::ReducerOptions o;
   o.bucket_cap_mib = bucket_size_mib;
   o.wire = wire;
-  const std::vector<dist::Reducer::Bucket> plain = dist::Reducer::plan(numels, o, ranks);
+  const std::vector<dist::Reducer::Bucket> plain = dist::Reducer::plan(bucketed, o, ranks);
   o.scatter = true;
   const std::vector<dist::Reducer::Bucket> scattered = dist::Reducer::plan(numels, o, ranks);
   size_t buckets = 0;
@@ -233,7 +265,10 @@ RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib
   const size_t grads = static_cast<size_t>(MemoryCategory::gradients);
   const size_t work = static_cast<size_t>(MemoryCategory::workspace);
   m.data_parallel = step.at_peak;
-  m.data_parallel[grads] += buckets;
+  m.data_parallel[grads] += buckets + gathered;
+  // A gradient the step forms in parts was stored whole in the measured step, and held at its
+  // peak if the peak came after it was formed (the first weights the backward pass reaches).
+  m.data_parallel[grads] -= std::min(m.data_parallel[grads], formed);
   m.zero = step.at_peak;
   m.zero[grads] += zero_buffers;
   m.zero[work] += gathers;

@@ -41,6 +41,11 @@ struct ParamMemory {
   bool trained = true;                 // requires grad: in the gradient reducer's buckets
   size_t state_bytes_per_element = 0;  // the optimizer state's buffers (and Kahan's) together
   bool master = false;                 // an FP32 master copy (4 bytes an element)
+  // With several ranks (profile_step's `ranks`): a linear weight whose gradient travels as its
+  // factors (train::factored_weights): one rank's factors' bytes (0: not factored), and whether
+  // the step forms its gradient in parts from them (never stored) rather than whole.
+  size_t factor_bytes = 0;
+  bool factor_deferred = false;
 };
 
 struct StepMemory {
@@ -63,12 +68,17 @@ struct StepMemory {
 // budget, a step that passes it is reported as not fitting, with the out-of-memory report, and
 // with the figures of the whole step measured again without the budget (what it needs). It runs
 // in this process alone, whatever launched it.
-StepMemory profile_step(TrainConfig c);
+// With ranks > 1 the step is measured as one rank of that many runs it: every update after the
+// backward pass, and the weights that would travel as factors marked (ParamMemory::factor_bytes)
+// for rank_memory.
+StepMemory profile_step(TrainConfig c, int ranks = 1);
 
 // What one rank of a data-parallel job of `ranks` ranks holds at the step's peak, by category,
 // computed (not measured across processes): the step measured in one process at the per-rank
-// batch (profile_step, with updates in the backward pass off, as they are with several ranks),
-// plus the gradient reducer's buckets as Reducer::plan lays them out at the wire type; with
+// batch (profile_step with `ranks`, updates after the backward pass, as with several ranks),
+// plus the gradient reducer's buckets as Reducer::plan lays them out at the wire type, with the
+// weights that travel as factors left out of the buckets, their gathered factors (every rank's)
+// added and, where the step forms their gradients in parts, their stored gradients taken off; with
 // ZeRO-1 the whole optimizer state and master weights are replaced by the shards the largest rank
 // owns (its part of every bucket), and the reduce-scatter's part buffers and the parameters'
 // gather buffers (dist::Zero1) are added. These are persistent, so they add to (or come off)
