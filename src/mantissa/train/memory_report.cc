@@ -10,6 +10,7 @@
 #include "mantissa/dist/reducer.h"
 #include "mantissa/io/html.h"
 #include "mantissa/train/data_parallel.h"
+#include "mantissa/train/trainer.h"
 
 namespace mantissa::train {
 namespace {
@@ -84,9 +85,7 @@ std::vector<MemoryEvent> record_step(const TrainConfig& c, StepMemory& m, int ra
 StepMemory profile_step(TrainConfig c, int ranks) {
   // A rank updates after the backward pass; where it would update in it, it forms the gradients
   // of the weights that travel as factors in parts at the step instead (the trainer's rule).
-  const bool defer_factors = ranks > 1 && c.update_in_backward && c.gradient_accumulation == 1 &&
-                             c.max_grad_norm <= 0 && !c.detect_anomaly && !c.recompute &&
-                             c.numerics_report.empty();
+  const bool defer_factors = ranks > 1 && updates_as_gradients_complete(c);
   if (ranks > 1) c.update_in_backward = false;
   // Two calls of the training step on synthetic data (nothing read, nothing written): the first
   // allocates the optimizer's state, the second is measured (the steady state). The settings are

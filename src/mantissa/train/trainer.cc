@@ -481,6 +481,11 @@ int64_t Trainer::micro_batches_per_step() const {
 // updates after the backward pass; the weights whose gradients are formed from factors gathered
 // over the ranks keep them as their producers in the same cases, with or without loss scaling
 // (DataParallel::defer_factored_gradients): the step forms each part as it applies it.
+bool updates_as_gradients_complete(const TrainConfig& c) {
+  return c.update_in_backward && c.gradient_accumulation == 1 && c.max_grad_norm <= 0 &&
+         !c.detect_anomaly && !c.recompute;
+}
+
 double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   const int64_t N = config_.gradient_accumulation;
   const auto t0 = Clock::now();
@@ -489,14 +494,11 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   if (config_.detect_anomaly) anomaly.emplace(/*inf_in_backward=*/!scaler_.has_value());
   nn::NumericsRecorder* numerics =
       numerics_ && step_ % config_.numerics_every == 0 ? numerics_.get() : nullptr;
-  const bool local_step = config_.update_in_backward && N == 1 && !dp_ &&
-                          config_.max_grad_norm <= 0 && !numerics && !config_.detect_anomaly &&
-                          !config_.recompute;
+  const bool fused = updates_as_gradients_complete(config_) && !numerics;
+  const bool local_step = fused && !dp_;
   const bool update_in_backward = local_step && !scaler_;
   const bool defer_gradients = local_step && scaler_;
-  const bool defer_factored = dp_ && config_.update_in_backward && N == 1 &&
-                              config_.max_grad_norm <= 0 && !numerics && !config_.detect_anomaly &&
-                              !config_.recompute;
+  const bool defer_factored = fused && dp_;
   double loss_sum = 0;
   for (int64_t f = 0; f < N; ++f) {
     // "running" keeps the mean so far, s = f/(f+1) s + g/(f+1): micro-batch f's loss is weighted

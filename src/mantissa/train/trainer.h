@@ -45,6 +45,14 @@ namespace mantissa::train {
 void request_stop();
 bool stop_requested();
 
+// Whether a step of `c` may update each parameter as soon as its gradient is complete, the rest
+// of the step needing nothing global: updates in the backward pass not turned off, one
+// micro-batch, no clipping, anomaly detection or recomputation. The trainer then updates in the
+// backward pass, or keeps the gradients linear layers compute in parts as their producers (under
+// loss scaling; with several ranks, those formed from gathered factors), except on the steps a
+// numerics report records.
+bool updates_as_gradients_complete(const TrainConfig& c);
+
 // Where the trainer writes: the result lines (stdout) and the progress bar (stderr).
 struct TrainStreams {
   std::ostream* out = nullptr;
