@@ -85,9 +85,7 @@ class OutPlane {
   float* data_;
   std::vector<float> staged_;
 };
-}  // namespace
 
-namespace {
 // Offsets fit a byte up to this many window positions.
 constexpr int64_t kByteOffsetsMax = 256;
 
