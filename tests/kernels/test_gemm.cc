@@ -445,32 +445,54 @@ std::vector<float> fp32_rows_sums(int64_t M, int64_t N, int64_t K, int64_t split
   return want;
 }
 
-// 16-bit B rows (f16, bf16), converted a depth pass at a time: the same sums, bit for bit, as the
-// FP32 path on FP32 rows holding the same values (several depth passes, partial tiles, calls split
-// at a depth that is not a multiple of 8, 1-3 threads).
+// The FP32 values a 16-bit copy of v (in t) holds, and that copy's encodings.
+std::vector<float> held_values(std::vector<float> v, DType t) {
+  if (t != DType::f32) round_through(v.data(), static_cast<int64_t>(v.size()), t);
+  return v;
+}
+std::vector<uint16_t> encodings(const std::vector<float>& v, DType t) {
+  std::vector<uint16_t> h(v.size());
+  convert(v.data(), DType::f32, h.data(), t, v.size());
+  return h;
+}
+
+// 16-bit B rows (f16, bf16) read in place, and A rows in f32, f16 or bf16 (a 16-bit A widened a
+// depth pass at a time): the same sums, bit for bit, as the FP32 path on FP32 rows holding the
+// same values (several depth passes, partial tiles, 5 and 13 rows of A, calls split at a depth
+// that is not a multiple of 8, 1-3 threads).
 TEST(DotLanes, SixteenBitRowsGiveTheFp32RowsSums) {
-  const int64_t M = 5, N = 7, K = 2500, ldb = K + 5, lda = K + 3;
+  const int64_t max_m = 13, N = 7, K = 2500, ldb = K + 5, lda = K + 3;
   std::mt19937 gen(17);
   std::uniform_real_distribution<float> d(-1.0f, 1.0f);
-  std::vector<float> a(static_cast<size_t>(M * lda)), b32(static_cast<size_t>(N * ldb));
-  for (float& v : a) v = d(gen);
+  std::vector<float> a32(static_cast<size_t>(max_m * lda)), b32(static_cast<size_t>(N * ldb));
+  for (float& v : a32) v = d(gen);
   for (const DType bt : {DType::f16, DType::bf16}) {
     for (float& v : b32) v = d(gen);
-    std::vector<uint16_t> b16(b32.size());
-    convert(b32.data(), DType::f32, b16.data(), bt, b32.size());
-    convert(b16.data(), bt, b32.data(), DType::f32, b32.size());  // the values the rows hold
-    const int64_t split = 1029;
-    const std::vector<int64_t> rows = reversed_rows(N, ldb, 0),
-                               rows2 = reversed_rows(N, ldb, split);
-    const std::vector<float> want = fp32_rows_sums(M, N, K, split, a, lda, b32, rows, rows2);
-    for (int threads : {1, 2, 3}) {
-      std::vector<float> got(want.size(), 0.25f);
-      dot_lanes_accumulate(M, N, split, a.data(), lda, b16.data(), bt, rows.data(), got.data(),
-                           threads);
-      dot_lanes_accumulate(M, N, K - split, a.data() + split, lda, b16.data(), bt, rows2.data(),
-                           got.data(), threads);
-      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
-          << dtype_name(bt) << ", threads " << threads;
+    const std::vector<float> b_held = held_values(b32, bt);
+    const std::vector<uint16_t> b16 = encodings(b_held, bt);
+    for (const DType at : {DType::f32, DType::f16, DType::bf16}) {
+      const std::vector<float> a_held = held_values(a32, at);
+      const std::vector<uint16_t> a16 =
+          at == DType::f32 ? std::vector<uint16_t>{} : encodings(a_held, at);
+      const void* a = at == DType::f32 ? static_cast<const void*>(a_held.data()) : a16.data();
+      const size_t a_size = dtype_size(at);
+      const int64_t split = 1029;
+      const std::vector<int64_t> rows = reversed_rows(N, ldb, 0),
+                                 rows2 = reversed_rows(N, ldb, split);
+      for (const int64_t M : {int64_t{5}, max_m}) {
+        const std::vector<float> want =
+            fp32_rows_sums(M, N, K, split, a_held, lda, b_held, rows, rows2);
+        for (int threads : {1, 2, 3}) {
+          std::vector<float> got(want.size(), 0.25f);
+          dot_lanes_accumulate(M, N, split, a, at, lda, b16.data(), bt, rows.data(), got.data(),
+                               threads);
+          dot_lanes_accumulate(M, N, K - split, static_cast<const char*>(a) + split * a_size, at,
+                               lda, b16.data(), bt, rows2.data(), got.data(), threads);
+          EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+              << "B " << dtype_name(bt) << ", A " << dtype_name(at) << ", M " << M << ", threads "
+              << threads;
+        }
+      }
     }
   }
 }
@@ -478,8 +500,8 @@ TEST(DotLanes, SixteenBitRowsGiveTheFp32RowsSums) {
 // FP32 B rows read as their 16-bit copies (dot_lanes_accumulate_rounded, autocast's linear): the
 // same sums, bit for bit, as FP32 rows holding the rounded values, where the rows hold ties of both
 // parities, values past the 16-bit range, FP16 subnormals and values that round to zero, infinities
-// and NaNs with payloads (several depth passes, partial tiles, tails of K, 1-3 threads; 1, 5 and
-// 12 rows of A take BF16's column tile, 13 the 3 x 4 tiles).
+// and NaNs with payloads (several depth passes, partial tiles, tails of K, 1-3 threads; A in FP32
+// or 16 bits; on AVX2, 1, 5 and 12 rows of A take BF16's column tile, 13 the 3 x 4 tiles).
 TEST(DotLanes, RoundedRowsGiveTheSumsOfTheSixteenBitCopy) {
   const int64_t max_m = 13, N = 7, K = 2500, ldb = K + 5, lda = K + 3;
   std::mt19937 gen(29);
@@ -499,16 +521,27 @@ TEST(DotLanes, RoundedRowsGiveTheSumsOfTheSixteenBitCopy) {
     const int64_t split = 1029;
     const std::vector<int64_t> rows = reversed_rows(N, ldb, 0),
                                rows2 = reversed_rows(N, ldb, split);
-    for (const int64_t M : {int64_t{1}, int64_t{5}, int64_t{12}, max_m}) {
-      const std::vector<float> want = fp32_rows_sums(M, N, K, split, a, lda, held, rows, rows2);
-      for (int threads : {1, 2, 3}) {
-        std::vector<float> got(want.size(), 0.25f);
-        dot_lanes_accumulate_rounded(M, N, split, a.data(), lda, b32.data(), bt, rows.data(),
-                                     got.data(), threads);
-        dot_lanes_accumulate_rounded(M, N, K - split, a.data() + split, lda, b32.data(), bt,
-                                     rows2.data(), got.data(), threads);
-        EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
-            << dtype_name(bt) << ", M " << M << ", threads " << threads;
+    // A in FP32, or in the type B is rounded to (autocast's linear: a 16-bit input).
+    for (const DType at : {DType::f32, bt}) {
+      const std::vector<float> a_held = held_values(a, at);
+      const std::vector<uint16_t> a16 =
+          at == DType::f32 ? std::vector<uint16_t>{} : encodings(a_held, at);
+      const void* ap = at == DType::f32 ? static_cast<const void*>(a_held.data()) : a16.data();
+      const size_t a_size = dtype_size(at);
+      for (const int64_t M : {int64_t{1}, int64_t{5}, int64_t{12}, max_m}) {
+        const std::vector<float> want =
+            fp32_rows_sums(M, N, K, split, a_held, lda, held, rows, rows2);
+        for (int threads : {1, 2, 3}) {
+          std::vector<float> got(want.size(), 0.25f);
+          dot_lanes_accumulate_rounded(M, N, split, ap, at, lda, b32.data(), bt, rows.data(),
+                                       got.data(), threads);
+          dot_lanes_accumulate_rounded(M, N, K - split,
+                                       static_cast<const char*>(ap) + split * a_size, at, lda,
+                                       b32.data(), bt, rows2.data(), got.data(), threads);
+          EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+              << dtype_name(bt) << ", A " << dtype_name(at) << ", M " << M << ", threads "
+              << threads;
+        }
       }
     }
   }

@@ -47,9 +47,9 @@ SimdPath active_simd_path();
   X(kConvert, "convert", kAvx2, "core/convert.cc: bulk conversion tables")                        \
   X(kGemm, "gemm", kAvx512,                                                                       \
     "kernels/gemm.cc: the 6 x 16 and 6 x 32 micro-kernels and packing transposes")                \
-  X(kVectorRows, "vector rows", kAvx2,                                                            \
-    "kernels/vector_kernels.cc: convolution rows, FMA rows, lane-split dot products, axpy, "      \
-    "Winograd transforms, ReLU rows with 16-bit operands")                                        \
+  X(kVectorRows, "vector rows", kAvx512,                                                          \
+    "kernels/vector_kernels.cc: convolution rows, FMA rows, lane-split dot products (AVX-512: "   \
+    "their tiles), axpy, Winograd transforms, ReLU rows with 16-bit operands")                    \
   X(kPooling, "pooling", kAvx2, "kernels/vector_kernels.cc: 2x2 stride-2 max pooling rows")       \
   X(kOptimizer, "optimizer", kAvx512,                                                             \
     "optim/optim.cc: the Adam/AdamW (AVX-512: its exact lanes) and SGD updates, the sum of "      \

@@ -5,49 +5,30 @@
 // over k as on the other paths, so the bits are the same.
 #include <immintrin.h>
 
+#include "mantissa/core/convert_simd512_internal.h"
 #include "mantissa/kernels/gemm_kernels.h"
 
-#define MANTISSA_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+#define MANTISSA_AVX512 MANTISSA_AVX512_TARGET
 
 namespace mantissa::kernels::detail {
 namespace {
 
-// The zero-masking forms with every lane selected: the plain intrinsics pass GCC 12 an undefined
-// source that -Wmaybe-uninitialized reports.
-MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 round_f16(__m512 v) {
-  return _mm512_maskz_cvtph_ps(
-      0xffff, _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
 // Sixteen values of a B row at p (element k of the row at p + k), as FP32: stored FP32, 16-bit
 // values widened (exact), or FP32 values rounded to nearest even to 16 bits (the values of B's
-// 16-bit copy, convert()'s rounding bit for bit: F16C for FP16; for BF16 add 0x7fff plus the
-// lowest kept bit and truncate, a NaN made quiet with its top payload bits).
+// 16-bit copy, convert()'s rounding bit for bit: core/convert_simd512_internal.h).
 template <int kLoad>
 MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 load_b16(const void* p) {
   if constexpr (kLoad == kLoadF32) {
     return _mm512_loadu_ps(p);
   } else if constexpr (kLoad == kLoadF16) {
-    return _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(static_cast<const __m256i*>(p)));
+    return simd512::from_f16x16(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
   } else if constexpr (kLoad == kLoadBF16) {
-    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
-        0xffff,
-        _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(static_cast<const __m256i*>(p))),
-        16));
+    return simd512::from_bf16x16(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
   } else if constexpr (kLoad == kLoadF32AsF16) {
-    return round_f16(_mm512_loadu_ps(p));
+    return simd512::round_through_f16(_mm512_loadu_ps(p));
   } else {
     static_assert(kLoad == kLoadF32AsBF16);
-    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(p));
-    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    const __m512i lsb =
-        _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, b, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_and_si512(
-        _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), top);
-    const __m512i nan = _mm512_or_si512(_mm512_and_si512(b, top), _mm512_set1_epi32(0x00400000));
-    const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(
-        _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_nan, r, nan));
+    return simd512::round_through_bf16(_mm512_loadu_ps(p));
   }
 }
 
@@ -93,9 +74,9 @@ MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const void* b0v, con
   x = _mm512_set1_ps(a[i]);                  \
   c##i##0 = _mm512_fmadd_ps(x, v0, c##i##0); \
   c##i##1 = _mm512_fmadd_ps(x, v1, c##i##1);
-#define MANTISSA_ROUND(i)       \
-  c##i##0 = round_f16(c##i##0); \
-  c##i##1 = round_f16(c##i##1);
+#define MANTISSA_ROUND(i)                        \
+  c##i##0 = simd512::round_through_f16(c##i##0); \
+  c##i##1 = simd512::round_through_f16(c##i##1);
   for (int64_t k = 0; k < kc; ++k) {
     __m512 v0, v1;
     if constexpr (kRows) {
@@ -150,7 +131,7 @@ MANTISSA_AVX512 void micro_6x16(int64_t kc, const float* a, const void* bv, cons
 #undef MANTISSA_ZERO
   }
 #define MANTISSA_FMA(i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), v, c##i);
-#define MANTISSA_ROUND(i) c##i = round_f16(c##i);
+#define MANTISSA_ROUND(i) c##i = simd512::round_through_f16(c##i);
   for (int64_t k = 0; k < kc; ++k) {
     __m512 v;
     if constexpr (kRows) {

@@ -17,9 +17,6 @@ namespace {
 
 // Lane-split dot products for linear's forward from this depth on (with at most kDotMaxRows rows).
 constexpr int64_t kDotMinDepth = 1024;
-// The depth a 16-bit input is widened by at a time for them (a multiple of kDotLanes).
-constexpr int64_t kDotDepthBlock = 8192;
-static_assert(kDotDepthBlock % detail::kDotLanes == 0);
 // linear_weight_grad_parts: batches of up to kPartsMaxRows rows (at 64 the row kernel, reading
 // 64 input rows per part from L3, is slower than the GEMM and a separate update: docs/numerics.md);
 // parts of kPartRows outputs (the row kernel's block) by kPartColumns inputs (48 KiB, in L2 with
@@ -54,36 +51,23 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
   yshape.back() = outf;
   Tensor y = Tensor::empty(yshape, out, charged_to(MemoryCategory::activations));
   // A small batch through a long layer (the tutorial CNN's fc1: 12 x 41772 by 100 x 41772):
-  // lane-split dot products read the weight rows in place, once (16-bit weights converted a
-  // depth pass at a time; a 16-bit input widened a depth block at a time); the GEMM would pack
+  // lane-split dot products read the input and the weight rows in place, once (16-bit values
+  // widened as they are read, a 16-bit input a depth pass at a time); the GEMM would pack
   // (transpose) the whole weight for a dozen uses of each value.
   if (rows <= kDotMaxRows && in >= kDotMinDepth && p == Partials::kF32 && w_in.stride(1) == 1 &&
       (w_in.dtype() == DType::f32 || w_in.dtype() == DType::f16 || w_in.dtype() == DType::bf16)) {
-    // A 16-bit input is widened kDotDepthBlock columns at a time (a multiple of the lanes, so
-    // every product stays in its lane: the sums of one call over the whole depth).
-    const bool wide = x.dtype() == DType::f32;
-    const int64_t block = wide ? in : std::min(in, kDotDepthBlock);
-    Tensor x32 = wide ? x : f32_workspace({rows, block});  // (rows, block)
     Tensor lanes = f32_workspace({rows, outf, detail::kDotLanes});
     std::fill(lanes.data<float>(), lanes.data<float>() + lanes.numel(), 0.0f);
     std::vector<int64_t> w_rows(static_cast<size_t>(outf));
-    for (int64_t k0 = 0; k0 < in; k0 += block) {
-      const int64_t n = std::min(block, in - k0);
-      if (!wide)
-        for (int64_t i = 0; i < rows; ++i)
-          load_f32(bytes(x) + static_cast<size_t>(i * in + k0) * esize(x.dtype()), x.dtype(), 1, n,
-                   x32.data<float>() + i * block);
-      for (int64_t j = 0; j < outf; ++j) w_rows[static_cast<size_t>(j)] = j * w_in.stride(0) + k0;
-      const int64_t lda = wide ? in : block;
-      const float* a = x32.data<float>() + (wide ? k0 : 0);
-      if (round_w != DType::f32)
-        detail::dot_lanes_accumulate_rounded(rows, outf, n, a, lda, w_in.data<float>(), round_w,
-                                             w_rows.data(), lanes.data<float>(),
-                                             default_num_threads());
-      else
-        detail::dot_lanes_accumulate(rows, outf, n, a, lda, w_in.data_ptr(), w_in.dtype(),
-                                     w_rows.data(), lanes.data<float>(), default_num_threads());
-    }
+    for (int64_t j = 0; j < outf; ++j) w_rows[static_cast<size_t>(j)] = j * w_in.stride(0);
+    if (round_w != DType::f32)
+      detail::dot_lanes_accumulate_rounded(rows, outf, in, x.data_ptr(), x.dtype(), in,
+                                           w_in.data<float>(), round_w, w_rows.data(),
+                                           lanes.data<float>(), default_num_threads());
+    else
+      detail::dot_lanes_accumulate(rows, outf, in, x.data_ptr(), x.dtype(), in, w_in.data_ptr(),
+                                   w_in.dtype(), w_rows.data(), lanes.data<float>(),
+                                   default_num_threads());
     const std::vector<float> bias = bias_f32(b, outf);
     std::vector<float> row(static_cast<size_t>(outf));
     for (int64_t i = 0; i < rows; ++i) {

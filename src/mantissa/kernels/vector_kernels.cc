@@ -13,10 +13,13 @@
 namespace mantissa::kernels::detail {
 namespace {
 
-[[maybe_unused]] bool avx2_vectors() {
-  static const bool on = simd_path(SimdFamily::kVectorRows) == SimdPath::kAvx2;
-  return on;
+// The vector rows' path: the AVX2 kernels on either SIMD path, the AVX-512 dot tile on its own.
+[[maybe_unused]] SimdPath vectors_path() {
+  static const SimdPath path = simd_path(SimdFamily::kVectorRows);
+  return path;
 }
+[[maybe_unused]] bool avx2_vectors() { return vectors_path() != SimdPath::kScalar; }
+[[maybe_unused]] bool avx512_vectors() { return vectors_path() == SimdPath::kAvx512; }
 
 [[maybe_unused]] bool avx2_pooling() {
   static const bool on = simd_path(SimdFamily::kPooling) == SimdPath::kAvx2;
@@ -225,9 +228,12 @@ void conv_wgrad_rows_f32(float* lanes, int64_t O, const float* dy, int64_t ds,
 
 namespace {
 
-constexpr int kDotRowsA = 3, kDotRowsB = 4;  // tile: 12 lane vectors
-constexpr int64_t kDotDepth = 1024;          // columns per pass: a tile's rows stay in L1/L2
-constexpr int64_t kDotColumnDepth = 512;     // the column tile's: its 12 rows of A in L1/L2
+constexpr int kDotRowsA = 3, kDotRowsB = 4;  // tile: 12 lane vectors (AVX-512: kDotRowsA512 x 4)
+static_assert(kDotRowsA <= kDotRowsA512);
+constexpr int64_t kDotDepth = 1024;  // columns per pass: a tile's rows stay in L1/L2
+// The AVX-512 tile's: its 12 rows of A stay in L2, and B's rows stream in longer runs.
+constexpr int64_t kDotDepth512 = 4096;
+constexpr int64_t kDotColumnDepth = 512;  // the column tile's: its 12 rows of A in L1/L2
 
 void dot_tile_portable(int rows_a, int rows_b, int64_t k0, int64_t k1, const float* const* a,
                        const float* const* b, float* const* P) {
@@ -279,74 +285,98 @@ void dot_lanes_accumulate_reference(int64_t M, int64_t N, int64_t K, const float
 }
 
 namespace {
+// The A operand: M rows of storage t, row i at p + i * ld elements. FP32 rows are read in place;
+// 16-bit rows are widened (exactly) a depth pass at a time by each thread.
+struct DotA {
+  const void* p;
+  DType t;
+  int64_t ld;
+};
+
 // The driver of every version: rows_of(j0, rb, k0, k1, brows, stage) gives the B rows of group j0
-// for depths [k0, k1), as pointers that index by k - shift (shift: k0 for staged rows, 0 in
-// place), read as `kind` says (kF32 for FP32 rows and staged ones; the others only on the AVX2
-// path).
+// for depths [k0, k1) as pointers at depth k0 (the tiles index them from 0), read as `kind` says
+// (kF32 for FP32 rows and staged ones; the others only on the SIMD paths). Depth passes start at
+// multiples of 8, so a value's lane is its depth mod 8 within the call.
 template <class RowsOf>
-void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, float* P,
-                   int threads, DotRow kind, RowsOf&& rows_of) {
+void dot_lanes_run(int64_t M, int64_t N, int64_t K, DotA a, float* P, int threads, DotRow kind,
+                   RowsOf&& rows_of) {
   if (M <= 0 || N <= 0 || K <= 0) return;
-  bool avx2 = false;
+  bool avx2 = false, avx512 = false;
 #if MANTISSA_HAVE_X86_SIMD
   avx2 = avx2_vectors();
+  avx512 = avx512_vectors();
 #endif
   MANTISSA_ASSERT(avx2 || kind == DotRow::kF32,
-                  "dot_lanes_run: only the AVX2 tiles read 16-bit rows");
+                  "dot_lanes_run: only the SIMD tiles read 16-bit rows");
   // Threads take groups of B rows (each output is one thread's, so the result does not depend on
   // the thread count); within a group, depth passes over all tiles keep A's rows in cache.
   const int64_t groups = (N + kDotRowsB - 1) / kDotRowsB;
   // All of A's rows against each B row when B's values are rounded to BF16 as they are read (the
   // column tile; AVX2 only), so each is rounded once, not once for every three rows of A: BF16's
   // rounding is ten integer instructions, more than the FMAs a value feeds. (FP16's rounding and
-  // the widenings are cheaper than the extra loads of A the column tile makes.)
-  const bool column = avx2 && kind == DotRow::kF32AsBF16 && M <= kDotColumnRows;
-  const int64_t depth = column ? kDotColumnDepth : kDotDepth;
+  // the widenings are cheaper than the extra loads of A the column tile makes; the AVX-512 tile
+  // reads each B value once for all its rows of A.)
+  const bool column = avx2 && !avx512 && kind == DotRow::kF32AsBF16 && M <= kDotColumnRows;
+  const int64_t depth = column ? kDotColumnDepth : avx512 ? kDotDepth512 : kDotDepth;
+  const bool wide_a = a.t == DType::f32;
+  const size_t a_size = dtype_size(a.t);
   const int t = static_cast<int>(std::clamp<int64_t>(threads, 1, groups));
   parallel_for(static_cast<size_t>(t), 1, t, [&](size_t p0, size_t p1) {
     std::vector<float> stage;  // staged B rows, when rows_of converts
+    std::vector<float> a_stage(wide_a ? 0 : static_cast<size_t>(M * depth));  // (M, depth)
+    std::vector<const float*> a_rows(static_cast<size_t>(M));                 // row i at depth k0
     for (size_t part = p0; part < p1; ++part) {
       const int64_t g0 = groups * static_cast<int64_t>(part) / t,
                     g1 = groups * static_cast<int64_t>(part + 1) / t;
       for (int64_t k0 = 0; k0 < K; k0 += depth) {
-        const int64_t k1 = std::min(K, k0 + depth);
+        const int64_t k1 = std::min(K, k0 + depth), n = k1 - k0;
+        for (int64_t i = 0; i < M; ++i) {
+          const char* row = static_cast<const char*>(a.p) + (i * a.ld + k0) * a_size;
+          if (wide_a) {
+            a_rows[static_cast<size_t>(i)] = reinterpret_cast<const float*>(row);
+          } else {
+            float* dst = a_stage.data() + i * depth;
+            convert(row, a.t, dst, DType::f32, static_cast<size_t>(n));
+            a_rows[static_cast<size_t>(i)] = dst;
+          }
+        }
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t j0 = g * kDotRowsB;
           const int rb = static_cast<int>(std::min<int64_t>(kDotRowsB, N - j0));
           const void* brows[kDotRowsB];
-          const int64_t shift = rows_of(j0, rb, k0, k1, brows, stage);
+          rows_of(j0, rb, k0, k1, brows, stage);
 #if MANTISSA_HAVE_X86_SIMD
           if (column) {
-            const float* arows[kDotColumnRows];
             float* lanes[kDotColumnRows];
-            for (int64_t i = 0; i < M; ++i) arows[i] = a + i * lda + shift;
             for (int j = 0; j < rb; ++j) {
               for (int64_t i = 0; i < M; ++i) lanes[i] = P + (i * N + j0 + j) * kDotLanes;
-              dot_lanes_bf16_column_avx2(static_cast<int>(M), k0 - shift, k1 - shift, arows,
+              dot_lanes_bf16_column_avx2(static_cast<int>(M), 0, n, a_rows.data(),
                                          static_cast<const float*>(brows[j]), lanes);
             }
             continue;
           }
 #endif
-          for (int64_t i0 = 0; i0 < M; i0 += kDotRowsA) {
-            const int ra = static_cast<int>(std::min<int64_t>(kDotRowsA, M - i0));
-            const float* arows[kDotRowsA];
-            float* lanes[kDotRowsA * kDotRowsB];
-            for (int i = 0; i < ra; ++i) {
-              arows[i] = a + (i0 + i) * lda + shift;
+          const int64_t tile_a = avx512 ? kDotRowsA512 : kDotRowsA;
+          for (int64_t i0 = 0; i0 < M; i0 += tile_a) {
+            const int ra = static_cast<int>(std::min<int64_t>(tile_a, M - i0));
+            const float* const* arows = a_rows.data() + i0;
+            float* lanes[kDotRowsA512 * kDotRowsB];
+            for (int i = 0; i < ra; ++i)
               for (int j = 0; j < rb; ++j)
                 lanes[i * kDotRowsB + j] = P + ((i0 + i) * N + j0 + j) * kDotLanes;
-            }
-            // Depths relative to the shift keep their lane: k0 is a multiple of 8.
 #if MANTISSA_HAVE_X86_SIMD
+            if (avx512) {
+              dot_lanes_tile_avx512(kind, ra, rb, 0, n, arows, brows, lanes);
+              continue;
+            }
             if (avx2) {
-              dot_lanes_tile_avx2(kind, ra, rb, k0 - shift, k1 - shift, arows, brows, lanes);
+              dot_lanes_tile_avx2(kind, ra, rb, 0, n, arows, brows, lanes);
               continue;
             }
 #endif
             const float* frows[kDotRowsB];
             for (int j = 0; j < rb; ++j) frows[j] = static_cast<const float*>(brows[j]);
-            dot_tile_portable(ra, rb, k0 - shift, k1 - shift, arows, frows, lanes);
+            dot_tile_portable(ra, rb, 0, n, arows, frows, lanes);
           }
         }
       }
@@ -354,72 +384,74 @@ void dot_lanes_run(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
   });
 }
 
-// B's rows read in place (no staging), element size es: on the AVX2 path, as `kind`.
+// B's rows read in place (no staging), element size es: on the SIMD paths, as `kind`.
 auto rows_in_place(const void* b, size_t es, const int64_t* b_row) {
-  return [=](int64_t j0, int rb, int64_t, int64_t, const void** brows,
-             std::vector<float>&) -> int64_t {
+  return [=](int64_t j0, int rb, int64_t k0, int64_t, const void** brows, std::vector<float>&) {
     for (int j = 0; j < rb; ++j)
-      brows[j] = static_cast<const char*>(b) + b_row[j0 + j] * static_cast<int64_t>(es);
-    return 0;
+      brows[j] = static_cast<const char*>(b) + (b_row[j0 + j] + k0) * static_cast<int64_t>(es);
+  };
+}
+
+// B's rows staged in FP32 a depth pass at a time: stage_row(row, j, k0, k1) fills row with B row
+// j's values at depths [k0, k1).
+template <class StageRow>
+auto rows_staged(StageRow stage_row) {
+  return [=](int64_t j0, int rb, int64_t k0, int64_t k1, const void** brows,
+             std::vector<float>& stage) {
+    stage.resize(static_cast<size_t>(kDotRowsB * (k1 - k0)));
+    for (int j = 0; j < rb; ++j) {
+      float* row = stage.data() + j * (k1 - k0);
+      stage_row(row, j0 + j, k0, k1);
+      brows[j] = row;
+    }
   };
 }
 }  // namespace
 
 void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                           const float* b, const int64_t* b_row, float* P, int threads) {
-  dot_lanes_run(M, N, K, a, lda, P, threads, DotRow::kF32, rows_in_place(b, sizeof(float), b_row));
+  dot_lanes_run(M, N, K, {a, DType::f32, lda}, P, threads, DotRow::kF32,
+                rows_in_place(b, sizeof(float), b_row));
 }
 
-void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const void* a, DType at, int64_t lda,
                           const void* b, DType bt, const int64_t* b_row, float* P, int threads) {
+  const DotA A{a, at, lda};
   if (bt == DType::f32)
-    return dot_lanes_accumulate(M, N, K, a, lda, static_cast<const float*>(b), b_row, P, threads);
+    return dot_lanes_run(M, N, K, A, P, threads, DotRow::kF32,
+                         rows_in_place(b, sizeof(float), b_row));
   const size_t es = dtype_size(bt);
 #if MANTISSA_HAVE_X86_SIMD
-  // The AVX2 tiles widen 16-bit rows as they read them.
+  // The SIMD tiles widen 16-bit rows as they read them.
   if (avx2_vectors() && (bt == DType::f16 || bt == DType::bf16))
-    return dot_lanes_run(M, N, K, a, lda, P, threads,
-                         bt == DType::f16 ? DotRow::kF16 : DotRow::kBF16,
+    return dot_lanes_run(M, N, K, A, P, threads, bt == DType::f16 ? DotRow::kF16 : DotRow::kBF16,
                          rows_in_place(b, es, b_row));
 #endif
-  dot_lanes_run(M, N, K, a, lda, P, threads, DotRow::kF32,
-                [&](int64_t j0, int rb, int64_t k0, int64_t k1, const void** brows,
-                    std::vector<float>& stage) -> int64_t {
-                  stage.resize(static_cast<size_t>(kDotRowsB * kDotDepth));
-                  for (int j = 0; j < rb; ++j) {
-                    float* row = stage.data() + j * kDotDepth;
-                    convert(static_cast<const char*>(b) + (b_row[j0 + j] + k0) * es, bt, row,
-                            DType::f32, static_cast<size_t>(k1 - k0));
-                    brows[j] = row;
-                  }
-                  return k0;
-                });
+  dot_lanes_run(M, N, K, A, P, threads, DotRow::kF32,
+                rows_staged([&](float* row, int64_t j, int64_t k0, int64_t k1) {
+                  convert(static_cast<const char*>(b) + (b_row[j] + k0) * es, bt, row, DType::f32,
+                          static_cast<size_t>(k1 - k0));
+                }));
 }
 
-void dot_lanes_accumulate_rounded(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
-                                  const float* b, DType round_to, const int64_t* b_row, float* P,
-                                  int threads) {
+void dot_lanes_accumulate_rounded(int64_t M, int64_t N, int64_t K, const void* a, DType at,
+                                  int64_t lda, const float* b, DType round_to, const int64_t* b_row,
+                                  float* P, int threads) {
   MANTISSA_ASSERT(round_to == DType::f16 || round_to == DType::bf16,
                   "dot_lanes_accumulate_rounded rounds to f16 or bf16");
+  const DotA A{a, at, lda};
 #if MANTISSA_HAVE_X86_SIMD
-  // The AVX2 tiles round each FP32 value as they read it.
+  // The SIMD tiles round each FP32 value as they read it.
   if (avx2_vectors())
-    return dot_lanes_run(M, N, K, a, lda, P, threads,
+    return dot_lanes_run(M, N, K, A, P, threads,
                          round_to == DType::f16 ? DotRow::kF32AsF16 : DotRow::kF32AsBF16,
                          rows_in_place(b, sizeof(float), b_row));
 #endif
-  dot_lanes_run(M, N, K, a, lda, P, threads, DotRow::kF32,
-                [&](int64_t j0, int rb, int64_t k0, int64_t k1, const void** brows,
-                    std::vector<float>& stage) -> int64_t {
-                  stage.resize(static_cast<size_t>(kDotRowsB * kDotDepth));
-                  for (int j = 0; j < rb; ++j) {
-                    float* row = stage.data() + j * kDotDepth;
-                    std::copy(b + b_row[j0 + j] + k0, b + b_row[j0 + j] + k1, row);
-                    round_through(row, k1 - k0, round_to);
-                    brows[j] = row;
-                  }
-                  return k0;
-                });
+  dot_lanes_run(M, N, K, A, P, threads, DotRow::kF32,
+                rows_staged([&](float* row, int64_t j, int64_t k0, int64_t k1) {
+                  std::copy(b + b_row[j] + k0, b + b_row[j] + k1, row);
+                  round_through(row, k1 - k0, round_to);
+                }));
 }
 
 void round_through(float* v, int64_t n, DType t) {

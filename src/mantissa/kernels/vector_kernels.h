@@ -71,18 +71,19 @@ enum class DotRow { kF32, kF16, kBF16, kF32AsF16, kF32AsBF16 };
 void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
                           const float* b, const int64_t* b_row, float* P, int threads);
 float dot_lanes_finish(const float* lanes);
-// The same with B stored in 16 bits (bt f16 or bf16; b_row in elements): the AVX2 tiles widen B's
-// values as they read them, the scalar path converts a tile's rows a depth pass at a time; both
-// exactly, so the sums are those of FP32 rows holding the same values (a 16-bit model's linear
-// layer reads its weights once, in 16 bits).
-void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+// The same with A stored in f32, f16 or bf16 (at; a and lda in elements) and B in f32, f16 or bf16
+// (bt; b_row in elements): 16-bit values are widened exactly (B's by the SIMD tiles as they read
+// them, or a depth pass at a time on the scalar path; A's a depth pass at a time by each thread),
+// so the sums are those of FP32 rows holding the same values (a 16-bit model's linear layer reads
+// its input and weights once, in 16 bits).
+void dot_lanes_accumulate(int64_t M, int64_t N, int64_t K, const void* a, DType at, int64_t lda,
                           const void* b, DType bt, const int64_t* b_row, float* P, int threads);
 // The same with FP32 B rows read as if stored in `round_to` (f16 or bf16): each value is rounded
-// to nearest even to that type as it is read (AVX2) or staged (scalar path), so the sums are those
+// to nearest even to that type as it is read (SIMD) or staged (scalar path), so the sums are those
 // of the 16-bit copy of B, which is never made (autocast's linear reads its FP32 weight so).
-void dot_lanes_accumulate_rounded(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
-                                  const float* b, DType round_to, const int64_t* b_row, float* P,
-                                  int threads);
+void dot_lanes_accumulate_rounded(int64_t M, int64_t N, int64_t K, const void* a, DType at,
+                                  int64_t lda, const float* b, DType round_to, const int64_t* b_row,
+                                  float* P, int threads);
 // v[0, n) rounded to nearest even to `t` (f16 or bf16) and back to FP32, in place: the values a
 // 16-bit copy would hold.
 void round_through(float* v, int64_t n, DType t);
@@ -134,6 +135,12 @@ void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_
 inline constexpr int kDotColumnRows = 12;
 void dot_lanes_bf16_column_avx2(int rows_a, int64_t k0, int64_t k1, const float* const* a,
                                 const float* b, float* const* P);
+// Tiles of up to kDotRowsA512 rows of A by 4 rows of B on AVX-512 (vector_avx512.cc), as
+// dot_lanes_tile_avx2 takes them (P[i * 4 + j] the lanes of A row i against B row j); every B value
+// is read once for all the tile's rows of A, so no column tile is needed.
+inline constexpr int kDotRowsA512 = 12;
+void dot_lanes_tile_avx512(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
+                           const float* const* a, const void* const* b, float* const* P);
 void relu_row_avx2(const void* x, DType tx, void* y, DType ty, int64_t n);
 void relu_backward_row_avx2(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                             int64_t n);

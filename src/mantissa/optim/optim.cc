@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -22,11 +23,16 @@ namespace {
 constexpr int64_t kChunk = 1024;
 
 #if MANTISSA_HAVE_X86_SIMD
-// Whether the optimizer family runs its SIMD loops (the AVX2 ones; on the AVX-512 path the same
-// loops with AVX-512 exact lanes), asked once.
+// Whether the optimizer family runs its SIMD loops (the AVX2 ones; on the AVX-512 path Adam's
+// loop sixteen lanes wide and the AVX2 exact lanes in AVX-512), asked once.
 bool simd_loops() {
   static const bool simd = simd_path(SimdFamily::kOptimizer) != SimdPath::kScalar;
   return simd;
+}
+// Whether the Adam loop runs sixteen lanes at a time.
+bool avx512_loops() {
+  static const bool wide = simd_path(SimdFamily::kOptimizer) == SimdPath::kAvx512;
+  return wide;
 }
 #endif
 
@@ -822,7 +828,10 @@ bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScala
       c.pt == DType::f32 && c.gt == DType::f32 && c.mt == DType::f32 && c.vt == DType::f32;
   if (simd_loops() && !all_f32 && is_compute_float(c.pt) && is_compute_float(c.gt) &&
       is_compute_float(c.mt) && is_compute_float(c.vt)) {
-    adam_update_direct_avx2(c, n, s);
+    if (avx512_loops())
+      adam_update_direct_avx512(c, n, s);
+    else
+      adam_update_direct_avx2(c, n, s);
     return true;
   }
 #endif
@@ -830,9 +839,39 @@ bool detail::adam_update_direct(const DirectChunk& c, int64_t n, const AdamScala
   return false;
 }
 
+namespace {
+uint32_t fp32_bits(double x) {
+  const float f = static_cast<float>(x);
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+}  // namespace
+
+detail::ExactBits detail::exact_bits(double safe_grad, float unscale, float clip) {
+  const double factor = std::fabs(static_cast<double>(unscale) * static_cast<double>(clip));
+  // Zero factor: the gradient is zero whatever g is; a threshold of 1 (bits 0: none) then.
+  const double g = factor > 0 ? std::min(safe_grad / factor, 1.0) : 0.0;
+  const uint32_t gb = g > 0 ? fp32_bits(std::max(g, std::ldexp(1.0, -126))) : 1;
+  return {fp32_bits(std::ldexp(1.0, -100)) - 1, gb - 1};
+}
+
+detail::ExactBits detail::adam_exact_bits(const AdamScalars& s) {
+  const double tiny = std::ldexp(1.0, -120);
+  const double o1 = std::fabs(static_cast<double>(s.one_minus_b1));
+  const double o2 = std::fabs(static_cast<double>(s.one_minus_b2));
+  double grad = 0;  // the smallest safe |grad|
+  if (o1 > 0) grad = std::max(grad, tiny / o1);
+  if (o2 > 0) grad = std::max(grad, std::sqrt(tiny / o2));
+  return exact_bits(grad, s.unscale, s.clip);
+}
+
 void detail::adam_update(float* p, const float* g, float* m, float* v, int64_t n,
                          const detail::AdamScalars& s) {
 #if MANTISSA_HAVE_X86_SIMD
+  if (avx512_loops())
+    return adam_update_direct_avx512(
+        {p, DType::f32, g, DType::f32, m, DType::f32, v, DType::f32, nullptr}, n, s);
   if (simd_loops()) return adam_update_avx2(p, g, m, v, n, s);
 #endif
   for (int64_t j = 0; j < n; ++j) adam_element(p[j], g[j], m[j], v[j], s);

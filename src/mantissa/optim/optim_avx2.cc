@@ -139,43 +139,14 @@ MANTISSA_AVX2 inline Exact16 sqrt(const Exact16& a) {
   return r;
 }
 
-// The bit patterns below which a nonzero magnitude sends a vector to the exact lanes, minus one:
-// 2^-100 for the state and the weight (products of them with the betas, the momentum, the decay
-// and the step stay normal), and for the gradient the smallest safe size of (g * unscale) * clip
-// divided by the unscale and clip factors.
+// ExactBits as vectors.
 struct ExactThresholds {
   __m256i state, grad;
 };
 
-inline uint32_t fp32_bits(double x) {
-  const float f = static_cast<float>(x);
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  return b;
-}
-
-// safe_grad: the smallest safe magnitude of the gradient as it enters the formula (0: none).
-__attribute__((target("avx2,f16c"))) inline ExactThresholds exact_thresholds(double safe_grad,
-                                                                             float unscale,
-                                                                             float clip) {
-  const double factor = std::fabs(static_cast<double>(unscale) * static_cast<double>(clip));
-  // Zero factor: the gradient is zero whatever g is; a threshold of 1 (bits 0: none) then.
-  const double g = factor > 0 ? std::min(safe_grad / factor, 1.0) : 0.0;
-  const uint32_t gb = g > 0 ? fp32_bits(std::max(g, std::ldexp(1.0, -126))) : 1;
-  return {_mm256_set1_epi32(static_cast<int>(fp32_bits(std::ldexp(1.0, -100)) - 1)),
-          _mm256_set1_epi32(static_cast<int>(gb - 1))};
-}
-
-// Adam's: the gradient where (1 - beta2) * grad^2 or (1 - beta1) * grad would come within 2^-120
-// of the subnormal range.
-__attribute__((target("avx2,f16c"))) inline ExactThresholds exact_thresholds(const AdamScalars& s) {
-  const double tiny = std::ldexp(1.0, -120);
-  const double o1 = std::fabs(static_cast<double>(s.one_minus_b1));
-  const double o2 = std::fabs(static_cast<double>(s.one_minus_b2));
-  double grad = 0;  // the smallest safe |grad|
-  if (o1 > 0) grad = std::max(grad, tiny / o1);
-  if (o2 > 0) grad = std::max(grad, std::sqrt(tiny / o2));
-  return exact_thresholds(grad, s.unscale, s.clip);
+__attribute__((target("avx2,f16c"))) inline ExactThresholds exact_thresholds(ExactBits b) {
+  return {_mm256_set1_epi32(static_cast<int>(b.state)),
+          _mm256_set1_epi32(static_cast<int>(b.grad))};
 }
 
 // (|x| - 1) as unsigned: zero becomes the largest value, so a lane is small when this is below
@@ -268,7 +239,7 @@ __attribute__((target("avx2,f16c"))) int64_t adam_direct_body(const DirectChunk&
   const __m256 eps = _mm256_set1_ps(s.eps), wd = _mm256_set1_ps(s.wd);
   const __m256 decay = _mm256_set1_ps(s.decay);
   const __m256 unscale = _mm256_set1_ps(s.unscale), clip = _mm256_set1_ps(s.clip);
-  const ExactThresholds thresholds = exact_thresholds(s);
+  const ExactThresholds thresholds = exact_thresholds(adam_exact_bits(s));
   int64_t pending = -1;  // a vector waiting for a partner on the exact path
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
@@ -398,7 +369,7 @@ __attribute__((target("avx2,f16c"))) void sgd_avx2(float* p, const float* g, flo
   const __m256 unscale = _mm256_set1_ps(s.unscale), clip = _mm256_set1_ps(s.clip);
   const __m256 wd = _mm256_set1_ps(s.wd), mom = _mm256_set1_ps(s.momentum);
   const __m256 damp = _mm256_set1_ps(s.damp), neg_lr = _mm256_set1_ps(-s.lr);
-  const ExactThresholds thresholds = exact_thresholds(0x1p-100, s.unscale, s.clip);
+  const ExactThresholds thresholds = exact_thresholds(exact_bits(0x1p-100, s.unscale, s.clip));
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m256 pv = _mm256_loadu_ps(p + j), gv = _mm256_loadu_ps(g + j);

@@ -1,12 +1,17 @@
-// The exact lanes of the Adam/AdamW loop (optim_avx2.cc) on AVX-512: adam_formula over sixteen
-// FP32 lanes held as two vectors of eight FP64 values, each operation rounded to FP32 as it is
-// made. Half the conversions a lane of the AVX2 version needs (they, not the arithmetic, bound
-// it): 43 against 68 ns for sixteen lanes on a Xeon with AVX-512.
+// The Adam/AdamW loop on AVX-512 (optim_avx2.cc has the AVX2 one and explains the exact lanes):
+// sixteen lanes a vector, loads and stores in the storage types converted in registers
+// (core/convert_simd512_internal.h), the FP32 operations of adam_formula in its order. A vector
+// with a lane near the subnormal range takes the exact lanes: adam_formula over sixteen FP32 lanes
+// held as two vectors of eight FP64 values, each operation rounded to FP32 as it is made (half the
+// conversions of the AVX2 version's exact lanes, which they, not the arithmetic, bound: 43 against
+// 68 ns for sixteen lanes on a Xeon with AVX-512). This file is compiled without floating-point
+// contraction (CMakeLists.txt): AVX-512 has FMA, and a fused multiply-add would change the bits.
 #include <immintrin.h>
 
+#include "mantissa/core/convert_simd512_internal.h"
 #include "mantissa/optim/optim_kernels.h"
 
-#define MANTISSA_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+#define MANTISSA_AVX512 MANTISSA_AVX512_TARGET
 
 namespace mantissa::optim::detail {
 namespace {
@@ -64,6 +69,127 @@ MANTISSA_AVX512 __attribute__((flatten)) void adam_exact16_avx512(float* p, cons
   pe.store(p);
   me.store(m);
   ve.store(v);
+}
+
+namespace {
+
+// Sixteen values of storage T (a DType as int) at element i of base, as FP32, and back rounded to
+// nearest even.
+template <int T>
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 load16(const void* base, int64_t i) {
+  constexpr DType t = static_cast<DType>(T);
+  return simd512::load16(static_cast<const char*>(base) + i * static_cast<int64_t>(dtype_size(t)),
+                         t);
+}
+template <int T>
+MANTISSA_AVX512 inline __attribute__((always_inline)) void store16(void* base, int64_t i,
+                                                                   __m512 x) {
+  constexpr DType t = static_cast<DType>(T);
+  simd512::store16(static_cast<char*>(base) + i * static_cast<int64_t>(dtype_size(t)), t, x);
+}
+
+// Lanes whose nonzero magnitude is below the threshold (ExactBits): (|x| - 1) as unsigned, below
+// it. A value stored as FP16 is never small (its smallest magnitude is 2^-24): no test.
+template <int T>
+MANTISSA_AVX512 inline __attribute__((always_inline)) __mmask16 small(__m512 x, __m512i bits) {
+  if constexpr (T == static_cast<int>(DType::f16)) return 0;
+  const __m512i mag =
+      _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)),
+                       _mm512_set1_epi32(1));
+  return _mm512_cmplt_epu32_mask(mag, bits);
+}
+
+template <int PT, int GT, int MT, int VT, bool kMaster>
+MANTISSA_AVX512 int64_t adam_body(const DirectChunk& c, int64_t n, const AdamScalars& s) {
+  constexpr int kF32 = static_cast<int>(DType::f32);
+  const __m512 b1 = _mm512_set1_ps(s.b1), b2 = _mm512_set1_ps(s.b2);
+  const __m512 omb1 = _mm512_set1_ps(s.one_minus_b1), omb2 = _mm512_set1_ps(s.one_minus_b2);
+  const __m512 neg_step = _mm512_set1_ps(-s.step_size), bc2 = _mm512_set1_ps(s.bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(s.eps), wd = _mm512_set1_ps(s.wd);
+  const __m512 decay = _mm512_set1_ps(s.decay);
+  const __m512 unscale = _mm512_set1_ps(s.unscale), clip = _mm512_set1_ps(s.clip);
+  const ExactBits eb = adam_exact_bits(s);
+  const __m512i state_bits = _mm512_set1_epi32(static_cast<int>(eb.state));
+  const __m512i grad_bits = _mm512_set1_epi32(static_cast<int>(eb.grad));
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 g = load16<GT>(c.g, j);
+    const __m512 p = kMaster ? _mm512_loadu_ps(c.master + j) : load16<PT>(c.p, j);
+    const __m512 m = load16<MT>(c.m, j), v = load16<VT>(c.v, j);
+    __m512 pj, mj, vj;
+    if (small<GT>(g, grad_bits) | small < kMaster
+            ? kF32
+            : PT > (p, state_bits) | small<MT>(m, state_bits) | small<VT>(v, state_bits)) {
+      alignas(64) float pb[16], gb[16], mb[16], vb[16];
+      _mm512_store_ps(pb, p);
+      _mm512_store_ps(gb, g);
+      _mm512_store_ps(mb, m);
+      _mm512_store_ps(vb, v);
+      adam_exact16_avx512(pb, gb, mb, vb, s);
+      pj = _mm512_load_ps(pb);
+      mj = _mm512_load_ps(mb);
+      vj = _mm512_load_ps(vb);
+    } else {
+      __m512 grad = _mm512_mul_ps(_mm512_mul_ps(g, unscale), clip);
+      __m512 param = p;
+      if (s.decoupled)
+        param = _mm512_mul_ps(param, decay);
+      else if (s.wd != 0)
+        grad = _mm512_add_ps(grad, _mm512_mul_ps(wd, param));
+      mj = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(omb1, grad));
+      vj = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(omb2, grad), grad));
+      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_maskz_sqrt_ps(0xffff, vj), bc2), eps);
+      pj = _mm512_add_ps(param, _mm512_mul_ps(neg_step, _mm512_div_ps(mj, denom)));
+    }
+    store16<MT>(c.m, j, mj);
+    store16<VT>(c.v, j, vj);
+    if (kMaster) _mm512_storeu_ps(c.master + j, pj);
+    store16<PT>(c.p, j, pj);
+  }
+  return j;
+}
+
+// The vector part of a chunk (returns where the rest starts): specialised for the precision
+// modes' storage combinations; others take the AVX2 loop.
+MANTISSA_AVX512 int64_t adam_simd(const DirectChunk& c, int64_t n, const AdamScalars& s) {
+  constexpr int kF32 = static_cast<int>(DType::f32), kF16 = static_cast<int>(DType::f16),
+                kBF16 = static_cast<int>(DType::bf16);
+  auto is = [](DType t, int k) { return static_cast<int>(t) == k; };
+  auto all = [&](int p, int g, int m, int v) {
+    return is(c.pt, p) && is(c.gt, g) && is(c.mt, m) && is(c.vt, v);
+  };
+  if (!c.master) {
+    if (all(kF32, kF32, kF32, kF32))  // 32-true and the mixed modes
+      return adam_body<kF32, kF32, kF32, kF32, false>(c, n, s);
+    if (all(kF32, kF16, kF32, kF32))  // a 16-bit gradient (16-mixed's parts)
+      return adam_body<kF32, kF16, kF32, kF32, false>(c, n, s);
+    if (all(kF32, kBF16, kF32, kF32))  // bf16-mixed's parts
+      return adam_body<kF32, kBF16, kF32, kF32, false>(c, n, s);
+    if (all(kF16, kF16, kF16, kBF16))  // 16-true
+      return adam_body<kF16, kF16, kF16, kBF16, false>(c, n, s);
+    if (all(kBF16, kBF16, kBF16, kBF16))  // bf16-true
+      return adam_body<kBF16, kBF16, kBF16, kBF16, false>(c, n, s);
+    return 0;
+  }
+  if (all(kF16, kF16, kF32, kF32))  // O2
+    return adam_body<kF16, kF16, kF32, kF32, true>(c, n, s);
+  return 0;
+}
+
+// The chunk from element j on.
+DirectChunk from(const DirectChunk& c, int64_t j) {
+  auto off = [j](DType t) { return j * static_cast<int64_t>(dtype_size(t)); };
+  return {
+      static_cast<char*>(c.p) + off(c.pt), c.pt, static_cast<const char*>(c.g) + off(c.gt), c.gt,
+      static_cast<char*>(c.m) + off(c.mt), c.mt, static_cast<char*>(c.v) + off(c.vt),       c.vt,
+      c.master ? c.master + j : nullptr};
+}
+
+}  // namespace
+
+void adam_update_direct_avx512(const DirectChunk& c, int64_t n, const AdamScalars& s) {
+  const int64_t j = adam_simd(c, n, s);
+  if (j < n) adam_update_direct_avx2(from(c, j), n - j, s);
 }
 
 }  // namespace mantissa::optim::detail

@@ -127,6 +127,20 @@ void sgd_update(float* p, const float* g, float* buf, int64_t n, const SgdScalar
 void sgd_update_avx2(float* p, const float* g, float* buf, int64_t n, const SgdScalars& s);
 #endif
 
+// The bit patterns below which a nonzero magnitude sends a vector to the exact lanes, minus one
+// (compared as unsigned with a lane's FP32 bits & 0x7fffffff, minus one, so zero never counts):
+// 2^-100 for the state and the weight (products of them with the betas, the momentum, the decay
+// and the step stay normal), and for the gradient the smallest safe size of (g * unscale) * clip
+// divided by the unscale and clip factors.
+struct ExactBits {
+  uint32_t state, grad;
+};
+// safe_grad: the smallest safe magnitude of the gradient as it enters the formula (0: none).
+ExactBits exact_bits(double safe_grad, float unscale, float clip);
+// Adam's: the gradient where (1 - beta2) * grad^2 or (1 - beta1) * grad would come within 2^-120
+// of the subnormal range.
+ExactBits adam_exact_bits(const AdamScalars& s);
+
 // n elements of a parameter, its gradient and its Adam state in their storage types (f32, f16,
 // bf16), read and written in place: no FP32 staging copies. With `master` the parameter's values
 // come from and go to the FP32 master, and `p` receives them rounded. Writes round to nearest
@@ -146,6 +160,9 @@ struct DirectChunk {
 bool adam_update_direct(const DirectChunk& c, int64_t n, const AdamScalars& s);
 #if MANTISSA_HAVE_X86_SIMD
 void adam_update_direct_avx2(const DirectChunk& c, int64_t n, const AdamScalars& s);
+// The AVX-512 loop: sixteen lanes at a time (a vector with a small lane through
+// adam_exact16_avx512), the last n % 16 elements through the AVX2 loop; the same bits.
+void adam_update_direct_avx512(const DirectChunk& c, int64_t n, const AdamScalars& s);
 // Sixteen elements (FP32 values in arrays, updated in place) through adam_formula in FP64 lanes
 // rounded to FP32 after each operation: the AVX2 loop's exact lanes on an AVX-512 processor
 // (optim_avx512.cc).

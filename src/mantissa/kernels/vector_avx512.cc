@@ -1,0 +1,138 @@
+// The AVX-512 tile of the lane-split dot products (vector_kernels.h): up to 12 rows of A by 4 rows
+// of B. A zmm register holds the eight lanes of two outputs side by side, (A row i, B row j) and
+// (i, j + 1): B's rows are read (widened, or rounded as read) in pairs into one register, A's
+// eight values broadcast to both halves, and each FMA advances both outputs' lanes. Per eight
+// columns, 2 B pairs and 12 broadcasts of A feed 24 FMAs; each B value is read, widened or rounded
+// once for all of A's rows (the AVX2 tile: once for every three). Every lane is the same FMA chain
+// as on the other paths, so the bits are the same.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "mantissa/core/convert_simd512_internal.h"
+#include "mantissa/kernels/vector_kernels.h"
+
+#define MANTISSA_AVX512 MANTISSA_AVX512_TARGET
+
+namespace mantissa::kernels::detail {
+namespace {
+
+constexpr int kTileB = 4;  // B rows of a tile: two pairs
+
+// Eight FP32 values at lo (lanes 0-7) and at hi (lanes 8-15) in one register, and back. (The
+// zero-masking forms: the plain ones pass GCC 12 an undefined source that -Wuninitialized reports.)
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 lanes_pair(const float* lo,
+                                                                        const float* hi) {
+  return _mm512_maskz_insertf32x8(0xffff, _mm512_maskz_loadu_ps(0x00ff, lo), _mm256_loadu_ps(hi),
+                                  1);
+}
+// Eight values at element k of B rows r0 and r1 (lanes 0-7 and 8-15), as FP32, read as L says.
+template <DotRow L>
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 b_pair(const void* r0, const void* r1,
+                                                                    int64_t k) {
+  if constexpr (L == DotRow::kF16 || L == DotRow::kBF16) {
+    const __m256i h = _mm256_maskz_inserti32x4(
+        0xff, _mm256_maskz_loadu_epi16(0x00ff, static_cast<const uint16_t*>(r0) + k),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(r1) + k)), 1);
+    return L == DotRow::kF16 ? simd512::from_f16x16(h) : simd512::from_bf16x16(h);
+  } else {
+    const __m512 x =
+        lanes_pair(static_cast<const float*>(r0) + k, static_cast<const float*>(r1) + k);
+    if constexpr (L == DotRow::kF32) return x;
+    if constexpr (L == DotRow::kF32AsF16) return simd512::round_through_f16(x);
+    if constexpr (L == DotRow::kF32AsBF16) return simd512::round_through_bf16(x);
+  }
+}
+
+// The pair's lanes back to lo and hi.
+MANTISSA_AVX512 inline void store_lanes_pair(float* lo, float* hi, __m512 v) {
+  _mm256_storeu_ps(lo, _mm512_maskz_extractf32x8_ps(0xff, v, 0));
+  _mm256_storeu_ps(hi, _mm512_maskz_extractf32x8_ps(0xff, v, 1));
+}
+
+// RA rows of A against four rows of B (rows past rows_b repeat the last one; their lanes go to
+// a scratch block), columns [k0, k8), k8 - k0 a multiple of 8.
+template <DotRow L, int RA>
+MANTISSA_AVX512 void tile(int rows_b, int64_t k0, int64_t k8, const float* const* a,
+                          const void* const* b, float* const* P) {
+  alignas(32) float scratch[8] = {};
+  const void* br[kTileB];
+  float* lanes[RA][kTileB];
+  for (int j = 0; j < kTileB; ++j) br[j] = b[std::min(j, rows_b - 1)];
+  for (int i = 0; i < RA; ++i)
+    for (int j = 0; j < kTileB; ++j) lanes[i][j] = j < rows_b ? P[i * kTileB + j] : scratch;
+  __m512 acc[RA][2];
+#pragma GCC unroll 12
+  for (int i = 0; i < RA; ++i) {
+    acc[i][0] = lanes_pair(lanes[i][0], lanes[i][1]);
+    acc[i][1] = lanes_pair(lanes[i][2], lanes[i][3]);
+  }
+  for (int64_t k = k0; k < k8; k += 8) {
+    const __m512 b01 = b_pair<L>(br[0], br[1], k), b23 = b_pair<L>(br[2], br[3], k);
+#pragma GCC unroll 12
+    for (int i = 0; i < RA; ++i) {
+      const __m512 x = _mm512_maskz_broadcast_f32x8(0xffff, _mm256_loadu_ps(a[i] + k));
+      acc[i][0] = _mm512_fmadd_ps(x, b01, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(x, b23, acc[i][1]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < RA; ++i) {
+    store_lanes_pair(lanes[i][0], lanes[i][1], acc[i][0]);
+    store_lanes_pair(lanes[i][2], lanes[i][3], acc[i][1]);
+  }
+}
+
+template <DotRow L>
+void tile_rows(int rows_a, int rows_b, int64_t k0, int64_t k8, const float* const* a,
+               const void* const* b, float* const* P) {
+  switch (rows_a) {
+#define MANTISSA_TILE(r) \
+  case r:                \
+    return tile<L, r>(rows_b, k0, k8, a, b, P);
+    MANTISSA_TILE(1)
+    MANTISSA_TILE(2)
+    MANTISSA_TILE(3)
+    MANTISSA_TILE(4)
+    MANTISSA_TILE(5)
+    MANTISSA_TILE(6)
+    MANTISSA_TILE(7)
+    MANTISSA_TILE(8)
+    MANTISSA_TILE(9)
+    MANTISSA_TILE(10)
+    MANTISSA_TILE(11)
+    MANTISSA_TILE(12)
+#undef MANTISSA_TILE
+  }
+}
+
+}  // namespace
+
+void dot_lanes_tile_avx512(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
+                           const float* const* a, const void* const* b, float* const* P) {
+  const int64_t k8 = k0 + (k1 - k0) / 8 * 8;
+  switch (kind) {
+    case DotRow::kF32:
+      tile_rows<DotRow::kF32>(rows_a, rows_b, k0, k8, a, b, P);
+      break;
+    case DotRow::kF16:
+      tile_rows<DotRow::kF16>(rows_a, rows_b, k0, k8, a, b, P);
+      break;
+    case DotRow::kBF16:
+      tile_rows<DotRow::kBF16>(rows_a, rows_b, k0, k8, a, b, P);
+      break;
+    case DotRow::kF32AsF16:
+      tile_rows<DotRow::kF32AsF16>(rows_a, rows_b, k0, k8, a, b, P);
+      break;
+    case DotRow::kF32AsBF16:
+      tile_rows<DotRow::kF32AsBF16>(rows_a, rows_b, k0, k8, a, b, P);
+      break;
+  }
+  if (k8 == k1) return;
+  // The tail columns, one at a time into their lanes: the AVX2 tile's, three rows of A at a time.
+  for (int i0 = 0; i0 < rows_a; i0 += 3)
+    dot_lanes_tile_avx2(kind, std::min(3, rows_a - i0), rows_b, k8, k1, a + i0, b, P + i0 * kTileB);
+}
+
+}  // namespace mantissa::kernels::detail
