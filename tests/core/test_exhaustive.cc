@@ -20,6 +20,7 @@ using testing::hex32;
 std::vector<SimdPath> paths() {
   std::vector<SimdPath> p{SimdPath::kScalar};
   if (simd_path_supported(SimdPath::kAvx2)) p.push_back(SimdPath::kAvx2);
+  if (simd_path_supported(SimdPath::kAvx512)) p.push_back(SimdPath::kAvx512);
   return p;
 }
 

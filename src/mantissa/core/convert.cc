@@ -44,6 +44,8 @@ using detail::ConvertKernels;
 
 const ConvertKernels& kernels_for(SimdPath path) {
 #if defined(MANTISSA_HAVE_X86_SIMD)
+  if (path == SimdPath::kAvx512 && simd_path_supported(SimdPath::kAvx512))
+    return detail::avx512_kernels();
   if (path != SimdPath::kScalar && simd_path_supported(SimdPath::kAvx2))
     return detail::avx2_kernels();
 #endif

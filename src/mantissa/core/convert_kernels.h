@@ -54,6 +54,8 @@ void scalar_to_f32(const Storage* src, float* dst, size_t n) {
 }
 #if defined(MANTISSA_HAVE_X86_SIMD)
 const ConvertKernels& avx2_kernels();
+// The AVX2 table with FP16 and BF16 in nearest-even on AVX-512 (convert_avx512.cc).
+const ConvertKernels& avx512_kernels();
 #endif
 
 }  // namespace mantissa::detail

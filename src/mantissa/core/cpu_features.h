@@ -44,7 +44,7 @@ SimdPath active_simd_path();
 // runs the process's path, or its widest one when that is narrower (a family without AVX-512
 // kernels runs its AVX2 ones on an AVX-512 processor).
 #define MANTISSA_SIMD_FAMILIES(X)                                                                 \
-  X(kConvert, "convert", kAvx2, "core/convert.cc: bulk conversion tables")                        \
+  X(kConvert, "convert", kAvx512, "core/convert.cc: bulk conversion tables")                        \
   X(kGemm, "gemm", kAvx512,                                                                       \
     "kernels/gemm.cc: the 6 x 16 and 6 x 32 micro-kernels and packing transposes")                \
   X(kVectorRows, "vector rows", kAvx512,                                                          \

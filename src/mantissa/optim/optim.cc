@@ -530,15 +530,18 @@ GradPartConsumer Optimizer::part_updater(const ChunkArgs& a, std::vector<Tensor*
                                          DType gt) const {
   return [this, a, bufs = std::move(bufs), gt](int64_t begin, int64_t n, const void* g, DType dt) {
     const size_t in_size = dtype_size(dt);
+    // A 16-bit part of an FP32 gradient (an autocast op's weight gradient) widens exactly: the
+    // update reads it as it is (the loops widen in registers), the same values as its FP32 copy.
+    const bool widens = gt == DType::f32 && (dt == DType::f16 || dt == DType::bf16);
     alignas(32) char converted[kChunk * 8];
     for (int64_t b = 0; b < n; b += kChunk) {
       const int64_t len = std::min(kChunk, n - b);
       const char* part = static_cast<const char*>(g) + b * static_cast<int64_t>(in_size);
-      if (dt != gt) {
+      if (dt != gt && !widens) {
         convert(part, dt, converted, gt, static_cast<size_t>(len));
         part = converted;
       }
-      update_elements(a, bufs.data(), begin + b, len, part, gt);
+      update_elements(a, bufs.data(), begin + b, len, part, widens ? dt : gt);
     }
   };
 }

@@ -1,0 +1,100 @@
+// AVX-512 conversion kernels between FP32 and FP16/BF16, sixteen values a vector, in
+// round-to-nearest-even with or without saturation: F16C's rounding for FP16 (the 512-bit form
+// rounds each lane as the 256-bit one does), add-and-truncate for BF16, the AVX2 kernels' steps
+// lane for lane, so the same bits as the scalar encoders (the exhaustive tests run every path).
+// Stochastic rounding and the FP8 formats use the AVX2 kernels.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "mantissa/core/convert_kernels.h"
+#include "mantissa/core/convert_simd512_internal.h"
+
+#define MANTISSA_AVX512 MANTISSA_AVX512_TARGET
+
+namespace mantissa::detail {
+namespace {
+
+// Sixteen FP32 values to FP16 or BF16 encodings by nearest even.
+template <bool kF16>
+MANTISSA_AVX512 inline __m256i rne16(__m512 x, bool saturate) {
+  if constexpr (kF16) {
+    // Saturation clamps first (NaN passes through min/max as the second operand).
+    if (saturate)
+      x = _mm512_maskz_max_ps(0xffff, _mm512_set1_ps(-65504.0f),
+                              _mm512_maskz_min_ps(0xffff, _mm512_set1_ps(65504.0f), x));
+    return simd512::to_f16x16(x);
+  } else {
+    if (!saturate) return simd512::to_bf16x16(x);
+    // Saturation: a finite value that rounded up to infinity takes the largest finite one.
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i lsb = _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, b, 16), one);
+    __m512i r = _mm512_maskz_srli_epi32(
+        0xffff, _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 over = _mm512_cmpeq_epi32_mask(_mm512_and_si512(r, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_set1_epi32(0x7f80));
+    r = _mm512_mask_sub_epi32(r, over, r, one);
+    const __m512i nan =
+        _mm512_or_si512(_mm512_maskz_srli_epi32(0xffff, b, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_maskz_cvtepi32_epi16(0xffff, _mm512_mask_blend_epi32(is_nan, r, nan));
+  }
+}
+
+template <bool kF16>
+MANTISSA_AVX512 void from_f32(const float* src, void* dst_v, size_t n, const CastOptions& opt) {
+  if (opt.rounding == Rounding::kStochastic)
+    return avx2_kernels().from_f32[kF16 ? kIdxF16 : kIdxBF16](src, dst_v, n, opt);
+  uint16_t* dst = static_cast<uint16_t*>(dst_v);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        rne16<kF16>(_mm512_loadu_ps(src + i), opt.saturate));
+  if (i < n) {  // the last one to fifteen through a zero-padded block
+    alignas(64) float in[16] = {};
+    alignas(32) uint16_t out[16];
+    std::memcpy(in, src + i, (n - i) * sizeof(float));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out),
+                       rne16<kF16>(_mm512_load_ps(in), opt.saturate));
+    std::memcpy(dst + i, out, (n - i) * sizeof(uint16_t));
+  }
+}
+
+template <bool kF16>
+MANTISSA_AVX512 inline __m512 widen(__m256i h) {
+  return kF16 ? simd512::from_f16x16(h) : simd512::from_bf16x16(h);
+}
+
+template <bool kF16>
+MANTISSA_AVX512 void to_f32(const void* src_v, float* dst, size_t n) {
+  const uint16_t* src = static_cast<const uint16_t*>(src_v);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i,
+                     widen<kF16>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  if (i < n) {
+    alignas(32) uint16_t in[16] = {};
+    alignas(64) float out[16];
+    std::memcpy(in, src + i, (n - i) * sizeof(uint16_t));
+    _mm512_store_ps(out, widen<kF16>(_mm256_load_si256(reinterpret_cast<const __m256i*>(in))));
+    std::memcpy(dst + i, out, (n - i) * sizeof(float));
+  }
+}
+
+}  // namespace
+
+const ConvertKernels& avx512_kernels() {
+  static const ConvertKernels k = [] {
+    ConvertKernels t = avx2_kernels();
+    t.from_f32[kIdxF16] = from_f32<true>;
+    t.from_f32[kIdxBF16] = from_f32<false>;
+    t.to_f32[kIdxF16] = to_f32<true>;
+    t.to_f32[kIdxBF16] = to_f32<false>;
+    return t;
+  }();
+  return k;
+}
+
+}  // namespace mantissa::detail
