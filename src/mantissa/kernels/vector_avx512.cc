@@ -1,10 +1,10 @@
-// The AVX-512 tile of the lane-split dot products (vector_kernels.h): up to 12 rows of A by 4 rows
-// of B. A zmm register holds the eight lanes of two outputs side by side, (A row i, B row j) and
-// (i, j + 1): B's rows are read (widened, or rounded as read) in pairs into one register, A's
-// eight values broadcast to both halves, and each FMA advances both outputs' lanes. Per eight
-// columns, 2 B pairs and 12 broadcasts of A feed 24 FMAs; each B value is read, widened or rounded
-// once for all of A's rows (the AVX2 tile: once for every three). Every lane is the same FMA chain
-// as on the other paths, so the bits are the same.
+// The AVX-512 versions of vector_kernels.h's ReLU rows, and the tile of the lane-split dot
+// products: up to 12 rows of A by 4 rows of B. A zmm register holds the eight lanes of two outputs
+// side by side, (A row i, B row j) and (i, j + 1): B's rows are read (widened, or rounded as read)
+// in pairs into one register, A's eight values broadcast to both halves, and each FMA advances both
+// outputs' lanes. Per eight columns, 2 B pairs and 12 broadcasts of A feed 24 FMAs; each B value is
+// read, widened or rounded once for all of A's rows (the AVX2 tile: once for every three). Every
+// lane is the same FMA chain as on the other paths, so the bits are the same.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -107,7 +107,43 @@ void tile_rows(int rows_a, int rows_b, int64_t k0, int64_t k8, const float* cons
   }
 }
 
+// Element i of a row of storage t, as bytes.
+inline const char* at(const void* p, DType t, int64_t i) {
+  return static_cast<const char*>(p) + i * static_cast<int64_t>(dtype_size(t));
+}
+inline char* at(void* p, DType t, int64_t i) {
+  return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(t));
+}
+
 }  // namespace
+
+// ReLU rows sixteen values a vector (the AVX2 functions' comparisons, lane for lane; convert()'s
+// rounding on the stores), the last n % 16 through the AVX2 rows.
+MANTISSA_AVX512 void relu_row_avx512(const void* x, DType tx, void* y, DType ty, int64_t n) {
+  const __m512 zero = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = simd512::load16(at(x, tx, i), tx);
+    // x > 0 || x != x ? x : 0, lane by lane (greater-than, or unordered).
+    const __mmask16 keep =
+        _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    simd512::store16(at(y, ty, i), ty, _mm512_maskz_mov_ps(keep, v));
+  }
+  if (i < n) relu_row_avx2(at(x, tx, i), tx, at(y, ty, i), ty, n - i);
+}
+
+MANTISSA_AVX512 void relu_backward_row_avx512(const void* g, DType tg, const void* y, DType ty,
+                                              void* dx, DType td, int64_t n) {
+  const __m512 zero = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    // g where not y <= 0 (y > 0, or NaN), else +0: the bits of g masked, as the FP32 loop.
+    const __mmask16 keep = _mm512_cmp_ps_mask(simd512::load16(at(y, ty, i), ty), zero, _CMP_NLE_UQ);
+    simd512::store16(at(dx, td, i), td,
+                     _mm512_maskz_mov_ps(keep, simd512::load16(at(g, tg, i), tg)));
+  }
+  if (i < n) relu_backward_row_avx2(at(g, tg, i), tg, at(y, ty, i), ty, at(dx, td, i), td, n - i);
+}
 
 void dot_lanes_tile_avx512(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
                            const float* const* a, const void* const* b, float* const* P) {

@@ -13,7 +13,8 @@
 namespace mantissa::kernels::detail {
 namespace {
 
-// The vector rows' path: the AVX2 kernels on either SIMD path, the AVX-512 dot tile on its own.
+// The vector rows' path: the AVX2 kernels on either SIMD path, the AVX-512 dot tile and ReLU rows
+// on their own.
 [[maybe_unused]] SimdPath vectors_path() {
   static const SimdPath path = simd_path(SimdFamily::kVectorRows);
   return path;
@@ -249,6 +250,10 @@ void dot_tile_portable(int rows_a, int rows_b, int64_t k0, int64_t k1, const flo
 
 bool relu_row(const void* x, DType tx, void* y, DType ty, int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD
+  if (avx512_vectors()) {
+    relu_row_avx512(x, tx, y, ty, n);
+    return true;
+  }
   if (avx2_vectors()) {
     relu_row_avx2(x, tx, y, ty, n);
     return true;
@@ -261,6 +266,10 @@ bool relu_row(const void* x, DType tx, void* y, DType ty, int64_t n) {
 bool relu_backward_row(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                        int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD
+  if (avx512_vectors()) {
+    relu_backward_row_avx512(g, tg, y, ty, dx, td, n);
+    return true;
+  }
   if (avx2_vectors()) {
     relu_backward_row_avx2(g, tg, y, ty, dx, td, n);
     return true;

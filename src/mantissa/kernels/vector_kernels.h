@@ -142,6 +142,9 @@ inline constexpr int kDotRowsA512 = 12;
 void dot_lanes_tile_avx512(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
                            const float* const* a, const void* const* b, float* const* P);
 void relu_row_avx2(const void* x, DType tx, void* y, DType ty, int64_t n);
+void relu_row_avx512(const void* x, DType tx, void* y, DType ty, int64_t n);
+void relu_backward_row_avx512(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
+                              int64_t n);
 void relu_backward_row_avx2(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                             int64_t n);
 void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
