@@ -101,7 +101,8 @@ MANTISSA_AVX512 inline __attribute__((always_inline)) __mmask16 small(__m512 x, 
 
 template <int PT, int GT, int MT, int VT, bool kMaster>
 MANTISSA_AVX512 int64_t adam_body(const DirectChunk& c, int64_t n, const AdamScalars& s) {
-  constexpr int kF32 = static_cast<int>(DType::f32);
+  // The weight's storage as the test reads it: the master's FP32 where there is one.
+  constexpr int kPT = kMaster ? static_cast<int>(DType::f32) : PT;
   const __m512 b1 = _mm512_set1_ps(s.b1), b2 = _mm512_set1_ps(s.b2);
   const __m512 omb1 = _mm512_set1_ps(s.one_minus_b1), omb2 = _mm512_set1_ps(s.one_minus_b2);
   const __m512 neg_step = _mm512_set1_ps(-s.step_size), bc2 = _mm512_set1_ps(s.bc2_sqrt);
@@ -117,9 +118,8 @@ MANTISSA_AVX512 int64_t adam_body(const DirectChunk& c, int64_t n, const AdamSca
     const __m512 p = kMaster ? _mm512_loadu_ps(c.master + j) : load16<PT>(c.p, j);
     const __m512 m = load16<MT>(c.m, j), v = load16<VT>(c.v, j);
     __m512 pj, mj, vj;
-    if (small<GT>(g, grad_bits) | small < kMaster
-            ? kF32
-            : PT > (p, state_bits) | small<MT>(m, state_bits) | small<VT>(v, state_bits)) {
+    if (small<GT>(g, grad_bits) | small<kPT>(p, state_bits) | small<MT>(m, state_bits) |
+        small<VT>(v, state_bits)) {
       alignas(64) float pb[16], gb[16], mb[16], vb[16];
       _mm512_store_ps(pb, p);
       _mm512_store_ps(gb, g);
