@@ -100,6 +100,8 @@ struct Kernels {
   // (AVX-512; null where the path has none: B is then packed).
   std::array<detail::Rows16MicroKernel, 5> rows16{};
   std::array<detail::PairRows16MicroKernel, 5> pair_rows16{};
+  // 12 x 32 tiles from B rows read in place, by load kind, kLoadF32 included (AVX-512).
+  std::array<detail::Pair12RowsMicroKernel, 5> pair12_rows{};
 };
 
 const Kernels& kernels() {
@@ -114,6 +116,8 @@ const Kernels& kernels() {
         k.rows16[static_cast<size_t>(load)] = detail::avx512_rows16_micro_kernel(load);
         k.pair_rows16[static_cast<size_t>(load)] = detail::avx512_pair_rows16_micro_kernel(load);
       }
+      for (int load = detail::kLoadF32; load <= detail::kLoadF32AsBF16; ++load)
+        k.pair12_rows[static_cast<size_t>(load)] = detail::avx512_pair12_rows_micro_kernel(load);
       return k;
     }
     if (path == SimdPath::kAvx2)
@@ -345,6 +349,8 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
   const detail::PairRows16MicroKernel pair_rows16_micro =
       kernels().pair_rows16[static_cast<size_t>(B.load16)];
   const bool rows16 = B.load16 != 0;
+  const detail::Pair12RowsMicroKernel pair12_rows_micro =
+      kernels().pair12_rows[static_cast<size_t>(rows16 ? B.load16 : detail::kLoadF32)];
   const size_t es_b = dtype_size(B.plain.dtype);
   // C in FP32 accumulates in place; a 16-bit C is staged in FP32 a block of columns at a time
   // (rounding it to 16 bits between depth panels would not be FP32 accumulation).
@@ -459,6 +465,21 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
           pair_micro(kc, as, bp + slot[s] * kc * kNR, bp + slot[s + 1] * kc * kNR, c, ldc, load_c,
                      bscale, f16p);
       };
+      // Slivers s and s + 1, both read in place, against both A slivers of a 12-row block as one
+      // 12 x 32 tile: each B value loaded once for the twelve rows (FP32 partials).
+      auto twelve = [&](int64_t s, int64_t mc, bool pair) {
+        return pair12_rows_micro && pair && in_place[s] >= 0 && mc == 2 * kMR && c_cs == 1 && !f16p;
+      };
+      auto tile_twelve = [&](int64_t s, const float* as, float* c, int64_t ldc, bool load_c,
+                             float bscale) {
+        if (rows16)
+          pair12_rows_micro(kc, as, static_cast<const char*>(B.plain.data) + in_place[s] * es_b,
+                            static_cast<const char*>(B.plain.data) + in_place[s + 1] * es_b,
+                            B.row16 + pc, c, ldc, load_c, bscale);
+        else
+          pair12_rows_micro(kc, as, Bo.data + in_place[s], Bo.data + in_place[s + 1],
+                            Bo.row_offset + pc, c, ldc, load_c, bscale);
+      };
       // beta applies on the first depth panel only; later panels add to what is there.
       const bool load_c = kb > 0 || beta != 0.0f;
       const float bscale = kb == 0 ? beta : 1.0f;
@@ -503,13 +524,19 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
           for (int64_t i = 0; i < mc; i += kMR)
             for (int64_t s = 0; s < n_slivers;) {
               const bool pair = pairable(s);
-              run(s, i, pair);
+              if (!twelve(s, mc, pair))
+                run(s, i, pair);
+              else if (i == 0)
+                tile_twelve(s, ap, c_base + ic * c_rs + s * kNR, c_rs, load_c, bscale);
               s += pair ? 2 : 1;
             }
         } else {
           for (int64_t s = 0; s < n_slivers;) {
             const bool pair = pairable(s);
-            for (int64_t i = 0; i < mc; i += kMR) run(s, i, pair);
+            if (twelve(s, mc, pair))
+              tile_twelve(s, ap, c_base + ic * c_rs + s * kNR, c_rs, load_c, bscale);
+            else
+              for (int64_t i = 0; i < mc; i += kMR) run(s, i, pair);
             s += pair ? 2 : 1;
           }
         }

@@ -109,6 +109,58 @@ MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const void* b0v, con
 #undef MANTISSA_FMA
 }
 
+// 12 x 32 from B rows read in place (row k of the slivers at b0 + b_off[k] and b1 + b_off[k]),
+// FP32 partials: two packed A slivers, rows 0-5 at a and rows 6-11 at a + kc * kMR, so each B
+// value is loaded (widened, or rounded as B's 16-bit copy holds it) once for twelve rows of A,
+// where two 6 x 32 tiles load it twice. Per k, two B vectors and twelve broadcasts feed 24 FMAs
+// (24 accumulators, 27 of the 32 zmm registers). Every element is the 6 x 32 tile's FMA chain.
+#define MANTISSA_ROWS12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+template <int kLoad>
+MANTISSA_AVX512 void micro_12x32_rows(int64_t kc, const float* a, const void* b0v, const void* b1v,
+                                      const int64_t* b_off, float* c, int64_t ldc, bool load_c,
+                                      float beta) {
+  const float* a_hi = a + kc * kMR;
+#define MANTISSA_DECL(i) __m512 c##i##0, c##i##1;
+  MANTISSA_ROWS12(MANTISSA_DECL)
+#undef MANTISSA_DECL
+  if (load_c) {
+    const __m512 vb = _mm512_set1_ps(beta);
+    const bool scale = beta != 1.0f;
+#define MANTISSA_LOAD(i)                       \
+  c##i##0 = _mm512_loadu_ps(c + (i)*ldc);      \
+  c##i##1 = _mm512_loadu_ps(c + (i)*ldc + 16); \
+  if (scale) {                                 \
+    c##i##0 = _mm512_mul_ps(c##i##0, vb);      \
+    c##i##1 = _mm512_mul_ps(c##i##1, vb);      \
+  }
+    MANTISSA_ROWS12(MANTISSA_LOAD)
+#undef MANTISSA_LOAD
+  } else {
+#define MANTISSA_ZERO(i) c##i##0 = c##i##1 = _mm512_setzero_ps();
+    MANTISSA_ROWS12(MANTISSA_ZERO)
+#undef MANTISSA_ZERO
+  }
+#define MANTISSA_FMA(i)                                           \
+  x = _mm512_set1_ps((i) < kMR ? a[(i) % kMR] : a_hi[(i) % kMR]); \
+  c##i##0 = _mm512_fmadd_ps(x, v0, c##i##0);                      \
+  c##i##1 = _mm512_fmadd_ps(x, v1, c##i##1);
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 v0 = load_b16<kLoad>(b_at<kLoad>(b0v, b_off[k]));
+    const __m512 v1 = load_b16<kLoad>(b_at<kLoad>(b1v, b_off[k]));
+    __m512 x;
+    MANTISSA_ROWS12(MANTISSA_FMA)
+    a += kMR;
+    a_hi += kMR;
+  }
+#undef MANTISSA_FMA
+#define MANTISSA_STORE(i)                 \
+  _mm512_storeu_ps(c + (i)*ldc, c##i##0); \
+  _mm512_storeu_ps(c + (i)*ldc + 16, c##i##1);
+  MANTISSA_ROWS12(MANTISSA_STORE)
+#undef MANTISSA_STORE
+}
+#undef MANTISSA_ROWS12
+
 // 6 x 16: one sliver, one zmm per row.
 template <bool kF16Partials, bool kRows, int kLoad = kLoadF32>
 MANTISSA_AVX512 void micro_6x16(int64_t kc, const float* a, const void* bv, const int64_t* b_off,
@@ -233,6 +285,22 @@ Rows16MicroKernel avx512_rows16_micro_kernel(int load) {
       return rows16_micro_kernel<kLoadF32AsF16>;
     case kLoadF32AsBF16:
       return rows16_micro_kernel<kLoadF32AsBF16>;
+  }
+  return nullptr;
+}
+
+Pair12RowsMicroKernel avx512_pair12_rows_micro_kernel(int load) {
+  switch (load) {
+    case kLoadF32:
+      return micro_12x32_rows<kLoadF32>;
+    case kLoadF16:
+      return micro_12x32_rows<kLoadF16>;
+    case kLoadBF16:
+      return micro_12x32_rows<kLoadBF16>;
+    case kLoadF32AsF16:
+      return micro_12x32_rows<kLoadF32AsF16>;
+    case kLoadF32AsBF16:
+      return micro_12x32_rows<kLoadF32AsBF16>;
   }
   return nullptr;
 }

@@ -42,6 +42,11 @@ using Rows16MicroKernel = void (*)(int64_t kc, const float* a, const void* b, co
 using PairRows16MicroKernel = void (*)(int64_t kc, const float* a, const void* b0, const void* b1,
                                        const int64_t* b_off, float* c, int64_t ldc, bool load_c,
                                        float beta, bool f16_partials);
+// A 12 x 32 tile from two packed A slivers (rows 6-11 at a + kc * kMR) and two B slivers read in
+// place by rows (as PairRows16MicroKernel, B's load kind fixed), FP32 partials only.
+using Pair12RowsMicroKernel = void (*)(int64_t kc, const float* a, const void* b0, const void* b1,
+                                       const int64_t* b_off, float* c, int64_t ldc, bool load_c,
+                                       float beta);
 
 // dst[k * dst_stride + r] = line[r][k] for r < rows (rows <= 8), k < kc: the transposition
 // that packing needs when the packed direction is the strided one (lines at a fixed stride, or
@@ -64,6 +69,8 @@ PairRowsMicroKernel avx512_pair_rows_micro_kernel();
 // For load kLoadF16 .. kLoadF32AsBF16 (kLoadF32 is the kernels above).
 Rows16MicroKernel avx512_rows16_micro_kernel(int load);
 PairRows16MicroKernel avx512_pair_rows16_micro_kernel(int load);
+// For every load kind, kLoadF32 (a row-listed FP32 B) included.
+Pair12RowsMicroKernel avx512_pair12_rows_micro_kernel(int load);
 #endif
 
 }  // namespace mantissa::kernels::detail
