@@ -73,6 +73,19 @@ TEST(SimdDispatch, EveryFamilyAsksForThePathOfTheProcess) {
   }
 }
 
+// The AVX-512 kernels round to BF16 with the processor's instruction exactly where it has one,
+// the process runs AVX-512, and MANTISSA_BF16_INSN=0 (core.integer_bf16, kernels.integer_bf16)
+// does not turn it off.
+TEST(SimdDispatch, Bf16InstructionsFollowTheProcessorAndTheEnvironment) {
+  const char* env = std::getenv("MANTISSA_BF16_INSN");
+  const bool off = env && std::string(env) == "0";
+  EXPECT_EQ(kBf16Instructions,
+            cpu_features().avx512bf16 && active_simd_path() == SimdPath::kAvx512 && !off);
+  if (off) {
+    EXPECT_FALSE(kBf16Instructions);
+  }
+}
+
 // The family list is the enum: names are distinct and none is left unnamed.
 TEST(SimdDispatch, FamiliesAreNamed) {
   std::vector<std::string> names;

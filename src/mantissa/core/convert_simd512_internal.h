@@ -13,10 +13,13 @@
 
 #include <cstdint>
 
+#include "mantissa/core/cpu_features.h"
 #include "mantissa/core/dtype.h"
 
+// (avx512bf16 for vcvtneps2bf16, which runs only where kBf16Instructions says the processor has
+// it; the compilers emit it for nothing else here.)
 #define MANTISSA_AVX512_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")))
 
 namespace mantissa::simd512 {
 
@@ -37,11 +40,22 @@ MANTISSA_SIMD512_IO __m512i bf16_rounded_bits(__m512 x) {
   return _mm512_mask_blend_epi32(is_nan, r, nan);
 }
 
+// The processor's BF16 encodings of x, when kBf16Instructions and no lane is an FP32 subnormal
+// (vcvtneps2bf16 reads those as zero; it otherwise rounds to nearest even and quiets a NaN keeping
+// its top payload bits, as the integer rule does); false when the integer rule must make them.
+MANTISSA_SIMD512_IO bool bf16_by_instruction(__m512 x, __m256i& h) {
+  if (!kBf16Instructions || _mm512_fpclass_ps_mask(x, 0x20) != 0) return false;  // 0x20: denormal
+  h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  return true;
+}
+
 // Sixteen FP32 lanes as FP16 and as BF16 encodings, rounded to nearest even.
 MANTISSA_SIMD512_IO __m256i to_f16x16(__m512 x) {
   return _mm512_maskz_cvtps_ph(0xffff, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 MANTISSA_SIMD512_IO __m256i to_bf16x16(__m512 x) {
+  __m256i h;
+  if (bf16_by_instruction(x, h)) return h;
   return _mm512_maskz_cvtepi32_epi16(0xffff,
                                      _mm512_maskz_srli_epi32(0xffff, bf16_rounded_bits(x), 16));
 }
@@ -59,6 +73,8 @@ MANTISSA_SIMD512_IO __m512 from_half16(__m256i h, DType t) {
 // FP32 lanes rounded to nearest even to f16 / bf16 and widened back.
 MANTISSA_SIMD512_IO __m512 round_through_f16(__m512 x) { return from_f16x16(to_f16x16(x)); }
 MANTISSA_SIMD512_IO __m512 round_through_bf16(__m512 x) {
+  __m256i h;
+  if (bf16_by_instruction(x, h)) return from_bf16x16(h);
   return _mm512_castsi512_ps(bf16_rounded_bits(x));
 }
 

@@ -34,6 +34,9 @@ const CpuFeatures& cpu_features() {
     f.avx512bw = __builtin_cpu_supports("avx512bw");
     f.avx512dq = __builtin_cpu_supports("avx512dq");
     f.avx512vl = __builtin_cpu_supports("avx512vl");
+    // AVX512_BF16: CPUID leaf 7, sub-leaf 1, EAX bit 5.
+    f.avx512bf16 =
+        f.avx512f && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
 #endif
     return f;
   }();
@@ -55,6 +58,7 @@ std::string cpu_features_string() {
   add(f.avx512bw, "avx512bw");
   add(f.avx512dq, "avx512dq");
   add(f.avx512vl, "avx512vl");
+  add(f.avx512bf16, "avx512bf16");
   return s.empty() ? "none" : s;
 }
 
@@ -93,6 +97,12 @@ bool simd_path_supported(SimdPath p) {
   }
   return false;
 }
+
+const bool kBf16Instructions = [] {
+  const char* env = std::getenv("MANTISSA_BF16_INSN");
+  return cpu_features().avx512bf16 && active_simd_path() == SimdPath::kAvx512 &&
+         !(env && std::string(env) == "0");
+}();
 
 SimdPath active_simd_path() {
   static const SimdPath path = [] {

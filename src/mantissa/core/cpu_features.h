@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx512bw = false;
   bool avx512dq = false;
   bool avx512vl = false;
+  bool avx512bf16 = false;  // AVX512_BF16: vcvtneps2bf16 and the BF16 dot products
 };
 
 const CpuFeatures& cpu_features();
@@ -39,12 +40,19 @@ bool simd_path_supported(SimdPath p);
 // the environment overrides it (an unsupported request falls back to the best supported path
 // below it).
 SimdPath active_simd_path();
+// Whether the AVX-512 kernels round FP32 to BF16 with the processor's instruction (AVX512_BF16's
+// vcvtneps2bf16; a vector holding an FP32 subnormal, which the instruction reads as zero, takes
+// the integer rule): the same bits as the integer rule. True where the processor has it and the
+// process's path is AVX-512, unless MANTISSA_BF16_INSN=0 is in the environment (how the tests
+// run the integer rule on such a processor). Set before main(); false until then (the integer
+// rule, as exact).
+extern const bool kBf16Instructions;
 
 // The kernel families with a SIMD version: (enumerator, name, widest path it has, where). A family
 // runs the process's path, or its widest one when that is narrower (a family without AVX-512
 // kernels runs its AVX2 ones on an AVX-512 processor).
 #define MANTISSA_SIMD_FAMILIES(X)                                                                 \
-  X(kConvert, "convert", kAvx512, "core/convert.cc: bulk conversion tables")                        \
+  X(kConvert, "convert", kAvx512, "core/convert.cc: bulk conversion tables")                      \
   X(kGemm, "gemm", kAvx512,                                                                       \
     "kernels/gemm.cc: the 6 x 16 and 6 x 32 micro-kernels and packing transposes")                \
   X(kVectorRows, "vector rows", kAvx512,                                                          \
