@@ -99,6 +99,25 @@ MANTISSA_AVX512 inline __attribute__((always_inline)) __mmask16 small(__m512 x, 
   return _mm512_cmplt_epu32_mask(mag, bits);
 }
 
+// An FP32 multiply or divide of each lane made in FP64 and rounded to FP32: the FP32 operation's
+// bits (the product of two FP32 values is exact in FP64; a quotient rounded to FP64 and then to
+// FP32 is correctly rounded, subnormal results included), without the microcode assist an FP32
+// operation with a subnormal operand or result takes. Conversions take none.
+template <bool kDivide>
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m256 via_fp64_half(__m256 a, __m256 b) {
+  const __m512d x = _mm512_maskz_cvtps_pd(0xff, a), y = _mm512_maskz_cvtps_pd(0xff, b);
+  return _mm512_maskz_cvtpd_ps(0xff, kDivide ? _mm512_div_pd(x, y) : _mm512_mul_pd(x, y));
+}
+template <bool kDivide>
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 via_fp64(__m512 a, __m512 b) {
+  const __m256 lo = via_fp64_half<kDivide>(_mm512_maskz_extractf32x8_ps(0xff, a, 0),
+                                           _mm512_maskz_extractf32x8_ps(0xff, b, 0));
+  const __m256 hi = via_fp64_half<kDivide>(_mm512_maskz_extractf32x8_ps(0xff, a, 1),
+                                           _mm512_maskz_extractf32x8_ps(0xff, b, 1));
+  return _mm512_maskz_insertf32x8(
+      0xffff, _mm512_maskz_insertf32x8(0xffff, _mm512_setzero_ps(), lo, 0), hi, 1);
+}
+
 template <int PT, int GT, int MT, int VT, bool kMaster>
 MANTISSA_AVX512 int64_t adam_body(const DirectChunk& c, int64_t n, const AdamScalars& s) {
   // The weight's storage as the test reads it: the master's FP32 where there is one.
@@ -118,8 +137,25 @@ MANTISSA_AVX512 int64_t adam_body(const DirectChunk& c, int64_t n, const AdamSca
     const __m512 p = kMaster ? _mm512_loadu_ps(c.master + j) : load16<PT>(c.p, j);
     const __m512 m = load16<MT>(c.m, j), v = load16<VT>(c.v, j);
     __m512 pj, mj, vj;
-    if (small<GT>(g, grad_bits) | small<kPT>(p, state_bits) | small<MT>(m, state_bits) |
-        small<VT>(v, state_bits)) {
+    const __mmask16 small_m = small<MT>(m, state_bits);
+    const __mmask16 small_rest =
+        small<GT>(g, grad_bits) | small<kPT>(p, state_bits) | small<VT>(v, state_bits);
+    if (small_m && !small_rest) {
+      // Only first moments are small (a weight whose gradient has been exactly zero for many
+      // steps: its moment decays into the subnormal range and stays there): the FP32 formula with
+      // the three operations a small moment reaches made in FP64 (m * beta1, m / denom and the
+      // step times that quotient). The others see normal values or zeros.
+      __m512 grad = _mm512_mul_ps(_mm512_mul_ps(g, unscale), clip);
+      __m512 param = p;
+      if (s.decoupled)
+        param = _mm512_mul_ps(param, decay);
+      else if (s.wd != 0)
+        grad = _mm512_add_ps(grad, _mm512_mul_ps(wd, param));
+      mj = _mm512_add_ps(via_fp64<false>(m, b1), _mm512_mul_ps(omb1, grad));
+      vj = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(omb2, grad), grad));
+      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_maskz_sqrt_ps(0xffff, vj), bc2), eps);
+      pj = _mm512_add_ps(param, via_fp64<false>(neg_step, via_fp64<true>(mj, denom)));
+    } else if (small_m | small_rest) {
       alignas(64) float pb[16], gb[16], mb[16], vb[16];
       _mm512_store_ps(pb, p);
       _mm512_store_ps(gb, g);
