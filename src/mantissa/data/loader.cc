@@ -7,6 +7,7 @@
 #include <new>
 
 #include "mantissa/core/error.h"
+#include "mantissa/core/parallel.h"
 #include "mantissa/core/philox.h"
 #include "mantissa/kernels/elementwise.h"
 
@@ -240,7 +241,6 @@ Batch Loader::make_batch(int64_t epoch, int64_t b) const {
   const Tensor images = data_.images.contiguous();  // held: src must outlive a copy
   const uint8_t* src = static_cast<const uint8_t*>(images.data_ptr());
   const int64_t* labels = data_.labels.data<int64_t>();
-  std::vector<float> buf(static_cast<size_t>(C * S * S));
   const size_t elem = dtype_size(config_.dtype);
   char* dst = static_cast<char*>(out.images.data_ptr());
   // 8-bit output: the geometric transforms on [0, 1] pixels, then the nearest of 0..255; the
@@ -248,22 +248,27 @@ Batch Loader::make_batch(int64_t epoch, int64_t b) const {
   const bool bytes = config_.dtype == DType::u8;
   Transform t = config_.transform;
   if (bytes) t.mean = {0.0f}, t.std = {1.0f};
-  for (int64_t i = 0; i < B; ++i) {
-    const int64_t k = idx[static_cast<size_t>(i)];
-    out.labels.data<int64_t>()[i] = labels[k];
-    const uint32_t random = philox_bits(config_.seed, kAugmentStream + static_cast<uint64_t>(epoch),
-                                        static_cast<uint64_t>(k));
-    transform_image(src + k * C * H * W, C, H, W, t, random, buf.data());
-    if (bytes) {
-      uint8_t* d = reinterpret_cast<uint8_t*>(dst) + i * C * S * S;
-      for (int64_t j = 0; j < C * S * S; ++j)
-        d[j] = static_cast<uint8_t>(
-            std::lrint(std::clamp(buf[static_cast<size_t>(j)] * 255.0f, 0.0f, 255.0f)));
-    } else {
-      kernels::store_f32(buf.data(), C * S * S, dst + static_cast<size_t>(i * C * S * S) * elem,
-                         config_.dtype, 1);
+  // Images in parallel (each depends only on its index; a loader worker's call, made while the
+  // step's kernels hold the pool, runs them in order on its own thread).
+  parallel_for(static_cast<size_t>(B), 1, default_num_threads(), [&](size_t i0, size_t i1) {
+    std::vector<float> buf(static_cast<size_t>(C * S * S));  // (C, S, S)
+    for (int64_t i = static_cast<int64_t>(i0); i < static_cast<int64_t>(i1); ++i) {
+      const int64_t k = idx[static_cast<size_t>(i)];
+      out.labels.data<int64_t>()[i] = labels[k];
+      const uint32_t random = philox_bits(
+          config_.seed, kAugmentStream + static_cast<uint64_t>(epoch), static_cast<uint64_t>(k));
+      transform_image(src + k * C * H * W, C, H, W, t, random, buf.data());
+      if (bytes) {
+        uint8_t* d = reinterpret_cast<uint8_t*>(dst) + i * C * S * S;
+        for (int64_t j = 0; j < C * S * S; ++j)
+          d[j] = static_cast<uint8_t>(
+              std::lrint(std::clamp(buf[static_cast<size_t>(j)] * 255.0f, 0.0f, 255.0f)));
+      } else {
+        kernels::store_f32(buf.data(), C * S * S, dst + static_cast<size_t>(i * C * S * S) * elem,
+                           config_.dtype, 1);
+      }
     }
-  }
+  });
   return out;
 }
 
