@@ -366,7 +366,7 @@ TEST(Conv2d, WinogradFilterTransformMatchesItsDefinitionBitForBit) {
 }
 
 // The register-tiled convolution rows against their definitions (vector_kernels.h), bit for bit,
-// for every block shape and tail: channels 1-13, taps 1-11, 1-40 columns.
+// for every block shape and tail: channels 1-13, taps 1-11, 1-64 columns.
 TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> d(-2.0f, 2.0f);
@@ -377,7 +377,7 @@ TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
   };
   for (int64_t O : {1, 2, 4, 5, 6, 7, 11, 13})
     for (int64_t taps : {1, 2, 3, 9, 11})
-      for (int64_t n : {1, 5, 8, 9, 15, 16, 21, 24, 40}) {
+      for (int64_t n : {1, 5, 8, 9, 15, 16, 21, 24, 40, 50, 64}) {
         const int64_t ws = taps + 2, ys = n + 3;
         const std::vector<float> bias = values(static_cast<size_t>(O)),
                                  w = values(static_cast<size_t>(O * ws)),

@@ -115,7 +115,86 @@ inline char* at(void* p, DType t, int64_t i) {
   return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(t));
 }
 
+// OB output rows by 16 * V columns of fma_rows_f32 from column j: the AVX2 strip's arithmetic
+// (each element an FMA chain over the taps in order from zero, then + bias) sixteen lanes a
+// vector; the last vector loads and stores only the lanes `last` selects.
+template <int OB, int V>
+MANTISSA_AVX512 inline void fma_strip(float* y, int64_t ys, const float* bias, const float* w,
+                                      int64_t ws, const float* const* x, int64_t taps, int64_t j,
+                                      __mmask16 last) {
+  __m512 acc[OB][V];
+#pragma GCC unroll 8
+  for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[o][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < taps; ++i) {
+    __m512 xv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
+      xv[v] = _mm512_maskz_loadu_ps(v == V - 1 ? last : __mmask16{0xffff}, x[i] + j + 16 * v);
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o) {
+      const __m512 wv = _mm512_set1_ps(w[o * ws + i]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[o][v] = _mm512_fmadd_ps(wv, xv[v], acc[o][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int o = 0; o < OB; ++o) {
+    const __m512 b = _mm512_set1_ps(bias ? bias[o] : 0.0f);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(y + o * ys + j + 16 * v, v == V - 1 ? last : __mmask16{0xffff},
+                            _mm512_add_ps(acc[o][v], b));
+  }
+}
+
+template <int OB>
+MANTISSA_AVX512 void fma_block(float* y, int64_t ys, const float* bias, const float* w, int64_t ws,
+                               const float* const* x, int64_t taps, int64_t n) {
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) fma_strip<OB, 2>(y, ys, bias, w, ws, x, taps, j, 0xffff);
+  // The last 1-31 columns: one strip whose last vector is masked (or whole).
+  const int64_t r = n - j;
+  if (r == 0) return;
+  const int64_t in_last = r > 16 ? r - 16 : r;
+  const __mmask16 mask = static_cast<__mmask16>((1u << in_last) - 1);
+  if (r > 16)
+    fma_strip<OB, 2>(y, ys, bias, w, ws, x, taps, j, mask);
+  else
+    fma_strip<OB, 1>(y, ys, bias, w, ws, x, taps, j, mask);
+}
+
 }  // namespace
+
+// Output rows in blocks of up to 6 (12 zmm sums over 32 columns, 2 input vectors, a weight).
+void fma_rows_f32_avx512(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
+                         int64_t ws, const float* const* x, int64_t taps, int64_t n) {
+  for (int64_t o0 = 0; o0 < O; o0 += 6) {
+    float* yo = y + o0 * ys;
+    const float* bo = bias ? bias + o0 : nullptr;
+    const float* wo = w + o0 * ws;
+    switch (std::min<int64_t>(6, O - o0)) {
+      case 1:
+        fma_block<1>(yo, ys, bo, wo, ws, x, taps, n);
+        break;
+      case 2:
+        fma_block<2>(yo, ys, bo, wo, ws, x, taps, n);
+        break;
+      case 3:
+        fma_block<3>(yo, ys, bo, wo, ws, x, taps, n);
+        break;
+      case 4:
+        fma_block<4>(yo, ys, bo, wo, ws, x, taps, n);
+        break;
+      case 5:
+        fma_block<5>(yo, ys, bo, wo, ws, x, taps, n);
+        break;
+      default:
+        fma_block<6>(yo, ys, bo, wo, ws, x, taps, n);
+    }
+  }
+}
 
 // ReLU rows sixteen values a vector (the AVX2 functions' comparisons, lane for lane; convert()'s
 // rounding on the stores), the last n % 16 through the AVX2 rows.

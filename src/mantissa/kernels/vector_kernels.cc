@@ -13,8 +13,8 @@
 namespace mantissa::kernels::detail {
 namespace {
 
-// The vector rows' path: the AVX2 kernels on either SIMD path, the AVX-512 dot tile and ReLU rows
-// on their own.
+// The vector rows' path: the AVX2 kernels on either SIMD path, the AVX-512 dot tile, FMA rows and
+// ReLU rows on their own.
 [[maybe_unused]] SimdPath vectors_path() {
   static const SimdPath path = simd_path(SimdFamily::kVectorRows);
   return path;
@@ -203,6 +203,7 @@ void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const flo
 void fma_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
                   const float* const* x, int64_t taps, int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD
+  if (avx512_vectors()) return fma_rows_f32_avx512(y, ys, O, bias, w, ws, x, taps, n);
   if (avx2_vectors()) return fma_rows_f32_avx2(y, ys, O, bias, w, ws, x, taps, n);
 #endif
   for (int64_t o = 0; o < O; ++o)

@@ -152,6 +152,8 @@ void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, cons
                         int64_t n);
 void fma_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
                        int64_t ws, const float* const* x, int64_t taps, int64_t n);
+void fma_rows_f32_avx512(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
+                         int64_t ws, const float* const* x, int64_t taps, int64_t n);
 void conv_wgrad_rows_f32_avx2(float* lanes, int64_t O, const float* dy, int64_t ds,
                               const float* const* x, int64_t taps, int64_t n);
 void axpy_f32_avx2(float* a, const float* x, float w, int64_t n);  // stride 1
