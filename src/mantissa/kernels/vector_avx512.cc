@@ -1,10 +1,11 @@
-// The AVX-512 versions of vector_kernels.h's ReLU rows, and the tile of the lane-split dot
-// products: up to 12 rows of A by 4 rows of B. A zmm register holds the eight lanes of two outputs
-// side by side, (A row i, B row j) and (i, j + 1): B's rows are read (widened, or rounded as read)
-// in pairs into one register, A's eight values broadcast to both halves, and each FMA advances both
-// outputs' lanes. Per eight columns, 2 B pairs and 12 broadcasts of A feed 24 FMAs; each B value is
-// read, widened or rounded once for all of A's rows (the AVX2 tile: once for every three). Every
-// lane is the same FMA chain as on the other paths, so the bits are the same.
+// The AVX-512 versions of vector_kernels.h's ReLU rows and FMA rows (6 outputs by 32 columns a
+// strip), and the tile of the lane-split dot products: up to 12 rows of A by 4 rows of B. A zmm
+// register holds the eight lanes of two outputs side by side, (A row i, B row j) and (i, j + 1):
+// B's rows are read (widened, or rounded as read) in pairs into one register, A's eight values
+// broadcast to both halves, and each FMA advances both outputs' lanes. Per eight columns, 2 B pairs
+// and 12 broadcasts of A feed 24 FMAs; each B value is read, widened or rounded once for all of A's
+// rows (the AVX2 tile: once for every three). Every lane is the same FMA chain as on the other
+// paths, so the bits are the same.
 #include <immintrin.h>
 
 #include <algorithm>
