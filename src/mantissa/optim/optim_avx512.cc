@@ -118,16 +118,59 @@ MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 via_fp64(__m512 a, 
       0xffff, _mm512_maskz_insertf32x8(0xffff, _mm512_setzero_ps(), lo, 0), hi, 1);
 }
 
+// A product or quotient of FP32 lanes: in FP32, or (kFp64) through via_fp64.
+template <bool kFp64>
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 mul(__m512 a, __m512 b) {
+  return kFp64 ? via_fp64<false>(a, b) : _mm512_mul_ps(a, b);
+}
+template <bool kFp64>
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 div(__m512 a, __m512 b) {
+  return kFp64 ? via_fp64<true>(a, b) : _mm512_div_ps(a, b);
+}
+
+// adam_formula's FP32 operations over sixteen lanes, in its order, the scalars broadcast once.
+struct Formula16 {
+  __m512 b1, b2, omb1, omb2, neg_step, bc2, eps, wd, decay, unscale, clip;
+  bool decoupled, l2;
+  MANTISSA_AVX512 explicit Formula16(const AdamScalars& s)
+      : b1(_mm512_set1_ps(s.b1)),
+        b2(_mm512_set1_ps(s.b2)),
+        omb1(_mm512_set1_ps(s.one_minus_b1)),
+        omb2(_mm512_set1_ps(s.one_minus_b2)),
+        neg_step(_mm512_set1_ps(-s.step_size)),
+        bc2(_mm512_set1_ps(s.bc2_sqrt)),
+        eps(_mm512_set1_ps(s.eps)),
+        wd(_mm512_set1_ps(s.wd)),
+        decay(_mm512_set1_ps(s.decay)),
+        unscale(_mm512_set1_ps(s.unscale)),
+        clip(_mm512_set1_ps(s.clip)),
+        decoupled(s.decoupled),
+        l2(s.wd != 0) {}
+  // kSmallMoments: the three operations a first moment near or below the subnormal range reaches
+  // (m * beta1, m / denom and the step times that quotient) made in FP64, without assists, for a
+  // vector whose other operands are normal or zero; the same bits either way.
+  template <bool kSmallMoments>
+  MANTISSA_AVX512 inline __attribute__((always_inline)) void apply(__m512 p, __m512 g, __m512 m,
+                                                                   __m512 v, __m512& pj, __m512& mj,
+                                                                   __m512& vj) const {
+    __m512 grad = _mm512_mul_ps(_mm512_mul_ps(g, unscale), clip);
+    __m512 param = p;
+    if (decoupled)
+      param = _mm512_mul_ps(param, decay);
+    else if (l2)
+      grad = _mm512_add_ps(grad, _mm512_mul_ps(wd, param));
+    mj = _mm512_add_ps(mul<kSmallMoments>(m, b1), _mm512_mul_ps(omb1, grad));
+    vj = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(omb2, grad), grad));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_maskz_sqrt_ps(0xffff, vj), bc2), eps);
+    pj = _mm512_add_ps(param, mul<kSmallMoments>(neg_step, div<kSmallMoments>(mj, denom)));
+  }
+};
+
 template <int PT, int GT, int MT, int VT, bool kMaster>
 MANTISSA_AVX512 int64_t adam_body(const DirectChunk& c, int64_t n, const AdamScalars& s) {
   // The weight's storage as the test reads it: the master's FP32 where there is one.
   constexpr int kPT = kMaster ? static_cast<int>(DType::f32) : PT;
-  const __m512 b1 = _mm512_set1_ps(s.b1), b2 = _mm512_set1_ps(s.b2);
-  const __m512 omb1 = _mm512_set1_ps(s.one_minus_b1), omb2 = _mm512_set1_ps(s.one_minus_b2);
-  const __m512 neg_step = _mm512_set1_ps(-s.step_size), bc2 = _mm512_set1_ps(s.bc2_sqrt);
-  const __m512 eps = _mm512_set1_ps(s.eps), wd = _mm512_set1_ps(s.wd);
-  const __m512 decay = _mm512_set1_ps(s.decay);
-  const __m512 unscale = _mm512_set1_ps(s.unscale), clip = _mm512_set1_ps(s.clip);
+  const Formula16 formula(s);
   const ExactBits eb = adam_exact_bits(s);
   const __m512i state_bits = _mm512_set1_epi32(static_cast<int>(eb.state));
   const __m512i grad_bits = _mm512_set1_epi32(static_cast<int>(eb.grad));
@@ -140,22 +183,13 @@ MANTISSA_AVX512 int64_t adam_body(const DirectChunk& c, int64_t n, const AdamSca
     const __mmask16 small_m = small<MT>(m, state_bits);
     const __mmask16 small_rest =
         small<GT>(g, grad_bits) | small<kPT>(p, state_bits) | small<VT>(v, state_bits);
-    if (small_m && !small_rest) {
-      // Only first moments are small (a weight whose gradient has been exactly zero for many
-      // steps: its moment decays into the subnormal range and stays there): the FP32 formula with
-      // the three operations a small moment reaches made in FP64 (m * beta1, m / denom and the
-      // step times that quotient). The others see normal values or zeros.
-      __m512 grad = _mm512_mul_ps(_mm512_mul_ps(g, unscale), clip);
-      __m512 param = p;
-      if (s.decoupled)
-        param = _mm512_mul_ps(param, decay);
-      else if (s.wd != 0)
-        grad = _mm512_add_ps(grad, _mm512_mul_ps(wd, param));
-      mj = _mm512_add_ps(via_fp64<false>(m, b1), _mm512_mul_ps(omb1, grad));
-      vj = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(omb2, grad), grad));
-      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_maskz_sqrt_ps(0xffff, vj), bc2), eps);
-      pj = _mm512_add_ps(param, via_fp64<false>(neg_step, via_fp64<true>(mj, denom)));
-    } else if (small_m | small_rest) {
+    if (!(small_m | small_rest)) {
+      formula.apply<false>(p, g, m, v, pj, mj, vj);
+    } else if (!small_rest) {
+      // Only first moments are small: a weight whose gradient has been exactly zero for many
+      // steps, its moment decayed into the subnormal range, where it stays.
+      formula.apply<true>(p, g, m, v, pj, mj, vj);
+    } else {
       alignas(64) float pb[16], gb[16], mb[16], vb[16];
       _mm512_store_ps(pb, p);
       _mm512_store_ps(gb, g);
@@ -165,17 +199,6 @@ MANTISSA_AVX512 int64_t adam_body(const DirectChunk& c, int64_t n, const AdamSca
       pj = _mm512_load_ps(pb);
       mj = _mm512_load_ps(mb);
       vj = _mm512_load_ps(vb);
-    } else {
-      __m512 grad = _mm512_mul_ps(_mm512_mul_ps(g, unscale), clip);
-      __m512 param = p;
-      if (s.decoupled)
-        param = _mm512_mul_ps(param, decay);
-      else if (s.wd != 0)
-        grad = _mm512_add_ps(grad, _mm512_mul_ps(wd, param));
-      mj = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(omb1, grad));
-      vj = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(omb2, grad), grad));
-      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_maskz_sqrt_ps(0xffff, vj), bc2), eps);
-      pj = _mm512_add_ps(param, _mm512_mul_ps(neg_step, _mm512_div_ps(mj, denom)));
     }
     store16<MT>(c.m, j, mj);
     store16<VT>(c.v, j, vj);
