@@ -42,6 +42,31 @@ inline const void* b_at(const void* b, int64_t e) {
 // The accumulators are named variables (as in the AVX2 kernel), so GCC keeps them in registers.
 #define MANTISSA_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
+// The rows of a 32-column tile of C, two zmm a row (c<i>0, c<i>1), over a row list ROWS (a macro
+// applying its argument to each row index): declared and started from beta * C (load_c) or from
+// zero, and stored.
+#define MANTISSA_PAIR_DECL(i) __m512 c##i##0, c##i##1;
+#define MANTISSA_PAIR_LOAD(i)                  \
+  c##i##0 = _mm512_loadu_ps(c + (i)*ldc);      \
+  c##i##1 = _mm512_loadu_ps(c + (i)*ldc + 16); \
+  if (scale) {                                 \
+    c##i##0 = _mm512_mul_ps(c##i##0, vb);      \
+    c##i##1 = _mm512_mul_ps(c##i##1, vb);      \
+  }
+#define MANTISSA_PAIR_ZERO(i) c##i##0 = c##i##1 = _mm512_setzero_ps();
+#define MANTISSA_PAIR_START(ROWS)           \
+  ROWS(MANTISSA_PAIR_DECL)                  \
+  if (load_c) {                             \
+    const __m512 vb = _mm512_set1_ps(beta); \
+    const bool scale = beta != 1.0f;        \
+    ROWS(MANTISSA_PAIR_LOAD)                \
+  } else {                                  \
+    ROWS(MANTISSA_PAIR_ZERO)                \
+  }
+#define MANTISSA_PAIR_STORE(i)            \
+  _mm512_storeu_ps(c + (i)*ldc, c##i##0); \
+  _mm512_storeu_ps(c + (i)*ldc + 16, c##i##1);
+
 // 6 x 32: columns 0-15 from b0, 16-31 from b1 (packed slivers of kc x 16, 64-byte aligned, or
 // row k at b0 + b_off[k] and b1 + b_off[k] with kRows).
 template <bool kF16Partials, bool kRows, int kLoad = kLoadF32>
@@ -50,26 +75,7 @@ MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const void* b0v, con
                                 float beta) {
   const float* b0 = static_cast<const float*>(b0v);
   const float* b1 = static_cast<const float*>(b1v);
-#define MANTISSA_DECL(i) __m512 c##i##0, c##i##1;
-  MANTISSA_ROWS(MANTISSA_DECL)
-#undef MANTISSA_DECL
-  if (load_c) {
-    const __m512 vb = _mm512_set1_ps(beta);
-    const bool scale = beta != 1.0f;
-#define MANTISSA_LOAD(i)                       \
-  c##i##0 = _mm512_loadu_ps(c + (i)*ldc);      \
-  c##i##1 = _mm512_loadu_ps(c + (i)*ldc + 16); \
-  if (scale) {                                 \
-    c##i##0 = _mm512_mul_ps(c##i##0, vb);      \
-    c##i##1 = _mm512_mul_ps(c##i##1, vb);      \
-  }
-    MANTISSA_ROWS(MANTISSA_LOAD)
-#undef MANTISSA_LOAD
-  } else {
-#define MANTISSA_ZERO(i) c##i##0 = c##i##1 = _mm512_setzero_ps();
-    MANTISSA_ROWS(MANTISSA_ZERO)
-#undef MANTISSA_ZERO
-  }
+  MANTISSA_PAIR_START(MANTISSA_ROWS)
 #define MANTISSA_FMA(i)                      \
   x = _mm512_set1_ps(a[i]);                  \
   c##i##0 = _mm512_fmadd_ps(x, v0, c##i##0); \
@@ -100,11 +106,7 @@ MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const void* b0v, con
   if constexpr (kF16Partials) {
     MANTISSA_ROWS(MANTISSA_ROUND)
   }
-#define MANTISSA_STORE(i)                 \
-  _mm512_storeu_ps(c + (i)*ldc, c##i##0); \
-  _mm512_storeu_ps(c + (i)*ldc + 16, c##i##1);
-  MANTISSA_ROWS(MANTISSA_STORE)
-#undef MANTISSA_STORE
+  MANTISSA_ROWS(MANTISSA_PAIR_STORE)
 #undef MANTISSA_ROUND
 #undef MANTISSA_FMA
 }
@@ -120,26 +122,7 @@ MANTISSA_AVX512 void micro_12x32_rows(int64_t kc, const float* a, const void* b0
                                       const int64_t* b_off, float* c, int64_t ldc, bool load_c,
                                       float beta) {
   const float* a_hi = a + kc * kMR;
-#define MANTISSA_DECL(i) __m512 c##i##0, c##i##1;
-  MANTISSA_ROWS12(MANTISSA_DECL)
-#undef MANTISSA_DECL
-  if (load_c) {
-    const __m512 vb = _mm512_set1_ps(beta);
-    const bool scale = beta != 1.0f;
-#define MANTISSA_LOAD(i)                       \
-  c##i##0 = _mm512_loadu_ps(c + (i)*ldc);      \
-  c##i##1 = _mm512_loadu_ps(c + (i)*ldc + 16); \
-  if (scale) {                                 \
-    c##i##0 = _mm512_mul_ps(c##i##0, vb);      \
-    c##i##1 = _mm512_mul_ps(c##i##1, vb);      \
-  }
-    MANTISSA_ROWS12(MANTISSA_LOAD)
-#undef MANTISSA_LOAD
-  } else {
-#define MANTISSA_ZERO(i) c##i##0 = c##i##1 = _mm512_setzero_ps();
-    MANTISSA_ROWS12(MANTISSA_ZERO)
-#undef MANTISSA_ZERO
-  }
+  MANTISSA_PAIR_START(MANTISSA_ROWS12)
 #define MANTISSA_FMA(i)                                           \
   x = _mm512_set1_ps((i) < kMR ? a[(i) % kMR] : a_hi[(i) % kMR]); \
   c##i##0 = _mm512_fmadd_ps(x, v0, c##i##0);                      \
@@ -153,13 +136,14 @@ MANTISSA_AVX512 void micro_12x32_rows(int64_t kc, const float* a, const void* b0
     a_hi += kMR;
   }
 #undef MANTISSA_FMA
-#define MANTISSA_STORE(i)                 \
-  _mm512_storeu_ps(c + (i)*ldc, c##i##0); \
-  _mm512_storeu_ps(c + (i)*ldc + 16, c##i##1);
-  MANTISSA_ROWS12(MANTISSA_STORE)
-#undef MANTISSA_STORE
+  MANTISSA_ROWS12(MANTISSA_PAIR_STORE)
 }
 #undef MANTISSA_ROWS12
+#undef MANTISSA_PAIR_STORE
+#undef MANTISSA_PAIR_START
+#undef MANTISSA_PAIR_ZERO
+#undef MANTISSA_PAIR_LOAD
+#undef MANTISSA_PAIR_DECL
 
 // 6 x 16: one sliver, one zmm per row.
 template <bool kF16Partials, bool kRows, int kLoad = kLoadF32>
