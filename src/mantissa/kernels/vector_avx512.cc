@@ -171,30 +171,13 @@ MANTISSA_AVX512 void fma_block(float* y, int64_t ys, const float* bias, const fl
 // Output rows in blocks of up to 6 (12 zmm sums over 32 columns, 2 input vectors, a weight).
 void fma_rows_f32_avx512(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
                          int64_t ws, const float* const* x, int64_t taps, int64_t n) {
-  for (int64_t o0 = 0; o0 < O; o0 += 6) {
-    float* yo = y + o0 * ys;
-    const float* bo = bias ? bias + o0 : nullptr;
-    const float* wo = w + o0 * ws;
-    switch (std::min<int64_t>(6, O - o0)) {
-      case 1:
-        fma_block<1>(yo, ys, bo, wo, ws, x, taps, n);
-        break;
-      case 2:
-        fma_block<2>(yo, ys, bo, wo, ws, x, taps, n);
-        break;
-      case 3:
-        fma_block<3>(yo, ys, bo, wo, ws, x, taps, n);
-        break;
-      case 4:
-        fma_block<4>(yo, ys, bo, wo, ws, x, taps, n);
-        break;
-      case 5:
-        fma_block<5>(yo, ys, bo, wo, ws, x, taps, n);
-        break;
-      default:
-        fma_block<6>(yo, ys, bo, wo, ws, x, taps, n);
-    }
-  }
+  using Block = void (*)(float*, int64_t, const float*, const float*, int64_t, const float* const*,
+                         int64_t, int64_t);
+  static constexpr Block kBlocks[] = {fma_block<1>, fma_block<2>, fma_block<3>,
+                                      fma_block<4>, fma_block<5>, fma_block<6>};
+  for (int64_t o0 = 0; o0 < O; o0 += 6)
+    kBlocks[std::min<int64_t>(6, O - o0) - 1](y + o0 * ys, ys, bias ? bias + o0 : nullptr,
+                                              w + o0 * ws, ws, x, taps, n);
 }
 
 // ReLU rows sixteen values a vector (the AVX2 functions' comparisons, lane for lane; convert()'s
