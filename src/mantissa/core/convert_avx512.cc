@@ -25,21 +25,14 @@ MANTISSA_AVX512 inline __m256i rne16(__m512 x, bool saturate) {
                               _mm512_maskz_min_ps(0xffff, _mm512_set1_ps(65504.0f), x));
     return simd512::to_f16x16(x);
   } else {
-    if (!saturate) return simd512::to_bf16x16(x);
-    // Saturation: a finite value that rounded up to infinity takes the largest finite one.
-    const __m512i b = _mm512_castps_si512(x);
-    const __m512i one = _mm512_set1_epi32(1);
-    const __m512i lsb = _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, b, 16), one);
-    __m512i r = _mm512_maskz_srli_epi32(
-        0xffff, _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 over = _mm512_cmpeq_epi32_mask(_mm512_and_si512(r, _mm512_set1_epi32(0x7fff)),
-                                                   _mm512_set1_epi32(0x7f80));
-    r = _mm512_mask_sub_epi32(r, over, r, one);
-    const __m512i nan =
-        _mm512_or_si512(_mm512_maskz_srli_epi32(0xffff, b, 16), _mm512_set1_epi32(0x40));
-    const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(
-        _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_maskz_cvtepi32_epi16(0xffff, _mm512_mask_blend_epi32(is_nan, r, nan));
+    const __m256i h = simd512::to_bf16x16(x);
+    if (!saturate) return h;
+    // Saturation: a value that rounded to infinity (the encoding's low 15 bits 0x7f80; a NaN's,
+    // quiet, never are) takes the largest finite one, as the AVX2 kernel gives (an infinite input
+    // included).
+    const __mmask16 over = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)),
+                                                   _mm256_set1_epi16(0x7f80));
+    return _mm256_mask_sub_epi16(h, over, h, _mm256_set1_epi16(1));
   }
 }
 
