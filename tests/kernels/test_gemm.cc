@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "mantissa/kernels/gemm.h"
@@ -676,7 +677,8 @@ TEST(Linear, SixteenBitInputGivesTheSumsOfItsFp32Copy) {
 // A weight gradient summed over terms (every rank's factors) in parts: each term's values are its
 // own gradient's (matmul with FP32 partials, rounded into the output type), added in term order
 // in FP32 and rounded once, bit for bit; terms of 12, 7 and 16 rows, 16-bit and FP32 inputs, 13
-// outputs (a partial group) by 5000 inputs (a partial column block); the bound holds every value.
+// outputs (a partial group) by 5000 inputs (a partial column block); the bound holds every value;
+// a range of rows gives those rows alone, with the same bits.
 TEST(Linear, WeightGradientPartsSummedOverTermsAreTheTermsGradientsAddedInOrder) {
   std::mt19937 gen(21);
   std::uniform_real_distribution<float> d(-1.0f, 1.0f);
@@ -709,6 +711,26 @@ TEST(Linear, WeightGradientPartsSummedOverTermsAreTheTermsGradientsAddedInOrder)
     EXPECT_EQ(got, want) << dtype_name(out);
     const double bound = linear_weight_grad_bound_sum(terms, out);
     for (float v : got) ASSERT_LE(std::fabs(v), bound) << dtype_name(out);
+    // A range of rows (a ZeRO shard): those rows alone, each element the same bits; groups start
+    // at the range's first row (rows 5 to 11: one group of 6 and a partial one), and an empty
+    // range gives nothing.
+    for (const auto& [r0, r1] : {std::pair<int64_t, int64_t>{5, 12}, {0, 13}, {12, 13}, {7, 7}}) {
+      std::vector<int> in_range(want.size(), 0);
+      linear_weight_grad_parts_sum(
+          terms, out,
+          [&](int64_t begin, int64_t n, const void* v, DType t) {
+            std::vector<float> values(static_cast<size_t>(n));
+            convert(v, t, values.data(), DType::f32, static_cast<size_t>(n));
+            for (int64_t j = 0; j < n; ++j) {
+              ++in_range[static_cast<size_t>(begin + j)];
+              ASSERT_EQ(values[static_cast<size_t>(j)], want[static_cast<size_t>(begin + j)]);
+            }
+          },
+          r0, r1);
+      for (int64_t e = 0; e < outf * in; ++e)
+        ASSERT_EQ(in_range[static_cast<size_t>(e)], e / in >= r0 && e / in < r1 ? 1 : 0)
+            << dtype_name(out) << " rows " << r0 << " to " << r1 << ", element " << e;
+    }
   }
 }
 

@@ -105,10 +105,16 @@ void linear_weight_grad_parts(const Tensor& g, const Tensor& x, DType out,
 }
 
 void linear_weight_grad_parts_sum(std::span<const GradFactors> terms, DType out,
-                                  const GradPartConsumer& consume) {
+                                  const GradPartConsumer& consume, int64_t row_begin,
+                                  int64_t row_end) {
   MANTISSA_ASSERT(!terms.empty(), "linear_weight_grad_parts_sum takes at least one term");
   const int64_t outf = terms[0].g.dim() == 2 ? terms[0].g.size(1) : -1;
   const int64_t in = terms[0].x.dim() == 2 ? terms[0].x.size(1) : -1;
+  if (row_end < 0) row_end = outf;
+  MANTISSA_ASSERT(0 <= row_begin && row_begin <= row_end && row_end <= outf,
+                  "linear_weight_grad_parts_sum: rows [" + str(row_begin) + ", " + str(row_end) +
+                      ") of a gradient of " + str(outf));
+  if (row_begin == row_end) return;
   // Per term: g^T (out, rows), row o holding the factors of output o in row order, in FP32
   // (16-bit values convert exactly, as the GEMM's packing converts them), and x (rows, in), a
   // 16-bit x widened a column block at a time (no FP32 copy of the whole input).
@@ -138,7 +144,7 @@ void linear_weight_grad_parts_sum(std::span<const GradFactors> terms, DType out,
     ts.push_back({rows, std::move(gt), x, x.dtype() == DType::f32});
   }
   const size_t out_size = esize(out);
-  const int64_t groups = (outf + kPartRows - 1) / kPartRows;
+  const int64_t groups = (row_end - row_begin + kPartRows - 1) / kPartRows;
   const bool summed = ts.size() > 1;
   // Each thread takes whole groups of outputs and walks the inputs in column blocks, all its
   // groups per block: the consumer takes kPartColumns of each of the thread's rows of the
@@ -171,8 +177,8 @@ void linear_weight_grad_parts_sum(std::span<const GradFactors> terms, DType out,
         }
       }
       for (size_t grp = g0; grp < g1; ++grp) {
-        const int64_t o0 = static_cast<int64_t>(grp) * kPartRows,
-                      no = std::min(kPartRows, outf - o0);
+        const int64_t o0 = row_begin + static_cast<int64_t>(grp) * kPartRows,
+                      no = std::min(kPartRows, row_end - o0);
         for (size_t k = 0; k < ts.size(); ++k) {
           const Term& t = ts[k];
           detail::fma_rows_f32(part.data(), kPartColumns, no, nullptr, t.gt.data() + o0 * t.rows,

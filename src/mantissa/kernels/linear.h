@@ -37,9 +37,12 @@ struct GradFactors {
 // linear_weight_grad_parts gives one gradient: each term's part is its own gradient's values
 // (matmul's FMA chain over its rows, rounded into `out`), the terms are added in order in FP32
 // and the sum is rounded into `out` once. One term: linear_weight_grad_parts. Every term has the
-// same out and in, and rows that linear_weight_grad_parts_fit.
+// same out and in, and rows that linear_weight_grad_parts_fit. Only the gradient's rows (outputs)
+// [row_begin, row_end) are formed and given (row_end -1: to the last), each element the same bits
+// as in the whole gradient: a ZeRO shard of the weight (dist::Zero1).
 void linear_weight_grad_parts_sum(std::span<const GradFactors> terms, DType out,
-                                  const GradPartConsumer& consume);
+                                  const GradPartConsumer& consume, int64_t row_begin = 0,
+                                  int64_t row_end = -1);
 // An upper bound of |v| over every value v that linear_weight_grad_parts(g, x, out, ...) gives:
 // the sum over rows r of max_o |g[r][o]| * max_j |x[r][j]| (which bounds each exact dot
 // product), widened for the FP32 chain's roundings and the one rounding into `out`; +infinity when
