@@ -7,8 +7,11 @@
 
 #include <barrier>
 #include <cstring>
+#include <limits>
+#include <map>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include "mantissa/dist/reducer.h"
 #include "mantissa/kernels/norm.h"
@@ -272,6 +275,59 @@ TEST(OptimizerShards, ShardsTogetherComputeTheUnshardedUpdateBitForBit) {
         name[0] == 'a' ? optim::ElementRange{130, 300} : optim::ElementRange{0, 35};
     EXPECT_TRUE(same_bits(t, whole_t.narrow(0, r.begin, r.size()))) << name;
   }
+}
+
+// Gradients kept as their producers (Optimizer::defer_gradients, as dist::FactorGradients leaves
+// them under ZeRO): each shard checks and applies the parts within its range (parts that cross
+// the range's ends cut, the others dropped), and the shards together compute the unsharded step,
+// bit for bit, with the producers giving every part to every shard.
+TEST(OptimizerShards, DeferredGradientsGiveEachShardItsRange) {
+  Params whole, first, second;
+  auto reference = adamw(whole.list());
+  auto s0 = adamw(first.list()), s1 = adamw(second.list());
+  s0->set_shards({{0, 130}, {0, 0}});
+  s1->set_shards({{130, 300}, {0, 35}});
+  for (int step = 0; step < 3; ++step) {
+    for (const auto& [params, opt] : {std::pair{&whole, reference.get()},
+                                      std::pair{&first, s0.get()}, std::pair{&second, s1.get()}}) {
+      params->set_grads(step);
+      const Tensor grads[2] = {params->a.grad(), params->b.grad()};
+      for (Tensor* t : {&params->a, &params->b}) t->autograd_meta()->grad.reset();
+      ASSERT_EQ(opt->defer_gradients(), 2u);
+      for (Tensor* t : {&params->a, &params->b}) {
+        const Tensor g = grads[t == &params->a ? 0 : 1];
+        // Parts of 64 elements (a's shard boundary at 130 falls inside one).
+        t->autograd_meta()->defer_grad_parts(
+            [g](const GradPartConsumer& consume) {
+              for (int64_t b = 0; b < g.numel(); b += 64)
+                consume(b, std::min<int64_t>(64, g.numel() - b),
+                        static_cast<const char*>(g.data_ptr()) + b * 2, DType::f16);
+            },
+            std::numeric_limits<double>::infinity());
+      }
+    }
+    optim::StepOptions o;
+    o.grad_scale = 0.5f;
+    o.skip_nonfinite = true;
+    const optim::StepReport r = reference->step(o);
+    ASSERT_FALSE(r.skipped);
+    double seen = 0;
+    o.combine = [&](double sum_of_squares, bool nonfinite) {
+      EXPECT_FALSE(nonfinite);
+      seen += sum_of_squares;
+      return std::pair<double, bool>(*r.grad_norm * *r.grad_norm, false);
+    };
+    EXPECT_FALSE(s0->step(o).skipped);
+    EXPECT_FALSE(s1->step(o).skipped);
+    // Each shard read its range alone: the sums of squares add up to the whole's.
+    EXPECT_NEAR(seen, *r.grad_norm * *r.grad_norm, 1e-6 * seen);
+    const std::vector<float> a = whole.a.to_float_vector(), a0 = first.a.to_float_vector(),
+                             a1 = second.a.to_float_vector();
+    for (size_t i = 0; i < a.size(); ++i)
+      ASSERT_EQ(a[i], i < 130 ? a0[i] : a1[i]) << "step " << step << " element " << i;
+    EXPECT_TRUE(same_bits(second.b, whole.b));
+  }
+  EXPECT_EQ(s0->state_bytes() + s1->state_bytes(), reference->state_bytes());
 }
 
 TEST(OptimizerShards, MisuseIsRefused) {

@@ -172,6 +172,20 @@ std::pair<double, bool> sum_of_squares(const GradPartProducer& produce, DType gt
   return {total, ok};
 }
 
+// A deferred gradient's parts within elements [r.begin, r.end) alone (a shard's range): parts
+// outside it are dropped and parts across its ends cut.
+GradPartProducer within(GradPartProducer produce, ElementRange r) {
+  return [produce = std::move(produce), r](const GradPartConsumer& consume) {
+    produce([&](int64_t begin, int64_t n, const void* g, DType dt) {
+      const int64_t lo = std::max(begin, r.begin), hi = std::min(begin + n, r.end);
+      if (lo >= hi) return;
+      consume(lo, hi - lo,
+              static_cast<const char*>(g) + (lo - begin) * static_cast<int64_t>(dtype_size(dt)),
+              dt);
+    });
+  };
+}
+
 }  // namespace
 
 Optimizer::Optimizer(ParamList params, double lr, StateTypes types)
@@ -295,9 +309,11 @@ StepReport Optimizer::step(const StepOptions& so) {
   bounds.resize(params_.size(), std::numeric_limits<double>::infinity());
   std::vector<Tensor> grads(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) grads[i] = checked_grad(params_[i]);
-  for (size_t i = 0; i < params_.size(); ++i)
+  for (size_t i = 0; i < params_.size(); ++i) {
     MANTISSA_ASSERT(!(grads[i].defined() && deferred[i]),
                     "a parameter with a stored gradient and a deferred one");
+    if (deferred[i] && !shards_.empty()) deferred[i] = within(std::move(deferred[i]), shards_[i]);
+  }
   float clip = 1;
   // Pass 1 (read only): inf/NaN and the global norm of the unscaled gradients.
   if (so.skip_nonfinite || so.max_grad_norm > 0) {
@@ -353,10 +369,11 @@ StepReport Optimizer::step(const StepOptions& so) {
   // The deferred gradients first: their producers read the inputs of the ops that made them,
   // which (a parameter used as an input) the other updates could change.
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!deferred[i]) continue;
+    if (!deferred[i] || shard(i).size() == 0) continue;
     ProfileTimer timed("optimizer", params_[i].name, op);
     ChunkArgs a;
     a.param = i;
+    a.state_begin = shard(i).begin;
     a.unscale = so.grad_scale;
     a.clip = clip;
     deferred[i](part_updater(a, state_buffers(i, &a.fresh_state), grad_type(i)));
@@ -553,8 +570,6 @@ DType Optimizer::grad_type(size_t i) const {
 }
 
 size_t Optimizer::defer_gradients(const std::function<bool(const Tensor&)>& only) {
-  MANTISSA_CHECK(shards_.empty(), "deferred gradients with a sharded optimizer",
-                 "a shard's check needs the gradients reduced over every shard: use step()");
   MANTISSA_ASSERT(!backward_step_, "defer_gradients during a step begun in the backward pass");
   clear_deferrals();
   deferred_.resize(params_.size());

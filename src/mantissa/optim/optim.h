@@ -108,10 +108,13 @@ class Optimizer {
   // for bit, clipping aside (the norm sums the parts in another order: the trainer defers only
   // without clipping). An overflow anywhere, also in the last gradient the backward pass
   // produces, skips the step before any parameter or state changes. The deferrals live until
-  // step() or zero_grad(). Eligible: contiguous parameters that require grad and have no
-  // gradient; not with shards or a step begun in the backward pass. `only`, when given, picks the
-  // parameters that get one (data parallelism: those whose gradients are formed from factors
-  // gathered over the ranks, global as soon as formed). Returns how many got one.
+  // step() or zero_grad(). Sharded (set_shards), the check and the update read the parts within
+  // this optimizer's range of each parameter and drop the others (a producer that forms only
+  // the range, as dist::FactorGradients does under ZeRO, saves their work). Eligible: contiguous
+  // parameters that require grad and have no gradient; not with a step begun in the backward
+  // pass. `only`, when given, picks the parameters that get one (data parallelism: those whose
+  // gradients are formed from factors gathered over the ranks, global as soon as formed).
+  // Returns how many got one.
   size_t defer_gradients(const std::function<bool(const Tensor&)>& only = {});
   // Parameters whose gradient is now kept as its producer.
   size_t deferred_gradients() const;
