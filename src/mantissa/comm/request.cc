@@ -51,7 +51,11 @@ std::shared_ptr<RequestState> RequestState::done_now() {
 
 void RequestState::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
-  done_cv_.wait(lock, [this] { return done_; });
+  if (!done_) {
+    if (blocked_) blocked_->fetch_add(1);
+    done_cv_.wait(lock, [this] { return done_; });
+    if (blocked_) blocked_->fetch_sub(1);
+  }
   if (!error_.empty()) throw Error(error_, kFailedHint);
 }
 

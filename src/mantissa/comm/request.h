@@ -3,6 +3,7 @@
 // gradient all-reduces of a backward pass run while the pass computes the layers below).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <memory>
@@ -45,6 +46,11 @@ namespace detail {
 // complete() publishes them to the waiting thread (through the mutex).
 class RequestState {
  public:
+  RequestState() = default;
+  // `blocked` counts the threads blocked in wait() on this operation (and on others sharing the
+  // counter): a backend that progresses operations in the background polls without pausing
+  // while a thread waits for one (nothing else then needs the core).
+  explicit RequestState(std::shared_ptr<std::atomic<int>> blocked) : blocked_(std::move(blocked)) {}
   void start();
   // `error` empty: success; otherwise wait() throws it as a mantissa::Error.
   void complete(std::string error = {});
@@ -62,6 +68,7 @@ class RequestState {
   bool done_ = false;
   std::string error_;
   Request::Clock::time_point started_{}, finished_{};
+  std::shared_ptr<std::atomic<int>> blocked_;
 };
 
 }  // namespace detail
