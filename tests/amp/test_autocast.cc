@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <optional>
 #include <set>
 
 #include "mantissa/mantissa.h"
@@ -110,6 +111,26 @@ TEST(Autocast, EachCategoryGivesItsType) {
 // list writes FP32; reshape, flatten and transpose follow their input as views by default and copy
 // into FP32 on the FP32 list; the losses run in FP32 by default, write the 16-bit type on the
 // lower-precision list and follow their input when a replaced FP32 list leaves them out.
+// A weight whose values may still be arriving (AutogradMeta::before_read, ZeRO's gather): linear
+// calls the hook before anything reads the weight, also before autocast casts it (the cast of a
+// weight is cached for the scope: a cast made first would keep the old values).
+TEST(Autocast, LinearWaitsForItsWeightBeforeCastingIt) {
+  const Tensor x = Tensor::from_floats({1, 2, 3}, {1, 3}, DType::f32);
+  for (const bool autocast : {false, true}) {
+    Tensor w = param({2, 3});
+    w.copy_from(Tensor::zeros({2, 3}, DType::f32));
+    int calls = 0;
+    w.autograd_meta()->before_read = [&] {
+      ++calls;
+      w.copy_from(Tensor::from_floats({1, 0, 0, 0, 0, 1}, {2, 3}));  // the values arrive
+    };
+    std::optional<AutocastScope> scope;
+    if (autocast) scope.emplace(DType::f16, AutocastPolicy());
+    EXPECT_EQ(linear(x, w).to_float_vector(), (std::vector<float>{1, 3})) << autocast;
+    EXPECT_GE(calls, 1);  // the cast copy stands in for the weight and calls it again
+  }
+}
+
 TEST(Autocast, OpListFilesReachEveryOp) {
   const Tensor h = Tensor::from_floats({1, 2, 3, 4, 5, 6}, {2, 3}, DType::f16);
   const Tensor labels = Tensor::from_floats({0, 2}, {2}).to(DType::i64);

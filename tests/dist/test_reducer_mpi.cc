@@ -13,8 +13,10 @@
 #include <gtest/gtest.h>
 #include <chrono>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dist/small_model.h"
@@ -23,6 +25,8 @@
 #include "mantissa/dist/agreement.h"
 #include "mantissa/dist/reducer.h"
 #include "mantissa/dist/replicas.h"
+#include "mantissa/dist/zero.h"
+#include "mantissa/optim/optim.h"
 #include "support/compare.h"
 #include "support/errors.h"
 
@@ -310,6 +314,48 @@ TEST(Replicas, BroadcastMakesEveryRankHoldRankZerosModel) {
   for (size_t p = 0; p < model->named_parameters().size(); ++p)
     EXPECT_EQ(model->named_parameters()[p].tensor->to_float_vector(),
               rank0->named_parameters()[p].tensor->to_float_vector());
+}
+
+// ZeRO-1's gather of a factored weight's rows runs past gather_parameters(): the weight's first
+// read by ops::linear waits for it. Rank 1 starts its part 300 ms late; every other rank reads the
+// weight at once, and must see rank 1's updated rows (with the wait skipped it would read rank 1's
+// block as it was before the step: the outputs would differ).
+TEST(Zero1, AFactoredWeightsFirstReadWaitsForItsRows) {
+  comm::Communicator& w = world();
+  auto model = testing::small_model(7);
+  // Only the middle layer's weight trains: no bucket to gather, so gather_parameters() returns
+  // as soon as the rows' gather has started.
+  std::vector<dist::NamedTensor> params = model->named_parameters();
+  for (const dist::NamedTensor& p : params) p.tensor->set_requires_grad(p.name == "2.weight");
+  Tensor& weight = *params[2].tensor;
+  ASSERT_EQ(params[2].name, "2.weight");
+  dist::FactorGradients factors(w, {params[2]});
+  Reducer reducer(w, {}, ReducerOptions{.scatter = true});
+  optim::SgdOptions o;
+  o.lr = 0.5;
+  optim::Sgd sgd({{"2.weight", &weight}}, o);
+  dist::Zero1 zero(w, reducer, sgd, &factors);
+  // Blocks of ceil(16 / N) rows of 16 values (on 3 ranks 6, 6 and 4 rows: gathered through a
+  // padded buffer).
+  const int64_t block = (16 + w.size() - 1) / w.size();
+  const int64_t r0 = std::min<int64_t>(w.rank() * block, 16),
+                r1 = std::min<int64_t>(r0 + block, 16);
+  EXPECT_EQ(sgd.shard(0).begin, r0 * 16);
+  EXPECT_EQ(sgd.shard(0).end, r1 * 16);
+  const Tensor x = Tensor::from_floats(std::vector<float>(3 * 16, 0.25f), {3, 16});
+  const std::vector<float> before = ops::linear(x, weight, Tensor()).to_float_vector();
+  autograd::backward(testing::slice_loss(*model, w.rank() * kRows, kRows));
+  reducer.finish();
+  factors.finish();
+  sgd.step();
+  if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  zero.gather_parameters();
+  const std::vector<float> early = ops::linear(x, weight, Tensor()).to_float_vector();
+  zero.finish_gather();
+  const std::vector<float> after = ops::linear(x, weight, Tensor()).to_float_vector();
+  EXPECT_NE(after, before) << "the step changed the weight";
+  EXPECT_EQ(early, after);
+  EXPECT_EQ(dist::replica_mismatch(w, {params[2]}), "");
 }
 
 }  // namespace

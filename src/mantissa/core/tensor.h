@@ -154,6 +154,11 @@ struct AutogradMeta {
   // in rank order, identical on every rank), or nothing when the call carried a deferral (the
   // gradient then went to it as its producer). Kept across passes; the owner clears it.
   std::function<Tensor(const GradFactorCall& call)> gather_grad_factors;
+  // Set on a leaf whose values may still be arriving (dist::Zero1: the all-gather of a factored
+  // weight's rows after a step, which runs while the next forward pass computes the layers below
+  // the weight): an op that reads the leaf as a weight (ops::linear) calls it first, and it
+  // returns once the values are in place. Kept across passes; the owner clears it.
+  std::function<void()> before_read;
 };
 
 class Tensor {

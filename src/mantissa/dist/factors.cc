@@ -61,6 +61,7 @@ FactorGradients::FactorGradients(comm::Communicator& comm,
   }
   check_config_agreement(comm_, fields, "weights whose gradients travel as factors");
   gathered_.assign(weights_.size(), 0);
+  for (const nn::Module::NamedTensor& w : weights_) rows_.emplace_back(0, w.tensor->size(0));
   for (size_t k = 0; k < weights_.size(); ++k)
     meta_[k]->gather_grad_factors = [this, k](const GradFactorCall& call) {
       return gather(k, call);
@@ -69,6 +70,13 @@ FactorGradients::FactorGradients(comm::Communicator& comm,
 
 FactorGradients::~FactorGradients() {
   for (const auto& meta : meta_) meta->gather_grad_factors = nullptr;
+}
+
+void FactorGradients::set_rows(size_t k, int64_t begin, int64_t end) {
+  MANTISSA_ASSERT(
+      k < weights_.size() && 0 <= begin && begin <= end && end <= weights_[k].tensor->size(0),
+      "dist::FactorGradients::set_rows: rows outside the weight");
+  rows_[k] = {begin, end};
 }
 
 Tensor FactorGradients::gather(size_t k, const GradFactorCall& call) {
@@ -110,8 +118,9 @@ Tensor FactorGradients::gather(size_t k, const GradFactorCall& call) {
     }
     const double bound = kernels::linear_weight_grad_bound_sum(terms, call.dtype);
     call.defer(
-        [terms = std::move(terms), dt = call.dtype](const GradPartConsumer& consume) {
-          kernels::linear_weight_grad_parts_sum(terms, dt, consume);
+        [terms = std::move(terms), dt = call.dtype,
+         rows = rows_[k]](const GradPartConsumer& consume) {
+          kernels::linear_weight_grad_parts_sum(terms, dt, consume, rows.first, rows.second);
         },
         bound);
     gathered_[k] = 1;

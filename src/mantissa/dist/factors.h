@@ -28,7 +28,9 @@
 // weights, the same on every rank.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mantissa/comm/communicator.h"
@@ -52,6 +54,10 @@ class FactorGradients {
   void finish();
 
   const std::vector<nn::Module::NamedTensor>& weights() const { return weights_; }
+  // The rows [begin, end) of weight k's gradient that this rank's optimizer updates (its ZeRO
+  // shard, dist::Zero1): a deferred gradient's producer forms those rows alone, the same bits as
+  // in the whole gradient. Every row until set.
+  void set_rows(size_t k, int64_t begin, int64_t end);
   // bytes: the factors gathered (every rank's, as received); exposed and busy seconds: the time
   // the gathers and finish()'s all-reduces took (the pass waits for them).
   const CommStats& total() const { return total_; }
@@ -63,6 +69,7 @@ class FactorGradients {
   std::vector<nn::Module::NamedTensor> weights_;
   std::vector<std::shared_ptr<AutogradMeta>> meta_;
   std::vector<uint8_t> gathered_;  // [weight]: this pass formed its gradient from factors
+  std::vector<std::pair<int64_t, int64_t>> rows_;  // [weight]: the rows a deferred producer forms
   CommStats total_;
 };
 

@@ -1,15 +1,18 @@
 #include "mantissa/dist/zero.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <string>
 
 #include "mantissa/core/convert.h"
 #include "mantissa/core/error.h"
 
 namespace mantissa::dist {
 
-Zero1::Zero1(comm::Communicator& comm, Reducer& reducer, optim::Optimizer& optimizer)
+Zero1::Zero1(comm::Communicator& comm, Reducer& reducer, optim::Optimizer& optimizer,
+             FactorGradients* factors)
     : comm_(comm), reducer_(reducer), optimizer_(optimizer) {
   MANTISSA_CHECK(reducer.options().scatter,
                  "dist::Zero1 needs a reducer that reduce-scatters the gradients",
@@ -28,6 +31,26 @@ Zero1::Zero1(comm::Communicator& comm, Reducer& reducer, optim::Optimizer& optim
                    "make the reducer and the optimizer over the same model's parameters");
     const auto [begin, end] = reducer.owned(k);
     ranges[it->second] = {begin, end};
+  }
+  // The factored weights: block r of whole rows to rank r.
+  const std::vector<nn::Module::NamedTensor> none;
+  const std::vector<nn::Module::NamedTensor>& factored = factors ? factors->weights() : none;
+  for (size_t k = 0; k < factored.size(); ++k) {
+    Tensor& w = *factored[k].tensor;
+    auto it = index.find(w.autograd_meta().get());
+    MANTISSA_CHECK(it != index.end() && w.dim() == 2 && w.is_contiguous(),
+                   "dist::Zero1: factored weight '" + factored[k].name +
+                       "' is not a contiguous matrix of the optimizer",
+                   "factor the weights of the optimizer's linear layers");
+    const int64_t rows = w.size(0), row_size = w.size(1);
+    const int64_t block = (rows + comm.size() - 1) / comm.size();
+    const int64_t r0 = std::min<int64_t>(comm.rank() * block, rows),
+                  r1 = std::min<int64_t>(r0 + block, rows);
+    ranges[it->second] = {r0 * row_size, r1 * row_size};
+    factors->set_rows(k, r0, r1);
+    row_blocks_.push_back({factored[k].name, &w, rows, block, row_size});
+    // The forward pass's first read of the weight waits for its rows (gather_parameters).
+    w.autograd_meta()->before_read = [this] { finish_gather(); };
   }
   optimizer.set_shards(std::move(ranges));
 
@@ -57,13 +80,26 @@ std::function<std::pair<double, bool>(double, bool)> Zero1::combine() {
   };
 }
 
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+}  // namespace
+
+Zero1::~Zero1() {
+  for (const RowBlocks& rb : row_blocks_) rb.weight->autograd_meta()->before_read = nullptr;
+  try {
+    finish_gather();
+  } catch (const std::exception&) {
+    // A failed collective: the job is ending (Communicator::abort); nothing to keep.
+  }
+}
+
 void Zero1::gather_parameters() {
-  using Clock = std::chrono::steady_clock;
+  finish_gather();  // the last step's, if nothing has read the weights since
   const Clock::time_point t0 = Clock::now();
   const std::vector<Reducer::Bucket>& buckets = reducer_.buckets();
   const std::vector<Reducer::NamedTensor>& params = reducer_.params();
   std::vector<comm::Request> requests(buckets.size());
-  last_bytes_ = 0;
   // Bucket b's gather buffer: its own, or the gradient bucket's.
   auto buffer = [&](size_t b) -> Tensor& {
     return gather_[b].defined() ? gather_[b] : reducer_.storage(b);
@@ -88,8 +124,37 @@ void Zero1::gather_parameters() {
     requests[b] =
         comm_.all_gather_async(base + static_cast<size_t>(comm_.rank() * bk.part) * gs, base,
                                static_cast<size_t>(bk.part), gather_dtype_[b], buffer(b).storage());
-    last_bytes_ += bk.padded * static_cast<int64_t>(gs);
+    total_.bytes += bk.padded * static_cast<int64_t>(gs);
   }
+  // The factored weights' blocks of rows: in place when the ranks' blocks fill the weight
+  // exactly, through a padded buffer otherwise (the last ranks' blocks are short or empty).
+  row_requests_.assign(row_blocks_.size(), comm::Request());
+  padded_.assign(row_blocks_.size(), Tensor());
+  const int64_t ranks = comm_.size(), rank = comm_.rank();
+  for (size_t k = 0; k < row_blocks_.size(); ++k) {
+    const RowBlocks& rb = row_blocks_[k];
+    Tensor& w = *rb.weight;
+    const size_t es = dtype_size(w.dtype());
+    const int64_t part = rb.block_rows * rb.row_size;  // elements of a block
+    char* base = static_cast<char*>(w.data_ptr());
+    if (rb.block_rows * ranks != rb.rows) {
+      TensorOptions o = charged_to(MemoryCategory::workspace);
+      o.owner = "parameter gather " + rb.name;
+      padded_[k] = Tensor::zeros({ranks * part}, w.dtype(), o);
+      const int64_t r0 = std::min(rank * rb.block_rows, rb.rows),
+                    r1 = std::min(r0 + rb.block_rows, rb.rows);
+      std::memcpy(static_cast<char*>(padded_[k].data_ptr()) + static_cast<size_t>(rank * part) * es,
+                  base + static_cast<size_t>(r0 * rb.row_size) * es,
+                  static_cast<size_t>((r1 - r0) * rb.row_size) * es);
+      base = static_cast<char*>(padded_[k].data_ptr());
+    }
+    row_requests_[k] = comm_.all_gather_async(
+        base + static_cast<size_t>(rank * part) * es, base, static_cast<size_t>(part), w.dtype(),
+        padded_[k].defined() ? padded_[k].storage() : w.storage());
+    total_.bytes += ranks * part * static_cast<int64_t>(es);
+  }
+  started_ = t0;
+  rows_running_ = !row_blocks_.empty();
   for (size_t b = 0; b < buckets.size(); ++b) {
     requests[b].wait();
     const Reducer::Bucket& bk = buckets[b];
@@ -101,7 +166,28 @@ void Zero1::gather_parameters() {
               p.dtype(), static_cast<size_t>(p.numel()));
     }
   }
-  last_seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
+  const Clock::time_point t1 = Clock::now();
+  total_.exposed_seconds += seconds(t1 - t0);
+  ++total_.steps;
+  if (!rows_running_) total_.busy_seconds += seconds(t1 - t0);
+}
+
+void Zero1::finish_gather() {
+  if (!rows_running_) return;
+  rows_running_ = false;
+  const Clock::time_point t0 = Clock::now();
+  Clock::time_point last = started_;  // when the last gather finished
+  for (size_t k = 0; k < row_blocks_.size(); ++k) {
+    row_requests_[k].wait();
+    last = std::max(last, row_requests_[k].finished());
+    if (!padded_[k].defined()) continue;
+    Tensor& w = *row_blocks_[k].weight;
+    std::memcpy(w.data_ptr(), padded_[k].data_ptr(), w.nbytes());
+    padded_[k] = Tensor();
+  }
+  const Clock::time_point t1 = Clock::now();
+  total_.exposed_seconds += seconds(t1 - t0);
+  total_.busy_seconds += seconds(last - started_);
 }
 
 std::vector<std::pair<std::string, Tensor>> Zero1::gathered_state() const {

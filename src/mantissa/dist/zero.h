@@ -16,6 +16,15 @@
 // arithmetic (and the stochastic-rounding bits) of the unsharded optimizer, and the parameters
 // then travel to every rank by an all-gather per bucket, so the replicas stay identical.
 //
+// Weights whose gradients travel as factors (dist::FactorGradients) are in no bucket: each is cut
+// into N blocks of whole rows, ceil(out / N) rows a rank (the last ranks may get fewer or none),
+// rank r owning block r. Its gradient is formed from every rank's gathered factors, so a rank
+// forms only its rows (FactorGradients::set_rows: a deferred gradient's producer computes those
+// alone), updates them, and the blocks travel by one all-gather per weight, in place in the
+// parameter when N divides its rows (a buffer of the padded size otherwise). A rank then forms
+// 1/N of the weight's gradient and runs 1/N of its update, where without ZeRO every rank forms
+// and updates all of it.
+//
 // What differs from plain data parallelism. The gradient a rank updates with is the
 // reduce-scatter's sum of its part where plain data parallelism uses the all-reduce's: on 2 ranks
 // both are g0 + g1, bit for bit, so a step without clipping is identical; on more ranks MPI may
@@ -28,6 +37,7 @@
 // Each function is a collective: every rank calls it, in the same order as its other collectives.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -35,6 +45,7 @@
 #include <vector>
 
 #include "mantissa/comm/communicator.h"
+#include "mantissa/dist/factors.h"
 #include "mantissa/dist/reducer.h"
 #include "mantissa/optim/optim.h"
 
@@ -44,9 +55,13 @@ class Zero1 {
  public:
   // Shards `optimizer` (whose parameters must be the model's, in its order: the reducer's are
   // those of them that require grad) along `reducer`'s buckets, which must scatter
-  // (ReducerOptions::scatter). Before the optimizer's first step; after its master weights are
-  // made (amp::apply_precision), which it cuts to the shard.
-  Zero1(comm::Communicator& comm, Reducer& reducer, optim::Optimizer& optimizer);
+  // (ReducerOptions::scatter), and `factors`' weights (when given) in blocks of rows. Before the
+  // optimizer's first step; after its master weights are made (amp::apply_precision), which it
+  // cuts to the shard.
+  Zero1(comm::Communicator& comm, Reducer& reducer, optim::Optimizer& optimizer,
+        FactorGradients* factors = nullptr);
+  // Waits for a gather still running (finish_gather) and removes the weights' hooks.
+  ~Zero1();
   Zero1(const Zero1&) = delete;
   Zero1& operator=(const Zero1&) = delete;
 
@@ -58,8 +73,15 @@ class Zero1 {
   // rank (an all-gather per bucket, in the parameters' dtype, or FP32 where a bucket mixes
   // dtypes: exact either way), written into the parameters. The gradient bucket's buffer holds
   // the gather when the gather dtype is no wider than the wire type (it is idle between steps);
-  // otherwise a buffer of its own does.
+  // otherwise a buffer of its own does. Then each factored weight's blocks of rows (an all-gather
+  // per weight, in its dtype), which return before they finish: they run while the next forward
+  // pass computes the layers below the weight, whose first read waits for them (the weight's
+  // AutogradMeta::before_read, which ops::linear calls). Anything else that reads the parameters
+  // (a checkpoint, the replicas' check, the end of training) calls finish_gather() first.
   void gather_parameters();
+  // Waits for the factored weights' gathers of the last gather_parameters() (at once when they
+  // are done, or none is running). Local: the other ranks need not call it.
+  void finish_gather();
 
   // The optimizer's whole state, as an unsharded optimizer's state_tensors() would name and shape
   // it ("fc1.weight.exp_avg" of fc1.weight's shape, "fc1.weight.master"), assembled from every
@@ -67,10 +89,11 @@ class Zero1 {
   // Rank 0 gets the list; the other ranks take part and get an empty one.
   std::vector<std::pair<std::string, Tensor>> gathered_state() const;
 
-  // Bytes all-gathered (the buckets' sizes in their gather dtype) and the time spent, in the last
-  // gather_parameters() and in all of them.
-  int64_t last_bytes() const { return last_bytes_; }
-  double last_seconds() const { return last_seconds_; }
+  // The gathers so far (finished ones): bytes all-gathered (the buckets' and the factored
+  // weights' padded sizes in their gather dtype), busy seconds (from a gather_parameters() call to
+  // its last gather's end) and exposed seconds (the time gather_parameters() and finish_gather()
+  // blocked); steps: gather_parameters() calls.
+  const CommStats& total() const { return total_; }
 
  private:
   comm::Communicator& comm_;
@@ -80,8 +103,20 @@ class Zero1 {
   // [bucket]: (padded,) of gather_dtype_ where the bucket's own buffer is too small; else
   // undefined.
   std::vector<Tensor> gather_;
-  int64_t last_bytes_ = 0;
-  double last_seconds_ = 0;
+  // A weight whose gradient travels as factors: its rows, ceil(rows / N) of them a rank.
+  struct RowBlocks {
+    std::string name;
+    Tensor* weight;
+    int64_t rows, block_rows, row_size;  // row_size: elements of a row
+  };
+  std::vector<RowBlocks> row_blocks_;
+  // The running gathers of the factored weights: [weight] requests and padded buffers (undefined
+  // where the gather is in place), and when the gather_parameters() that started them began.
+  std::vector<comm::Request> row_requests_;
+  std::vector<Tensor> padded_;
+  std::chrono::steady_clock::time_point started_{};
+  bool rows_running_ = false;
+  CommStats total_;
 };
 
 }  // namespace mantissa::dist

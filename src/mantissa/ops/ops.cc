@@ -322,6 +322,8 @@ Tensor fp8_conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2
 // ---- Matrix ops ----
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions& opt) {
+  // A weight whose values may still be arriving (AutogradMeta::before_read): in place first.
+  if (const AutogradMeta* m = w.autograd_meta().get(); m && m->before_read) m->before_read();
   if (const auto fp8 = detail::fp8_scaling()) return fp8_linear(x, w, b, *fp8, opt);
   detail::OpCall call(OpId::linear, opt, {&x, &w, &b});
   if (call.active()) return call.finish(linear(call.in(0), call.in(1), call.in(2), call.options()));

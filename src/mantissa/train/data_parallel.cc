@@ -142,10 +142,10 @@ constexpr int64_t kMinFactoredValues = int64_t{1} << 18;
 std::vector<nn::Module::NamedTensor> factored_weights(nn::Module& model, const TrainConfig& c,
                                                       const RunSettings& s, int ranks) {
   std::vector<nn::Module::NamedTensor> out;
-  // Every pass synchronised, gradients summed in FP32 and whole on every rank: no accumulation
-  // (its passes inside no_sync would form global gradients), no ZeRO, an FP32 wire, no FP8 (its
-  // linear layers form their gradients otherwise).
-  if (!c.sufficient_factors || ranks < 2 || c.gradient_accumulation != 1 || c.zero != 0 ||
+  // Every pass synchronised, gradients summed in FP32: no accumulation (its passes inside no_sync
+  // would form global gradients), an FP32 wire, no FP8 (its linear layers form their gradients
+  // otherwise). Under ZeRO each rank forms and updates its block of the weight's rows.
+  if (!c.sufficient_factors || ranks < 2 || c.gradient_accumulation != 1 ||
       s.allreduce_dtype != DType::f32 || s.precision.fp8)
     return out;
   const int64_t rows = ranks * c.batch_size;  // every rank's factors
@@ -183,7 +183,8 @@ void DataParallel::attach(nn::Module& model, optim::Optimizer& optimizer) {
     });
   }
   reducer_ = std::make_unique<dist::Reducer>(comm_, params, o);
-  if (config_.zero == 1) zero_ = std::make_unique<dist::Zero1>(comm_, *reducer_, optimizer);
+  if (config_.zero == 1)
+    zero_ = std::make_unique<dist::Zero1>(comm_, *reducer_, optimizer, factors_.get());
   if (config_.sync_batchnorm) {
     comm::Communicator* c = &comm_;
     for (auto& [path, m] : model.named_modules())
@@ -214,20 +215,20 @@ void DataParallel::prepare(optim::StepOptions& options) {
 }
 
 void DataParallel::after_step(const optim::StepReport& report) {
-  if (zero_ && !report.skipped) {
-    zero_->gather_parameters();
-    ++gathers_;
-    gather_bytes_ += static_cast<double>(zero_->last_bytes());
-    gather_seconds_ += zero_->last_seconds();
-  }
+  if (zero_ && !report.skipped) zero_->gather_parameters();
   // Per-rank batch-norm statistics: rank 0's are every rank's (PyTorch DDP's broadcast_buffers).
   // Synchronised batch norms compute the same statistics everywhere already.
   if (!config_.sync_batchnorm && !buffers_.empty()) dist::broadcast_tensors(comm_, buffers_, 0);
   if (config_.check_replicas) {
+    finish_parameters();
     const std::string mismatch = dist::replica_mismatch(comm_, replicas_);
     MANTISSA_CHECK(mismatch.empty(), "--check-replicas: after an optimizer step, " + mismatch,
                    "the ranks' replicas diverged: report this as a bug with the command line");
   }
+}
+
+void DataParallel::finish_parameters() {
+  if (zero_) zero_->finish_gather();
 }
 
 void DataParallel::sum(std::vector<double>& values) {
@@ -264,10 +265,16 @@ Communication DataParallel::communication() const {
     t.busy_seconds += f.busy_seconds;
     t.exposed_seconds += f.exposed_seconds;
   }
+  if (zero_) {
+    const dist::CommStats& z = zero_->total();
+    t.bytes += z.bytes;
+    t.busy_seconds += z.busy_seconds;
+    t.exposed_seconds += z.exposed_seconds;
+  }
   const double steps = static_cast<double>(std::max<int64_t>(t.steps, 1));
-  c.bytes_per_step = (static_cast<double>(t.bytes) + gather_bytes_) / steps;
-  c.seconds_per_step = (t.busy_seconds + gather_seconds_) / steps;
-  c.exposed_seconds_per_step = (t.exposed_seconds + gather_seconds_) / steps;
+  c.bytes_per_step = static_cast<double>(t.bytes) / steps;
+  c.seconds_per_step = t.busy_seconds / steps;
+  c.exposed_seconds_per_step = t.exposed_seconds / steps;
   if (factors_)
     for (const nn::Module::NamedTensor& w : factors_->weights()) c.factored.push_back(w.name);
   return c;

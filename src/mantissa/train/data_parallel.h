@@ -34,7 +34,7 @@
 namespace mantissa::train {
 
 // The linear weights whose gradients travel as their factors on `ranks` ranks (dist/factors.h):
-// where every pass is synchronised (no gradient accumulation, no ZeRO, an FP32 wire, no FP8) and
+// where every pass is synchronised (no gradient accumulation, an FP32 wire, no FP8) and
 // the factors of every rank's batch are at most half the gradient, for weights of at least 2^18
 // values. DataParallel factors these; mantissa memory --ranks models them.
 std::vector<nn::Module::NamedTensor> factored_weights(nn::Module& model, const TrainConfig& c,
@@ -79,9 +79,13 @@ class DataParallel {
   // What the step's options need (ZeRO: the norm and inf/NaN check over every shard).
   void prepare(optim::StepOptions& options);
   // After the optimizer's step: ZeRO's all-gather of the updated parameters (unless the step was
-  // skipped, on every rank alike), rank 0's buffers (without --sync-batchnorm), and with
-  // --check-replicas the check that every rank holds the same bits.
+  // skipped, on every rank alike; the factored weights' gathers go on into the next forward
+  // pass, see dist::Zero1::gather_parameters), rank 0's buffers (without --sync-batchnorm), and
+  // with --check-replicas the check that every rank holds the same bits.
   void after_step(const optim::StepReport& report);
+  // Waits for the parameters' gathers still running: before anything reads the parameters
+  // other than the forward pass (a checkpoint, the end of training). Local.
+  void finish_parameters();
 
   // Sums `values` over the ranks, in place (one FP64 all-reduce).
   void sum(std::vector<double>& values);
@@ -107,8 +111,6 @@ class DataParallel {
   std::unique_ptr<dist::Zero1> zero_;
   std::vector<nn::Module::NamedTensor> buffers_;   // the model's, broadcast after each step
   std::vector<nn::Module::NamedTensor> replicas_;  // parameters and buffers, --check-replicas
-  int64_t gathers_ = 0;
-  double gather_bytes_ = 0, gather_seconds_ = 0;
 };
 
 // Applies the job's place to a run: the compute threads of this rank (TrainConfig::threads, or

@@ -68,6 +68,7 @@ std::vector<MemoryEvent> record_step(const TrainConfig& c, StepMemory& m, int ra
             static_cast<size_t>(c.batch_size * (w.tensor->size(0) + w.tensor->size(1))) *
             factor_size;
         m.params[i].factor_deferred = defer_factors;
+        m.params[i].rows = w.tensor->size(0);
       }
     }
   } catch (...) {
@@ -201,19 +202,19 @@ RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib
   MANTISSA_CHECK(ranks >= 1, "--ranks must be at least 1", "e.g. --ranks 4");
   RankMemory m;
   m.ranks = ranks;
-  // Plain data parallelism buckets the trained parameters but the factored ones; ZeRO-1, which
-  // factors none, all of them.
-  std::vector<int64_t> numels, bucketed;
-  std::vector<const ParamMemory*> trained;
+  // Both bucket the trained parameters but the factored ones, which ZeRO-1 cuts into blocks of
+  // whole rows (dist::Zero1).
+  std::vector<int64_t> bucketed;
+  std::vector<const ParamMemory*> trained, factored;
   size_t gathered = 0, formed = 0;  // factors of every rank; gradients the step forms in parts
   for (const ParamMemory& p : step.params) {
     if (!p.trained) continue;
-    numels.push_back(p.numel);
-    trained.push_back(&p);
     if (p.factor_bytes == 0) {
       bucketed.push_back(p.numel);
+      trained.push_back(&p);
       continue;
     }
+    factored.push_back(&p);
     gathered += static_cast<size_t>(ranks) * p.factor_bytes;
     if (p.factor_deferred)
       formed += static_cast<size_t>(p.numel) * (p.master ? 4 : dtype_size(p.dtype));
@@ -224,7 +225,7 @@ RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib
   o.wire = wire;
   const std::vector<dist::Reducer::Bucket> plain = dist::Reducer::plan(bucketed, o, ranks);
   o.scatter = true;
-  const std::vector<dist::Reducer::Bucket> scattered = dist::Reducer::plan(numels, o, ranks);
+  const std::vector<dist::Reducer::Bucket> scattered = dist::Reducer::plan(bucketed, o, ranks);
   size_t buckets = 0;
   for (const dist::Reducer::Bucket& b : plain) buckets += static_cast<size_t>(b.padded) * ws;
   // ZeRO-1: the buckets padded, this rank's part of each, the gather buffers of buckets whose
@@ -255,6 +256,25 @@ RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib
       }
     }
   }
+  // The factored weights: rank r's block of rows, and a padded gather buffer where the blocks
+  // do not fill the rows exactly.
+  for (const ParamMemory* p : factored) {
+    const int64_t rows = std::max<int64_t>(p->rows, 1), row_size = p->numel / rows;
+    const int64_t block = (rows + ranks - 1) / ranks;
+    const double per_state = static_cast<double>(p->state_bytes_per_element);
+    const double per_master = p->master ? 4.0 : 0.0;
+    whole_state += static_cast<double>(p->numel) * per_state;
+    whole_master += static_cast<double>(p->numel) * per_master;
+    for (int r = 0; r < ranks; ++r) {
+      const int64_t lo = std::min<int64_t>(r * block, rows),
+                    hi = std::min<int64_t>(lo + block, rows);
+      state_share[static_cast<size_t>(r)] += static_cast<double>((hi - lo) * row_size) * per_state;
+      master_share[static_cast<size_t>(r)] +=
+          static_cast<double>((hi - lo) * row_size) * per_master;
+    }
+    if (block * ranks != rows)
+      gathers += static_cast<size_t>(ranks * block * row_size) * dtype_size(p->dtype);
+  }
   size_t largest = 0;  // the rank holding the most
   for (size_t r = 1; r < state_share.size(); ++r)
     if (state_share[r] + master_share[r] > state_share[largest] + master_share[largest])
@@ -269,7 +289,8 @@ RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib
   // peak if the peak came after it was formed (the first weights the backward pass reaches).
   m.data_parallel[grads] -= std::min(m.data_parallel[grads], formed);
   m.zero = step.at_peak;
-  m.zero[grads] += zero_buffers;
+  m.zero[grads] += zero_buffers + gathered;
+  m.zero[grads] -= std::min(m.zero[grads], formed);
   m.zero[work] += gathers;
   // The state and masters held at the peak (persistent, made at the first step) scaled to the
   // largest rank's share of them.

@@ -46,6 +46,7 @@ struct ParamMemory {
   // the step forms its gradient in parts from them (never stored) rather than whole.
   size_t factor_bytes = 0;
   bool factor_deferred = false;
+  int64_t rows = 0;  // a factored weight's rows (out): ZeRO-1 shards it in blocks of them
 };
 
 struct StepMemory {

@@ -215,12 +215,23 @@ void Trainer::apply_levers() {
 // gradient_accumulation; call() runs one optimizer step per group of gradient_accumulation
 // micro-batches (train_step), each a forward and backward pass per micro-batch and one update.
 
+nn::Classifier& Trainer::model() {
+  if (dp_) dp_->finish_parameters();
+  return *model_;
+}
+
+optim::Optimizer& Trainer::optimizer() {
+  if (dp_) dp_->finish_parameters();
+  return *optimizer_;
+}
+
 TrainResult Trainer::run() {
   // Train; the memory peaks are the training's.
   TrainResult r;
   default_memory_tracker().reset_peaks();
   skipped_.clear();
   train_epochs(r);
+  if (dp_) dp_->finish_parameters();  // the last step's gathers: what follows reads the weights
   r.memory = default_memory_tracker().stats();
   r.steps = step_;
   const int64_t peak = static_cast<int64_t>(r.memory.peak_total);
@@ -598,6 +609,7 @@ Tensor Trainer::forward_loss(const data::Batch& batch, int64_t micro_batch, Tens
 }
 
 double Trainer::evaluate(int64_t* examples) {
+  if (dp_) dp_->finish_parameters();
   std::unique_ptr<data::Loader> test = data_->test_loader();
   // The FP8 modes evaluate in FP8 with the scales training left.
   std::optional<amp::Fp8Frozen> fp8;
@@ -627,6 +639,7 @@ CheckpointRun Trainer::checkpoint_run() const {
 
 void Trainer::save_checkpoint(const std::string& path) const {
   // ZeRO's shards are gathered first (every rank takes part); rank 0 writes.
+  if (dp_) dp_->finish_parameters();
   const std::optional<std::vector<std::pair<std::string, Tensor>>> gathered =
       dp_ ? dp_->gathered_optimizer_state() : std::nullopt;
   if (rank() != 0) return;
@@ -636,6 +649,7 @@ void Trainer::save_checkpoint(const std::string& path) const {
 }
 
 void Trainer::load_checkpoint(const std::string& path) {
+  if (dp_) dp_->finish_parameters();  // a gather still running would write over the weights
   Resumed r = train::load_checkpoint(path, checkpoint_run(), *model_, *optimizer_, loss_scaler(),
                                      fp8_.get());
   // A step past the run's end has no learning rate in this schedule and nothing to train.
@@ -649,7 +663,10 @@ void Trainer::load_checkpoint(const std::string& path) {
   step_losses_ = std::move(r.step_losses);
 }
 
-void Trainer::init_from(const std::string& path) { load_weights(path, *model_); }
+void Trainer::init_from(const std::string& path) {
+  if (dp_) dp_->finish_parameters();
+  load_weights(path, *model_);
+}
 
 nn::NumericsRecorder& Trainer::record_numerics() {
   if (!numerics_) numerics_ = std::make_unique<nn::NumericsRecorder>();

@@ -93,8 +93,10 @@ class Trainer {
   // several ranks, those of the global batch (every rank's images and losses).
   CallOutput call(const std::vector<data::Batch>& batches);
 
-  nn::Classifier& model() { return *model_; }
-  optim::Optimizer& optimizer() { return *optimizer_; }
+  // The model and the optimizer, their parameters up to date (a ZeRO gather still running after
+  // the last step is waited for: DataParallel::finish_parameters).
+  nn::Classifier& model();
+  optim::Optimizer& optimizer();
   // The named precision mode, and every precision setting as applied.
   const amp::PrecisionMode& precision() const { return run_.precision.mode; }
   const amp::PrecisionSettings& precision_settings() const { return run_.precision; }
