@@ -221,16 +221,33 @@ std::unique_ptr<optim::Optimizer> adamw(optim::ParamList p) {
   return opt;
 }
 
-TEST(OptimizerShards, ShardsTogetherComputeTheUnshardedUpdateBitForBit) {
-  // One optimizer over the whole; two over copies of the parameters, each owning a part of each
-  // (a: [0, 130) and [130, 300); b: none and all of it). Clipping's norm comes from combine().
+// One optimizer over the whole and two over copies of the parameters, each owning a part of each
+// (a: [0, 130) and [130, 300); b: none and all of it).
+struct TwoShards {
   Params whole, first, second;
-  auto reference = adamw(whole.list());
-  auto s0 = adamw(first.list()), s1 = adamw(second.list());
-  s0->set_shards({{0, 130}, {0, 0}});
-  s1->set_shards({{130, 300}, {0, 35}});
+  std::unique_ptr<optim::Optimizer> reference = adamw(whole.list()), s0 = adamw(first.list()),
+                                    s1 = adamw(second.list());
+  TwoShards() {
+    s0->set_shards({{0, 130}, {0, 0}});
+    s1->set_shards({{130, 300}, {0, 35}});
+  }
+  TwoShards(const TwoShards&) = delete;  // the optimizers hold the parameters' addresses
+  // Each element, from whichever optimizer owns it, is the whole's.
+  void expect_the_whole(int step) const {
+    const std::vector<float> a = whole.a.to_float_vector(), a0 = first.a.to_float_vector(),
+                             a1 = second.a.to_float_vector();
+    for (size_t i = 0; i < a.size(); ++i)
+      ASSERT_EQ(a[i], i < 130 ? a0[i] : a1[i]) << "step " << step << " element " << i;
+    EXPECT_TRUE(same_bits(second.b, whole.b));
+  }
+};
+
+TEST(OptimizerShards, ShardsTogetherComputeTheUnshardedUpdateBitForBit) {
+  // Clipping's norm comes from combine().
+  TwoShards shards;
+  auto &reference = shards.reference, &s0 = shards.s0, &s1 = shards.s1;
   for (int step = 0; step < 3; ++step) {
-    for (Params* p : {&whole, &first, &second}) p->set_grads(step);
+    for (Params* p : {&shards.whole, &shards.first, &shards.second}) p->set_grads(step);
     optim::StepOptions o;
     o.max_grad_norm = 5;
     o.grad_scale = 0.5f;
@@ -248,12 +265,7 @@ TEST(OptimizerShards, ShardsTogetherComputeTheUnshardedUpdateBitForBit) {
     s1->step(o);
     // The shards' parts add up to the whole, in another order (float lanes from each part's start).
     EXPECT_NEAR(seen, total, 1e-6 * total);
-    // Each shard's elements, from whichever optimizer owns them.
-    const std::vector<float> a = whole.a.to_float_vector(), a0 = first.a.to_float_vector(),
-                             a1 = second.a.to_float_vector();
-    for (size_t i = 0; i < a.size(); ++i)
-      ASSERT_EQ(a[i], i < 130 ? a0[i] : a1[i]) << "step " << step << " element " << i;
-    EXPECT_TRUE(same_bits(second.b, whole.b));
+    shards.expect_the_whole(step);
   }
   // The state holds the parts (1-D), a third and two thirds of a.
   EXPECT_EQ(s0->state_bytes() + s1->state_bytes(), reference->state_bytes());
@@ -282,14 +294,12 @@ TEST(OptimizerShards, ShardsTogetherComputeTheUnshardedUpdateBitForBit) {
 // the range's ends cut, the others dropped), and the shards together compute the unsharded step,
 // bit for bit, with the producers giving every part to every shard.
 TEST(OptimizerShards, DeferredGradientsGiveEachShardItsRange) {
-  Params whole, first, second;
-  auto reference = adamw(whole.list());
-  auto s0 = adamw(first.list()), s1 = adamw(second.list());
-  s0->set_shards({{0, 130}, {0, 0}});
-  s1->set_shards({{130, 300}, {0, 35}});
+  TwoShards shards;
+  auto &reference = shards.reference, &s0 = shards.s0, &s1 = shards.s1;
   for (int step = 0; step < 3; ++step) {
-    for (const auto& [params, opt] : {std::pair{&whole, reference.get()},
-                                      std::pair{&first, s0.get()}, std::pair{&second, s1.get()}}) {
+    for (const auto& [params, opt] :
+         {std::pair{&shards.whole, reference.get()}, std::pair{&shards.first, s0.get()},
+          std::pair{&shards.second, s1.get()}}) {
       params->set_grads(step);
       const Tensor grads[2] = {params->a.grad(), params->b.grad()};
       for (Tensor* t : {&params->a, &params->b}) t->autograd_meta()->grad.reset();
@@ -321,11 +331,7 @@ TEST(OptimizerShards, DeferredGradientsGiveEachShardItsRange) {
     EXPECT_FALSE(s1->step(o).skipped);
     // Each shard read its range alone: the sums of squares add up to the whole's.
     EXPECT_NEAR(seen, *r.grad_norm * *r.grad_norm, 1e-6 * seen);
-    const std::vector<float> a = whole.a.to_float_vector(), a0 = first.a.to_float_vector(),
-                             a1 = second.a.to_float_vector();
-    for (size_t i = 0; i < a.size(); ++i)
-      ASSERT_EQ(a[i], i < 130 ? a0[i] : a1[i]) << "step " << step << " element " << i;
-    EXPECT_TRUE(same_bits(second.b, whole.b));
+    shards.expect_the_whole(step);
   }
   EXPECT_EQ(s0->state_bytes() + s1->state_bytes(), reference->state_bytes());
 }

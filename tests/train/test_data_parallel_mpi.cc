@@ -166,6 +166,16 @@ TEST(DataParallel, EqualsGradientAccumulationOfTheRanksBatches) {
   }
 }
 
+// The tutorial CNN at 64 x 64, whose fc1 (100 x 8748) travels as factors over the ranks' batches
+// of 8; SGD on more than 2 ranks (whose sums may be added in another order).
+train::TrainConfig factored_cnn(const char* precision) {
+  train::TrainConfig c = small("tutorial-cnn", 4);
+  c.image_size = 64;
+  c.precision = precision;
+  if (world().size() > 2) c.optimizer = "sgd", c.lr = 0.05;
+  return c;
+}
+
 TEST(DataParallel, SufficientFactorsSendLessAndTrainAsTheGradients) {
   // The tutorial CNN at 64 x 64: fc1 (8748 -> 100) has factors over the global batch (8 images a
   // rank) of at most half its weight's size; the other layers go through the reducer. In 16-mixed
@@ -176,10 +186,7 @@ TEST(DataParallel, SufficientFactorsSendLessAndTrainAsTheGradients) {
   const int n = world().size();
   for (const char* precision : {"32-true", "16-mixed", "16-true"}) {
     SCOPED_TRACE(precision);
-    train::TrainConfig c = small("tutorial-cnn", 4);
-    c.image_size = 64;
-    c.precision = precision;
-    if (n > 2) c.optimizer = "sgd", c.lr = 0.05;
+    train::TrainConfig c = factored_cnn(precision);
     const Trained factors = train_on(c, false);
     train::TrainConfig stored = c;
     stored.update_in_backward = false;
@@ -436,11 +443,8 @@ TEST(DataParallel, ZeroOneCutsFactoredWeightsIntoBlocksOfRows) {
   const int n = world().size();
   for (const char* precision : {"32-true", "16-mixed", "16-true"}) {
     SCOPED_TRACE(precision);
-    train::TrainConfig c = small("tutorial-cnn", 4);
-    c.image_size = 64;
-    c.precision = precision;
+    train::TrainConfig c = factored_cnn(precision);
     c.check_replicas = false;
-    if (n > 2) c.optimizer = "sgd", c.momentum = 0.9, c.lr = 0.05;
     const Trained plain = train_on(c, false);
     c.zero = 1;
     const Trained zero = train_on(c, false);
