@@ -166,6 +166,17 @@ TEST(DataParallel, EqualsGradientAccumulationOfTheRanksBatches) {
   }
 }
 
+// The same training: on 2 ranks the same losses and weights, bit for bit; on more, the losses
+// within 1e-4 relative (the sums over ranks may be added in another order).
+void expect_same_training(const Trained& a, const Trained& b) {
+  if (world().size() == 2) {
+    EXPECT_EQ(a.result.step_losses, b.result.step_losses);
+    expect_same_weights(a, b);
+  } else {
+    expect_close(a.result.step_losses, b.result.step_losses, 1e-4);
+  }
+}
+
 // The tutorial CNN at 64 x 64, whose fc1 (100 x 8748) travels as factors over the ranks' batches
 // of 8; SGD on more than 2 ranks (whose sums may be added in another order).
 train::TrainConfig factored_cnn(const char* precision) {
@@ -183,7 +194,6 @@ TEST(DataParallel, SufficientFactorsSendLessAndTrainAsTheGradients) {
   // all three are FP16 (each rank's product rounded to FP16, the sum too). By default the step
   // forms fc1's gradient a part at a time from the gathered factors as it updates it (16-mixed:
   // also under loss scaling), never storing it; --no-update-in-backward stores it whole.
-  const int n = world().size();
   for (const char* precision : {"32-true", "16-mixed", "16-true"}) {
     SCOPED_TRACE(precision);
     train::TrainConfig c = factored_cnn(precision);
@@ -208,12 +218,7 @@ TEST(DataParallel, SufficientFactorsSendLessAndTrainAsTheGradients) {
     // in parts or whole, the same bits.
     EXPECT_EQ(factors.result.step_losses, whole.result.step_losses);
     expect_same_weights(factors, whole);
-    if (n == 2) {
-      EXPECT_EQ(factors.result.step_losses, gradients.result.step_losses);
-      expect_same_weights(factors, gradients);
-    } else {
-      expect_close(factors.result.step_losses, gradients.result.step_losses, 1e-4);
-    }
+    expect_same_training(factors, gradients);
   }
   // Small weights stay in the reducer's buckets: lenet5's are all under 2^18 values.
   EXPECT_TRUE(train_on(small("lenet5", 1), false).result.communication->factored.empty());
@@ -453,12 +458,7 @@ TEST(DataParallel, ZeroOneCutsFactoredWeightsIntoBlocksOfRows) {
     EXPECT_EQ(zero.result.communication->factored, (std::vector<std::string>{"fc1.weight"}));
     EXPECT_EQ(zero.result.step_losses, checked.result.step_losses);
     expect_same_weights(zero, checked);
-    if (n == 2) {
-      EXPECT_EQ(zero.result.step_losses, plain.result.step_losses);
-      expect_same_weights(zero, plain);
-    } else {
-      expect_close(zero.result.step_losses, plain.result.step_losses, 1e-4);
-    }
+    expect_same_training(zero, plain);
     // Every rank ends with the same weights (rank 0's, compared byte by byte).
     for (const auto& [name, t] : zero.weights) {
       Tensor mine = t.contiguous();
