@@ -116,6 +116,7 @@ TEST(Autocast, EachCategoryGivesItsType) {
 // weight is cached for the scope: a cast made first would keep the old values).
 TEST(Autocast, LinearWaitsForItsWeightBeforeCastingIt) {
   const Tensor x = Tensor::from_floats({1, 2, 3}, {1, 3}, DType::f32);
+  const AutocastPolicy policy;  // the scope keeps its address
   for (const bool autocast : {false, true}) {
     Tensor w = param({2, 3});
     w.copy_from(Tensor::zeros({2, 3}, DType::f32));
@@ -125,7 +126,7 @@ TEST(Autocast, LinearWaitsForItsWeightBeforeCastingIt) {
       w.copy_from(Tensor::from_floats({1, 0, 0, 0, 0, 1}, {2, 3}));  // the values arrive
     };
     std::optional<AutocastScope> scope;
-    if (autocast) scope.emplace(DType::f16, AutocastPolicy());
+    if (autocast) scope.emplace(DType::f16, policy);
     EXPECT_EQ(linear(x, w).to_float_vector(), (std::vector<float>{1, 3})) << autocast;
     EXPECT_GE(calls, 1);  // the cast copy stands in for the weight and calls it again
   }
