@@ -3,6 +3,7 @@
 // reaching FP32 weights, per-module precision, stochastic op outputs and the default partials.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <optional>
 #include <set>
@@ -130,6 +131,95 @@ TEST(Autocast, LinearWaitsForItsWeightBeforeCastingIt) {
     EXPECT_EQ(linear(x, w).to_float_vector(), (std::vector<float>{1, 3})) << autocast;
     EXPECT_GE(calls, 1);  // the cast copy stands in for the weight and calls it again
   }
+}
+
+// conv2d reads an FP32 activation as its 16-bit copy (OpOptions::input_as) instead of casting it:
+// the output, the input's gradient (computed in 16 bits and widened, as the cast's backward
+// widens it) and the weight's gradient are those of an explicit cast, bit for bit (a Winograd
+// layer and a direct one), and no 16-bit copy of the input is held from the forward pass.
+TEST(Autocast, Conv2dReadsAnFp32InputAsItsSixteenBitCopy) {
+  const AutocastPolicy policy;
+  for (const DType lower : {DType::f16, DType::bf16})
+    for (const Shape& ws : {Shape{16, 16, 3, 3}, Shape{5, 1, 3, 3}}) {
+      const Shape xs{2, ws[1], 8, 8};
+      std::vector<std::vector<float>> y, dx, dw;
+      std::vector<size_t> held;
+      for (const bool explicit_cast : {false, true}) {
+        Tensor x0 = param(xs, 0.37f), w = param(ws, 0.05f), b = param({ws[0]});
+        Tensor y_out;
+        {
+          AutocastScope scope(lower, policy);
+          const Tensor x = mul_scalar(x0, 1.0);  // an activation: FP32, computed
+          const size_t before =
+              default_memory_tracker().stats().current_of(MemoryCategory::activations);
+          y_out =
+              conv2d(explicit_cast ? cast(x, lower) : x, w, b, kernels::Conv2dParams{1, 1, 1, 1});
+          held.push_back(default_memory_tracker().stats().current_of(MemoryCategory::activations) -
+                         before);
+          autograd::backward(sum(y_out));
+        }
+        y.push_back(y_out.to_float_vector());
+        dx.push_back(x0.grad().to_float_vector());
+        dw.push_back(w.grad().to_float_vector());
+        EXPECT_EQ(y_out.dtype(), lower);
+        EXPECT_EQ(x0.grad().dtype(), DType::f32);
+      }
+      EXPECT_EQ(y[0], y[1]) << dtype_name(lower);
+      EXPECT_EQ(dx[0], dx[1]) << dtype_name(lower);
+      EXPECT_EQ(dw[0], dw[1]) << dtype_name(lower);
+      // The explicit cast holds its 16-bit copy (2 bytes an input value) until the backward pass:
+      // the activations held after the forward differ by that.
+      EXPECT_EQ(held[1] - held[0], static_cast<size_t>(2 * 8 * 8 * ws[1] * 2)) << dtype_name(lower);
+    }
+}
+
+// relu of an FP32 activation under autocast is computed from the FP32 values and rounded once into
+// the 16-bit output, without casting the input first: relu commutes with rounding to nearest, so
+// the output and the input's gradient (masked by the output, computed in FP32) are an explicit
+// cast's, bit for bit, over values of every sign and magnitude, FP16's underflow and overflow
+// included. Under stochastic outputs the input is still cast (the FP32 result would otherwise be
+// rounded stochastically): the output then holds only FP16-rounded values.
+TEST(Autocast, ReluOfAnFp32InputRoundsOnceAsItsCopyWould) {
+  const AutocastPolicy policy;
+  std::vector<float> v;
+  for (int e = -30; e <= 20; ++e)
+    for (const float m : {1.0f, 1.2345678f, -1.0009765625f, 1.99951171875f, -0.75f})
+      v.push_back(std::ldexp(m, e));
+  v.insert(v.end(), {0.0f, -0.0f, 65519.0f, 65520.0f, -70000.0f, 3e-8f, -3e-8f});
+  const Shape shape{static_cast<int64_t>(v.size())};
+  for (const DType lower : {DType::f16, DType::bf16}) {
+    std::vector<std::vector<float>> y, dx;
+    for (const bool explicit_cast : {false, true}) {
+      Tensor x0 = Tensor::from_floats(v, shape);
+      x0.set_requires_grad(true);
+      Tensor out;
+      {
+        AutocastScope scope(lower, policy);
+        const Tensor x = mul_scalar(x0, 1.0);
+        out = relu(explicit_cast ? cast(x, lower) : x);
+      }
+      EXPECT_EQ(out.dtype(), lower);
+      // Without the explicit cast, relu's input is the FP32 activation itself (no cast node).
+      ASSERT_TRUE(out.grad_fn());
+      EXPECT_EQ(std::string(out.grad_fn()->inputs()[0].fn->name()),
+                explicit_cast ? "cast" : "mul_scalar");
+      EXPECT_EQ(out.grad_fn()->inputs()[0].dtype, explicit_cast ? lower : DType::f32);
+      // A gradient of 0.5 everywhere, 16-bit as the autocast graph's.
+      autograd::backward(out,
+                         Tensor::from_floats(std::vector<float>(v.size(), 0.5f), shape, lower));
+      y.push_back(out.to_float_vector());
+      dx.push_back(x0.grad().to_float_vector());
+    }
+    EXPECT_EQ(y[0], y[1]) << dtype_name(lower);
+    EXPECT_EQ(dx[0], dx[1]) << dtype_name(lower);
+  }
+  // Stochastic outputs: every value is one of its FP16 neighbours' as the cast makes them, since
+  // the cast (round to nearest) comes first and relu of FP16 values is exact.
+  const Tensor x = Tensor::from_floats(v, shape);
+  const std::vector<float> nearest = relu(x.to(DType::f16)).to_float_vector();
+  AutocastScope scope(DType::f16, policy);
+  StochasticOutputsScope sr(7, 0);
+  EXPECT_EQ(relu(mul_scalar(x, 1.0)).to_float_vector(), nearest);
 }
 
 TEST(Autocast, OpListFilesReachEveryOp) {

@@ -219,6 +219,56 @@ TEST(Conv2d, Fp16PartialsMatchFp64Loops) {
   for (const Geometry& g : geometries()) check(g, DType::f16, Partials::kF16, 1.0 / 256);
 }
 
+// An FP32 input read as f16 or bf16 (read_x: rounded as the padding paths stage it, a copy cast
+// for the call by the others) gives the results of its 16-bit copy, bit for bit: the forward (every
+// forward path) and the weight gradient (every weight-gradient path), with FP32 and FP16 partials
+// (whose chunks must then be those of a 16-bit input), 16-bit and FP32 outputs.
+TEST(Conv2d, Fp32InputReadAsSixteenBitIsItsCopyBitForBit) {
+  using detail::ConvPath;
+  std::set<ConvPath> forward, weight;
+  uint32_t seed = 50;
+  for (const Geometry& g : geometries())
+    for (const DType half : {DType::f16, DType::bf16})
+      for (const Partials partials : {Partials::kF32, Partials::kF16}) {
+        if (partials == Partials::kF16 && half == DType::bf16) continue;
+        SCOPED_TRACE(g.name + " " + std::string(dtype_name(half)) +
+                     (partials == Partials::kF16 ? " fp16 partials" : ""));
+        // The paths with the switches on (CTest's runs with them off take others).
+        const detail::ConvGeometry cg(g.x, g.w, g.p);
+        const detail::ConvSettings on;
+        forward.insert(detail::conv_forward_path(cg, partials, on));
+        weight.insert(detail::conv_weight_grad_path(cg, partials, on));
+        // Values spread over many binades, so that rounding to 16 bits changes most of them.
+        std::vector<double> xv = random_values(g.x[0] * g.x[1] * g.x[2] * g.x[3], seed++);
+        for (size_t i = 0; i < xv.size(); ++i)
+          xv[i] *= std::ldexp(1.0, static_cast<int>(i % 7) - 3);
+        const Tensor x = stored(xv, g.x, DType::f32), x16 = x.to(half);
+        const Tensor w =
+            stored(random_values(g.w[0] * g.w[1] * g.w[2] * g.w[3], seed++), g.w, half);
+        const Tensor b = stored(random_values(g.w[0], seed++), {g.w[0]}, DType::f32);
+        for (const DType out : {half, DType::f32}) {
+          const Tensor want = conv2d(x16, w, b, g.p, out, partials);
+          const Tensor got = conv2d(x, w, b, g.p, out, partials, half);
+          ASSERT_EQ(got.dtype(), out);
+          ASSERT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()), 0);
+          const Tensor dy = stored(random_values(want.numel(), seed++), want.shape(), half);
+          const Tensor dw_want = conv2d_backward_weight(dy, x16, g.w, g.p, out, partials);
+          const Tensor dw_got = conv2d_backward_weight(dy, x, g.w, g.p, out, partials, half);
+          ASSERT_EQ(std::memcmp(dw_got.data_ptr(), dw_want.data_ptr(), dw_want.nbytes()), 0);
+        }
+      }
+  EXPECT_EQ(forward,
+            (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kWinograd, ConvPath::kImplicitRows,
+                                ConvPath::kImplicitGemm, ConvPath::kIm2col}));
+  EXPECT_EQ(weight, (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kImplicitDots,
+                                        ConvPath::kImplicitGemm, ConvPath::kIm2col}));
+  // Only an FP32 input is read as another type.
+  EXPECT_THROW(
+      conv2d(Tensor::zeros({1, 1, 4, 4}, DType::f16), Tensor::zeros({1, 1, 3, 3}, DType::f32), {},
+             Conv2dParams{}, DType::f32, Partials::kF32, DType::bf16),
+      Error);
+}
+
 // Winograd adds the bias once per output, after the output transform; a 16-bit output is rounded
 // once from the FP32 result, from operands in any storage.
 TEST(Conv2d, WinogradAddsTheBias) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "mantissa/kernels/conv_paths.h"
+#include "mantissa/kernels/elementwise.h"
 #include "mantissa/kernels/nn_internal.h"
 
 namespace mantissa::kernels {
@@ -159,18 +160,40 @@ ConvPath conv_weight_grad_path(const ConvGeometry& g, Partials partials, const C
 using detail::ConvGeometry;
 using detail::ConvPath;
 
+namespace {
+
+// The input as a path reads it: x itself, with g.read_as set where x is FP32 and read_x rounds it
+// (a path that pads rounds as it stages, `pads`); otherwise a 16-bit copy for the call.
+Tensor read_input(const Tensor& x, DType read_x, bool pads, ConvGeometry& g) {
+  MANTISSA_CHECK(read_x == DType::f32 || (x.dtype() == DType::f32 && is_16bit_float(read_x)),
+                 "conv2d: read_x " + std::string(dtype_name(read_x)) + " for an " +
+                     std::string(dtype_name(x.dtype())) + " input",
+                 "read_x reads an f32 input as f16 or bf16");
+  g.read_as = DType::f32;
+  if (read_x == DType::f32) return x;
+  if (pads) {
+    g.read_as = read_x;
+    return x;
+  }
+  return cast(x, read_x, {}, MemoryCategory::workspace);
+}
+
+}  // namespace
+
 Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Conv2dParams& p,
-              DType out, Partials partials) {
+              DType out, Partials partials, DType read_x) {
   require_float(x_in, "conv2d", "input");
   require_float(w_in, "conv2d", "weight");
-  const ConvGeometry g(x_in.shape(), w_in.shape(), p);
+  ConvGeometry g(x_in.shape(), w_in.shape(), p);
   if (b.defined())
     MANTISSA_CHECK(b.dim() == 1 && b.size(0) == g.O,
                    "conv2d: bias " + shape_str(b.shape()) + " for " + str(g.O) + " channels",
                    "the bias has one value per output channel");
-  const Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const std::vector<float> bias = bias_f32(b, g.O);
   const ConvPath path = detail::conv_forward_path(g, partials);
+  const bool pads = path == ConvPath::kWinograd || path == ConvPath::kImplicitRows ||
+                    path == ConvPath::kImplicitGemm;
+  const Tensor x = read_input(x_in, read_x, pads, g).contiguous(), w = w_in.contiguous();
   switch (path) {
     case ConvPath::kDirect:
       return detail::direct_forward(x, w, bias, g, out);
@@ -237,10 +260,11 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
 }
 
 Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Shape& w_shape,
-                              const Conv2dParams& p, DType out, Partials partials) {
-  const ConvGeometry g(x_in.shape(), w_shape, p);
-  const Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
+                              const Conv2dParams& p, DType out, Partials partials, DType read_x) {
+  ConvGeometry g(x_in.shape(), w_shape, p);
   const ConvPath path = detail::conv_weight_grad_path(g, partials);
+  const bool pads = path == ConvPath::kImplicitDots || path == ConvPath::kImplicitGemm;
+  const Tensor dy = dy_in.contiguous(), x = read_input(x_in, read_x, pads, g).contiguous();
   switch (path) {
     case ConvPath::kDirect:
       return detail::direct_weight_grad(dy, x, w_shape, g, out);

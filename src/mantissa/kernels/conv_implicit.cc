@@ -69,6 +69,7 @@ void pad_images(const Tensor& x, const ImplicitConv& g, int64_t n0, int64_t nb, 
           // FP32 rows are copied inline: ResNet's rows of 4 to 32 values cost more as calls of
           // the conversion table than as copies.
           const bool f32 = x.dtype() == DType::f32;
+          const bool round = f32 && g.read_as != DType::f32;  // the 16-bit copy's values
           for (int64_t h = 0; h < g.H; ++h) {
             float* row = dst + (g.pad_h + h) * g.Wp;
             std::fill(row, row + g.pad_w, 0.0f);
@@ -77,6 +78,7 @@ void pad_images(const Tensor& x, const ImplicitConv& g, int64_t n0, int64_t nb, 
                           static_cast<size_t>(g.W) * sizeof(float));
             else
               load_f32(src + h * g.W * es, x.dtype(), 1, g.W, row + g.pad_w);
+            if (round) round_through(row + g.pad_w, g.W, g.read_as);
             std::fill(row + g.pad_w + g.W, row + g.Wp, 0.0f);
           }
         }
@@ -88,7 +90,7 @@ Tensor implicit_forward(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
                         MemoryCategory cat, bool by_rows) {
   Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(cat));
   const int64_t CKK = g.C * g.KH * g.KW;
-  const int64_t nb_max = g.chunk(x.dtype());
+  const int64_t nb_max = g.chunk(g.staged(x.dtype()));
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
   std::vector<int64_t> offset, position;
   const bool dense = g.dense();
@@ -176,7 +178,7 @@ Tensor implicit_weight_grad_dots(const Tensor& dy, const Tensor& x, const Shape&
                                  const ConvGeometry& cg, DType out) {
   const ImplicitConv g(cg);
   const int64_t CKK = cg.CKK, HWo = g.Ho * g.Wo;
-  const int64_t nb_max = g.chunk(x.dtype());
+  const int64_t nb_max = g.chunk(g.staged(x.dtype()));
   // A chunk's columns start at lane (n0 * plane) mod 8, behind that many zero columns: the lanes
   // take the columns of one call over every image, in the same order, whatever the chunk (a zero
   // gradient times a finite value adds +0 to a lane, which is never -0). The padded buffer has
@@ -230,7 +232,7 @@ Tensor implicit_weight_grad_gemm(const Tensor& dy, const Tensor& x, const Shape&
   const ImplicitConv g(cg);
   const int64_t CKK = cg.CKK, HWo = g.Ho * g.Wo;
   const int64_t nb_max = std::clamp<int64_t>(
-      staged_budget(x.dtype()) / std::max<int64_t>(g.C * g.plane + g.O * HWo, 1), 1, g.N);
+      staged_budget(g.staged(x.dtype())) / std::max<int64_t>(g.C * g.plane + g.O * HWo, 1), 1, g.N);
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});        // (C, nb, Hp, Wp)
   Tensor dyg = byte_workspace(g.O * nb_max * HWo, dy.dtype());  // (O, nb * Ho * Wo)
   Tensor dw32 = f32_workspace({g.O * CKK});

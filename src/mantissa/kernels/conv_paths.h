@@ -109,6 +109,9 @@ inline int64_t staged_budget(DType staged) {
 struct ConvGeometry {
   int64_t N, C, H, W, O, KH, KW, Ho, Wo, G, Cg, Og, CKK, HW;  // CKK: taps, HW: output positions
   Conv2dParams p;
+  // The type the input's values are read as: an FP32 input rounded to f16 or bf16 as it is
+  // padded (the values of its 16-bit copy, which is never made; conv2d's read_x). f32: as stored.
+  DType read_as = DType::f32;
   ConvGeometry(const Shape& x, const Shape& w, const Conv2dParams& prm);
   // Images per chunk: the column buffer (CKK x images*HW) stays within the column budget, small
   // enough that the columns are still in cache when the GEMM packs them.
@@ -122,6 +125,7 @@ struct ConvGeometry {
 // (Hp, Wp), any stride and dilation.
 struct ImplicitConv {
   int64_t N, C, H, W, O, KH, KW, pad_h, pad_w, dil_h, dil_w, sh, sw, Ho, Wo, Hp, Wp, plane;
+  DType read_as = DType::f32;  // ConvGeometry::read_as: pad_images rounds an FP32 input to it
   ImplicitConv(const Shape& x, int64_t o, int64_t kh, int64_t kw, int64_t ph, int64_t pw,
                int64_t dh, int64_t dw, int64_t stride_h = 1, int64_t stride_w = 1)
       : N(x[0]),
@@ -145,7 +149,11 @@ struct ImplicitConv {
   // The forward convolution of g (one group).
   explicit ImplicitConv(const ConvGeometry& g)
       : ImplicitConv({g.N, g.C, g.H, g.W}, g.O, g.KH, g.KW, g.p.pad_h, g.p.pad_w, g.p.dilation_h,
-                     g.p.dilation_w, g.p.stride_h, g.p.stride_w) {}
+                     g.p.dilation_w, g.p.stride_h, g.p.stride_w) {
+    read_as = g.read_as;
+  }
+  // The type an input of `stored` type is staged from: read_as where it rounds an FP32 input.
+  DType staged(DType stored) const { return read_as != DType::f32 ? read_as : stored; }
   // Images per chunk: the padded input and the wide output (or gradient) within the budget
   // (staged_budget: a quarter of it when the staged operands are 16-bit).
   int64_t chunk(DType staged = DType::f32) const {
@@ -232,7 +240,8 @@ inline std::pair<int64_t, int64_t> valid_columns(int64_t Wo, int64_t W, int64_t 
 // flipped weights in their storage dtype).
 Tensor byte_workspace(int64_t elements, DType t);
 
-// Images [n0, n0 + nb) of x into the zero-padded FP32 buffer (C, nb, Hp, Wp) (conv_implicit.cc).
+// Images [n0, n0 + nb) of x into the zero-padded FP32 buffer (C, nb, Hp, Wp), an FP32 x rounded
+// to g.read_as when that is 16-bit (conv_implicit.cc).
 void pad_images(const Tensor& x, const ImplicitConv& g, int64_t n0, int64_t nb, float* xp);
 
 // dy of group grp for images [n0, n0+nb) as a matrix (Og, nb*HW), in dy's dtype

@@ -320,6 +320,20 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::span<const Tensor* const> inp
             opt_->weight_as = ctx.lower;
             continue;
           }
+          if (!weight && op == OpId::conv2d && i == 0 && t.dtype() == DType::f32) {
+            // conv2d reads an FP32 activation as its 16-bit copy (OpOptions::input_as): the same
+            // values and gradient, without the cast's pass or the copy saved for the backward.
+            opt_->input_as = ctx.lower;
+            continue;
+          }
+          if (!weight && op == OpId::relu && !ctx.stochastic) {
+            // relu commutes with rounding to nearest (monotonic, and 0 stays 0): relu of the FP32
+            // input rounded once into the 16-bit output is relu of its 16-bit copy, and the
+            // gradient, masked by that output and computed in the input's type, is the copy's
+            // widened. One pass where the cast and relu took two, forward and backward. (Not
+            // with stochastic outputs, which would round the FP32 result stochastically.)
+            continue;
+          }
           t = weight ? cached_cast(t, ctx.lower) : cast(t, ctx.lower);
         }
         break;

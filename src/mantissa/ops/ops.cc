@@ -427,24 +427,36 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dPar
                  std::string("conv2d: weight_as ") + std::string(dtype_name(w_as)) + " for an " +
                      std::string(dtype_name(w.dtype())) + " weight",
                  "weight_as reads an f32 weight as f16 or bf16");
+  const DType x_as = opt.input_as.value_or(x.dtype());
+  MANTISSA_CHECK(x_as == x.dtype() || (x.dtype() == DType::f32 && is_16bit_float(x_as)),
+                 std::string("conv2d: input_as ") + std::string(dtype_name(x_as)) + " for an " +
+                     std::string(dtype_name(x.dtype())) + " input",
+                 "input_as reads an f32 input as f16 or bf16");
+  const DType read_x = x_as == x.dtype() ? DType::f32 : x_as;  // kernels::conv2d's read_x
   // With weight_as the kernels read a 16-bit copy made for the call (workspace), in the forward
   // and again in the backward: the graph keeps only the FP32 weight, which the model holds anyway.
   auto read_as = [w_as](const Tensor& t) {
     return t.dtype() == w_as ? t : kernels::cast(t, w_as, {}, MemoryCategory::workspace);
   };
-  Tensor y = kernels::conv2d(xd, read_as(wd), bd, prm, out_or(opt, promote_types(x.dtype(), w_as)),
-                             partials_of(opt));
+  Tensor y = kernels::conv2d(xd, read_as(wd), bd, prm, out_or(opt, promote_types(x_as, w_as)),
+                             partials_of(opt), read_x);
   count_macs(y.numel() * wd.size(1) * wd.size(2) * wd.size(3));  // per output: C/groups x KH x KW
   const Partials p = partials_of(opt);
   return recorded(
       y, OpId::conv2d, {&x, &w, &b},
-      [xd, wd, prm, p, read_as](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+      [xd, wd, prm, p, read_as, x_as, read_x](const Tensor& g,
+                                              const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(3);
-        if (n.needs_input_grad(0))
-          out[0] =
-              kernels::conv2d_backward_input(g, read_as(wd), xd.shape(), prm, n.input_dtype(0), p);
+        if (n.needs_input_grad(0)) {
+          // Read as x_as: the gradient of x's 16-bit copy, widened as the cast's backward would.
+          out[0] = kernels::conv2d_backward_input(
+              g, read_as(wd), xd.shape(), prm, read_x == DType::f32 ? n.input_dtype(0) : x_as, p);
+          if (out[0].dtype() != n.input_dtype(0))
+            out[0] = kernels::cast(out[0], n.input_dtype(0), {}, MemoryCategory::gradients);
+        }
         if (n.needs_input_grad(1))
-          out[1] = kernels::conv2d_backward_weight(g, xd, wd.shape(), prm, n.input_dtype(1), p);
+          out[1] =
+              kernels::conv2d_backward_weight(g, xd, wd.shape(), prm, n.input_dtype(1), p, read_x);
         if (n.needs_input_grad(2))
           out[2] = kernels::sum(g, {0, 2, 3}, false, n.input_dtype(2), MemoryCategory::gradients);
         return out;
