@@ -1,7 +1,8 @@
 // The direct path (conv_paths.h) for small filter banks (the tutorial CNN's conv1: 5 x 1 x 3 x 3),
 // where im2col and the GEMM spend their time copying and packing: register-tiled rows of every
 // output channel read the taps' input rows in place (conv_rows_f32, conv_wgrad_rows_f32 in
-// vector_kernels.h). Groups 1, dilation 1, FP32 partials; 16-bit inputs are staged in FP32.
+// vector_kernels.h). Groups 1, dilation 1, FP32 partials; 16-bit inputs are staged in FP32 (an FP32
+// input read as 16-bit, ConvGeometry::read_as, rounded as it is staged).
 #include <algorithm>
 #include <vector>
 
@@ -68,7 +69,20 @@ void untiled_columns(bool tiled, int64_t j0, int64_t j1, int64_t Wo, Fn&& fn) {
 
 Tensor direct_forward(const Tensor& x_in, const Tensor& w_in, const std::vector<float>& bias,
                       const ConvGeometry& g, DType out) {
-  const Tensor x = x_in.to(DType::f32), w = w_in.to(DType::f32);
+  Tensor x = x_in.to(DType::f32);
+  const Tensor w = w_in.to(DType::f32);
+  if (g.read_as != DType::f32) {  // an FP32 input as its 16-bit copy holds it, in one staged copy
+    Tensor staged = f32_workspace({x.numel()});
+    const int64_t plane = g.C * g.H * g.W;
+    parallel_for(static_cast<size_t>(g.N), 1, threads_for(g.N * plane), [&](size_t n0, size_t n1) {
+      for (size_t n = n0; n < n1; ++n) {
+        const int64_t at = static_cast<int64_t>(n) * plane;
+        std::copy(x.data<float>() + at, x.data<float>() + at + plane, staged.data<float>() + at);
+        round_through(staged.data<float>() + at, plane, g.read_as);
+      }
+    });
+    x = staged.view(x.shape());
+  }
   const float* xd = x.data<float>();
   const float* wd = w.data<float>();  // (O, CKK)
   Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
@@ -136,13 +150,19 @@ Tensor direct_weight_grad(const Tensor& dy_in, const Tensor& x_in, const Shape& 
         // products, one at a time in row order, into `rest`.
         std::vector<float> lanes(static_cast<size_t>(taps * kDotLanes)), rest(taps);
         std::vector<const float*> xrow(static_cast<size_t>(g.CKK));
-        // (C, H, W) and (O, Ho, Wo) of one image, when 16-bit
-        std::vector<float> xbuf(x.dtype() == DType::f32 ? 0 : static_cast<size_t>(plane)),
+        // (C, H, W) and (O, Ho, Wo) of one image, when 16-bit (or read as 16-bit: g.read_as)
+        const bool round = g.read_as != DType::f32;
+        std::vector<float> xbuf(x.dtype() == DType::f32 && !round ? 0 : static_cast<size_t>(plane)),
             dybuf(dy.dtype() == DType::f32 ? 0 : static_cast<size_t>(g.O * g.HW));
         for (size_t n = n0; n < n1; ++n) {
           const int64_t ni = static_cast<int64_t>(n);
           const float* xn =
               row_f32(bytes(x) + ni * plane * esize(x.dtype()), x.dtype(), 1, plane, xbuf.data());
+          if (round) {  // an FP32 image as its 16-bit copy holds it
+            std::copy(xn, xn + plane, xbuf.data());
+            round_through(xbuf.data(), plane, g.read_as);
+            xn = xbuf.data();
+          }
           const float* dyn = row_f32(bytes(dy) + ni * g.O * g.HW * esize(dy.dtype()), dy.dtype(), 1,
                                      g.O * g.HW, dybuf.data());
           std::fill(lanes.begin(), lanes.end(), 0.0f);
