@@ -43,12 +43,11 @@ Zero1::Zero1(comm::Communicator& comm, Reducer& reducer, optim::Optimizer& optim
                        "' is not a contiguous matrix of the optimizer",
                    "factor the weights of the optimizer's linear layers");
     const int64_t rows = w.size(0), row_size = w.size(1);
-    const int64_t block = (rows + comm.size() - 1) / comm.size();
-    const int64_t r0 = std::min<int64_t>(comm.rank() * block, rows),
-                  r1 = std::min<int64_t>(r0 + block, rows);
-    ranges[it->second] = {r0 * row_size, r1 * row_size};
-    factors->set_rows(k, r0, r1);
-    row_blocks_.push_back({factored[k].name, &w, rows, block, row_size});
+    const auto [first, end] = row_block(rows, comm.size(), comm.rank());
+    ranges[it->second] = {first * row_size, end * row_size};
+    factors->set_rows(k, first, end);
+    row_blocks_.push_back(
+        {factored[k].name, &w, rows, block_rows(rows, comm.size()), row_size, first, end});
     // The forward pass's first read of the weight waits for its rows (gather_parameters).
     w.autograd_meta()->before_read = [this] { finish_gather(); };
   }
@@ -141,11 +140,9 @@ void Zero1::gather_parameters() {
       TensorOptions o = charged_to(MemoryCategory::workspace);
       o.owner = "parameter gather " + rb.name;
       padded_[k] = Tensor::zeros({ranks * part}, w.dtype(), o);
-      const int64_t r0 = std::min(rank * rb.block_rows, rb.rows),
-                    r1 = std::min(r0 + rb.block_rows, rb.rows);
       std::memcpy(static_cast<char*>(padded_[k].data_ptr()) + static_cast<size_t>(rank * part) * es,
-                  base + static_cast<size_t>(r0 * rb.row_size) * es,
-                  static_cast<size_t>((r1 - r0) * rb.row_size) * es);
+                  base + static_cast<size_t>(rb.first * rb.row_size) * es,
+                  static_cast<size_t>((rb.end - rb.first) * rb.row_size) * es);
       base = static_cast<char*>(padded_[k].data_ptr());
     }
     row_requests_[k] = comm_.all_gather_async(

@@ -37,6 +37,7 @@
 // Each function is a collective: every rank calls it, in the same order as its other collectives.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -62,6 +63,13 @@ class Zero1 {
         FactorGradients* factors = nullptr);
   // Waits for a gather still running (finish_gather) and removes the weights' hooks.
   ~Zero1();
+  // A factored weight of `rows` rows on `ranks` ranks: the rows in a block, ceil(rows / ranks),
+  // and the rows [first, end) of `rank`'s block (the last ranks' may be short or empty).
+  static int64_t block_rows(int64_t rows, int ranks) { return (rows + ranks - 1) / ranks; }
+  static std::pair<int64_t, int64_t> row_block(int64_t rows, int ranks, int rank) {
+    const int64_t first = std::min<int64_t>(rank * block_rows(rows, ranks), rows);
+    return {first, std::min<int64_t>(first + block_rows(rows, ranks), rows)};
+  }
   Zero1(const Zero1&) = delete;
   Zero1& operator=(const Zero1&) = delete;
 
@@ -103,11 +111,13 @@ class Zero1 {
   // [bucket]: (padded,) of gather_dtype_ where the bucket's own buffer is too small; else
   // undefined.
   std::vector<Tensor> gather_;
-  // A weight whose gradient travels as factors: its rows, ceil(rows / N) of them a rank.
+  // A weight whose gradient travels as factors: its rows, block_rows() of them a rank, and this
+  // rank's block [first, end).
   struct RowBlocks {
     std::string name;
     Tensor* weight;
     int64_t rows, block_rows, row_size;  // row_size: elements of a row
+    int64_t first, end;
   };
   std::vector<RowBlocks> row_blocks_;
   // The running gathers of the factored weights: [weight] requests and padded buffers (undefined

@@ -260,14 +260,13 @@ RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib
   // do not fill the rows exactly.
   for (const ParamMemory* p : factored) {
     const int64_t rows = std::max<int64_t>(p->rows, 1), row_size = p->numel / rows;
-    const int64_t block = (rows + ranks - 1) / ranks;
+    const int64_t block = dist::Zero1::block_rows(rows, ranks);
     const double per_state = static_cast<double>(p->state_bytes_per_element);
     const double per_master = p->master ? 4.0 : 0.0;
     whole_state += static_cast<double>(p->numel) * per_state;
     whole_master += static_cast<double>(p->numel) * per_master;
     for (int r = 0; r < ranks; ++r) {
-      const int64_t lo = std::min<int64_t>(r * block, rows),
-                    hi = std::min<int64_t>(lo + block, rows);
+      const auto [lo, hi] = dist::Zero1::row_block(rows, ranks, r);
       state_share[static_cast<size_t>(r)] += static_cast<double>((hi - lo) * row_size) * per_state;
       master_share[static_cast<size_t>(r)] +=
           static_cast<double>((hi - lo) * row_size) * per_master;
