@@ -162,17 +162,17 @@ using detail::ConvPath;
 
 namespace {
 
-// The input as a path reads it: x itself, with g.read_as set where x is FP32 and read_x rounds it
-// (the paths that pad or stage their input round as they do, `pads`); im2col gets a 16-bit copy
-// for the call.
-Tensor read_input(const Tensor& x, DType read_x, bool pads, ConvGeometry& g) {
+// The input as `path` reads it: x itself, with g.read_as set where x is FP32 and read_x rounds it
+// (every path but im2col stages its input in FP32 and rounds as it does); im2col, whose columns
+// keep the input's dtype, gets a 16-bit copy for the call.
+Tensor read_input(const Tensor& x, DType read_x, ConvPath path, ConvGeometry& g) {
   MANTISSA_CHECK(read_x == DType::f32 || (x.dtype() == DType::f32 && is_16bit_float(read_x)),
                  "conv2d: read_x " + std::string(dtype_name(read_x)) + " for an " +
                      std::string(dtype_name(x.dtype())) + " input",
                  "read_x reads an f32 input as f16 or bf16");
   g.read_as = DType::f32;
   if (read_x == DType::f32) return x;
-  if (pads) {
+  if (path != ConvPath::kIm2col) {
     g.read_as = read_x;
     return x;
   }
@@ -192,9 +192,7 @@ Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Con
                    "the bias has one value per output channel");
   const std::vector<float> bias = bias_f32(b, g.O);
   const ConvPath path = detail::conv_forward_path(g, partials);
-  const bool pads = path == ConvPath::kDirect || path == ConvPath::kWinograd ||
-                    path == ConvPath::kImplicitRows || path == ConvPath::kImplicitGemm;
-  const Tensor x = read_input(x_in, read_x, pads, g).contiguous(), w = w_in.contiguous();
+  const Tensor x = read_input(x_in, read_x, path, g).contiguous(), w = w_in.contiguous();
   switch (path) {
     case ConvPath::kDirect:
       return detail::direct_forward(x, w, bias, g, out);
@@ -264,9 +262,7 @@ Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Sha
                               const Conv2dParams& p, DType out, Partials partials, DType read_x) {
   ConvGeometry g(x_in.shape(), w_shape, p);
   const ConvPath path = detail::conv_weight_grad_path(g, partials);
-  const bool pads = path == ConvPath::kDirect || path == ConvPath::kImplicitDots ||
-                    path == ConvPath::kImplicitGemm;
-  const Tensor dy = dy_in.contiguous(), x = read_input(x_in, read_x, pads, g).contiguous();
+  const Tensor dy = dy_in.contiguous(), x = read_input(x_in, read_x, path, g).contiguous();
   switch (path) {
     case ConvPath::kDirect:
       return detail::direct_weight_grad(dy, x, w_shape, g, out);
