@@ -259,18 +259,14 @@ Communication DataParallel::communication() const {
   c.wire = config_.allreduce_dtype;
   if (!reducer_) return c;
   dist::CommStats t = reducer_->total();
-  if (factors_) {
-    const dist::CommStats& f = factors_->total();
-    t.bytes += f.bytes;
-    t.busy_seconds += f.busy_seconds;
-    t.exposed_seconds += f.exposed_seconds;
-  }
-  if (zero_) {
-    const dist::CommStats& z = zero_->total();
-    t.bytes += z.bytes;
-    t.busy_seconds += z.busy_seconds;
-    t.exposed_seconds += z.exposed_seconds;
-  }
+  // The factors' gathers and ZeRO's parameter gathers join the reducer's figures (its steps count).
+  auto add = [&t](const dist::CommStats& o) {
+    t.bytes += o.bytes;
+    t.busy_seconds += o.busy_seconds;
+    t.exposed_seconds += o.exposed_seconds;
+  };
+  if (factors_) add(factors_->total());
+  if (zero_) add(zero_->total());
   const double steps = static_cast<double>(std::max<int64_t>(t.steps, 1));
   c.bytes_per_step = static_cast<double>(t.bytes) / steps;
   c.seconds_per_step = t.busy_seconds / steps;
