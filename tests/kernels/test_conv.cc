@@ -416,7 +416,8 @@ TEST(Conv2d, WinogradFilterTransformMatchesItsDefinitionBitForBit) {
 }
 
 // The register-tiled convolution rows against their definitions (vector_kernels.h), bit for bit,
-// for every block shape and tail: channels 1-13, taps 1-11, 1-64 columns.
+// for every block shape and tail: channels 1-13, taps 1-11, 1-64 columns. Their f16 and bf16
+// outputs hold the FP32 results converted, and nothing between the rows is written.
 TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> d(-2.0f, 2.0f);
@@ -440,8 +441,8 @@ TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
           x[static_cast<size_t>(i)] = xs.data() + i * (n + 1) + (i % 2);
         }
         std::vector<float> y(static_cast<size_t>(O * ys), 0.0f), want_y = y;
-        detail::conv_rows_f32(y.data(), ys, O, bias.data(), w.data(), ws, tap.data(), x.data(),
-                              taps, n);
+        detail::conv_rows(y.data(), DType::f32, ys, O, bias.data(), w.data(), ws, tap.data(),
+                          x.data(), taps, n);
         for (int64_t o = 0; o < O; ++o)
           for (int64_t j = 0; j < n; ++j) {
             float acc = bias[static_cast<size_t>(o)];
@@ -455,8 +456,9 @@ TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
         // The GEMM's arithmetic: an FMA chain from 0 in tap order, then the bias (or + 0).
         std::vector<float> yf(static_cast<size_t>(O * ys), 0.0f), want_yf = yf, yn = yf,
                                                                   want_yn = yf;
-        detail::fma_rows_f32(yf.data(), ys, O, bias.data(), w.data(), ws, x.data(), taps, n);
-        detail::fma_rows_f32(yn.data(), ys, O, nullptr, w.data(), ws, x.data(), taps, n);
+        detail::fma_rows(yf.data(), DType::f32, ys, O, bias.data(), w.data(), ws, x.data(), taps,
+                         n);
+        detail::fma_rows(yn.data(), DType::f32, ys, O, nullptr, w.data(), ws, x.data(), taps, n);
         for (int64_t o = 0; o < O; ++o)
           for (int64_t j = 0; j < n; ++j) {
             float acc = 0.0f;
@@ -482,7 +484,50 @@ TEST(Conv2d, DirectRowKernelsMatchTheirDefinitionBitForBit) {
         EXPECT_EQ(0, std::memcmp(yn.data(), want_yn.data(), yn.size() * sizeof(float))) << at;
         EXPECT_EQ(0, std::memcmp(lanes.data(), want_lanes.data(), lanes.size() * sizeof(float)))
             << at;
+        for (const DType t : {DType::f16, DType::bf16}) {
+          std::vector<uint16_t> h(static_cast<size_t>(O * ys), 0xabcd), hf = h;
+          detail::conv_rows(h.data(), t, ys, O, bias.data(), w.data(), ws, tap.data(), x.data(),
+                            taps, n);
+          detail::fma_rows(hf.data(), t, ys, O, bias.data(), w.data(), ws, x.data(), taps, n);
+          for (int64_t i = 0; i < O * ys; ++i) {
+            const size_t e = static_cast<size_t>(i);
+            uint16_t want_h = 0xabcd, want_hf = 0xabcd;  // between the rows: untouched
+            if (i % ys < n) {
+              convert(&want_y[e], DType::f32, &want_h, t, 1);
+              convert(&want_yf[e], DType::f32, &want_hf, t, 1);
+            }
+            ASSERT_EQ(h[e], want_h) << at << ", " << dtype_name(t) << " element " << i;
+            ASSERT_EQ(hf[e], want_hf) << at << ", " << dtype_name(t) << " element " << i;
+          }
+        }
       }
+}
+
+// The rows' 16-bit outputs where the FP32 sums are subnormal (which the BF16 instruction would read
+// as zero: the kernels must round them by the integer rule) or past FP16's range.
+TEST(Conv2d, DirectRowKernelsRoundSubnormalAndLargeSumsAsConvert) {
+  const int64_t O = 3, taps = 2, n = 37;
+  const std::vector<float> bias = {1e-40f, -3e-39f, 7e4f},
+                           w = {0.5f, 0.0f, 1e-39f, 2.0f, 3.0f, 1.0f};
+  std::vector<float> x0(n), x1(n);
+  for (int64_t j = 0; j < n; ++j) {
+    x0[static_cast<size_t>(j)] = 1e-39f * static_cast<float>(j);
+    x1[static_cast<size_t>(j)] = static_cast<float>(j % 5) * 1e4f;
+  }
+  const float* x[] = {x0.data(), x1.data()};
+  const int64_t tap[] = {0, 1};
+  std::vector<float> y(static_cast<size_t>(O * n)), yf = y;
+  detail::conv_rows(y.data(), DType::f32, n, O, bias.data(), w.data(), taps, tap, x, taps, n);
+  detail::fma_rows(yf.data(), DType::f32, n, O, bias.data(), w.data(), taps, x, taps, n);
+  for (const DType t : {DType::f16, DType::bf16}) {
+    std::vector<uint16_t> h(static_cast<size_t>(O * n)), hf = h, want = h, want_f = h;
+    detail::conv_rows(h.data(), t, n, O, bias.data(), w.data(), taps, tap, x, taps, n);
+    detail::fma_rows(hf.data(), t, n, O, bias.data(), w.data(), taps, x, taps, n);
+    convert(y.data(), DType::f32, want.data(), t, y.size());
+    convert(yf.data(), DType::f32, want_f.data(), t, yf.size());
+    EXPECT_EQ(h, want) << dtype_name(t);
+    EXPECT_EQ(hf, want_f) << dtype_name(t);
+  }
 }
 
 // The 2x2 stride-2 max pooling (the tutorial CNN's pool) against its definition, window by window:

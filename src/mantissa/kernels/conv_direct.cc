@@ -1,6 +1,6 @@
 // The direct path (conv_paths.h) for small filter banks (the tutorial CNN's conv1: 5 x 1 x 3 x 3),
 // where im2col and the GEMM spend their time copying and packing: register-tiled rows of every
-// output channel read the taps' input rows in place (conv_rows_f32, conv_wgrad_rows_f32 in
+// output channel read the taps' input rows in place (conv_rows, conv_wgrad_rows_f32 in
 // vector_kernels.h). Groups 1, dilation 1, FP32 partials; 16-bit inputs are staged in FP32 (an FP32
 // input read as 16-bit, ConvGeometry::read_as, rounded as it is staged).
 #include <algorithm>
@@ -89,32 +89,32 @@ Tensor direct_forward(const Tensor& x_in, const Tensor& w_in, const std::vector<
   const int64_t sw = g.p.stride_w, plane = g.C * g.H * g.W;
   const std::vector<TapSpan> taps = tap_spans(g);
   const auto [j0, j1] = tiled_columns(g, taps);
-  const bool direct = out == DType::f32;  // FP32 rows are summed in place
+  const bool f32_out = out == DType::f32;
   // One output row of every channel at a time: the columns every tap reads by the register-tiled
-  // kernel, the others (padding) tap by tap. Either way each element is its bias plus its taps'
-  // products in increasing t, so the two agree bit for bit.
+  // kernel, which stores them in y's type from its registers; the others (padding) tap by tap, in
+  // place when y is FP32 and otherwise in an FP32 row rounded into y. Either way each element is
+  // its bias plus its taps' products in increasing t, so the two agree bit for bit.
   parallel_for(
       static_cast<size_t>(g.N * g.Ho), 1, threads_for(g.N * g.O * g.HW * g.CKK),
       [&](size_t r0, size_t r1) {
-        std::vector<float> acc(direct ? 0 : static_cast<size_t>(g.O * g.Wo));  // (O, Wo)
+        std::vector<float> edge(f32_out ? 0 : static_cast<size_t>(g.Wo));  // one channel's row
         std::vector<int64_t> tap(static_cast<size_t>(g.CKK));
         std::vector<const float*> xrow(static_cast<size_t>(g.CKK));
         for (size_t r = r0; r < r1; ++r) {
           const int64_t n = static_cast<int64_t>(r) / g.Ho, oh = static_cast<int64_t>(r) % g.Ho;
           const float* xn = xd + n * plane;
-          float* rows = direct ? y.data<float>() + n * g.O * g.HW + oh * g.Wo : acc.data();
-          const int64_t ys = direct ? g.HW : g.Wo;  // between channels' rows
+          const int64_t at = n * g.O * g.HW + oh * g.Wo;  // channel 0's row in y
           if (j0 < j1) {
             int64_t k = 0;
             for_each_row_tap(g, taps, oh, [&](int64_t t, int64_t lo, int64_t, int64_t xo) {
               tap[static_cast<size_t>(k)] = t;
               xrow[static_cast<size_t>(k++)] = xn + xo + (j0 - lo);
             });
-            conv_rows_f32(rows + j0, ys, g.O, bias.data(), wd, g.CKK, tap.data(), xrow.data(), k,
-                          j1 - j0);
+            conv_rows(bytes(y) + (at + j0) * esize(out), out, g.HW, g.O, bias.data(), wd, g.CKK,
+                      tap.data(), xrow.data(), k, j1 - j0);
           }
           for (int64_t o = 0; o < g.O; ++o) {
-            float* row = rows + o * ys;
+            float* row = f32_out ? y.data<float>() + at + o * g.HW : edge.data();
             const float* wo = wd + o * g.CKK;
             untiled_columns(j0 < j1, j0, j1, g.Wo, [&](int64_t a, int64_t b) {
               std::fill(row + a, row + b, bias[static_cast<size_t>(o)]);
@@ -122,10 +122,9 @@ Tensor direct_forward(const Tensor& x_in, const Tensor& w_in, const std::vector<
                 const int64_t s = std::max(a, lo), e = std::min(b, lo + cols);
                 if (s < e) axpy_f32(row + s, xn + xo + (s - lo) * sw, sw, wo[t], e - s);
               });
+              if (!f32_out)
+                store_f32(row + a, b - a, bytes(y) + (at + o * g.HW + a) * esize(out), out, 1);
             });
-            if (!direct)
-              store_f32(row, g.Wo, bytes(y) + ((n * g.O + o) * g.HW + oh * g.Wo) * esize(out), out,
-                        1);
           }
         }
       });

@@ -12,7 +12,7 @@
 // positions, read in place, or two rows of 8 or four rows of 4, packed in runs. Nothing is
 // computed twice. Strided convolutions are always dense (column n at img*Hp*Wp + oh*sh*Wp +
 // ow*sw): their slivers are packed column by column.
-// With few output channels the forward skips the GEMM: register-tiled FMA rows (fma_rows_f32, the
+// With few output channels the forward skips the GEMM: register-tiled FMA rows (fma_rows, the
 // GEMM's arithmetic) read the padded buffer in place. The weight gradient takes lane-split dot
 // products (few output channels, stride 1) or the GEMM over positions x taps.
 #include <algorithm>
@@ -114,12 +114,10 @@ Tensor implicit_forward(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
     pad_images(x, g, n0, nb, xp);
     tap_offsets(g, nb, offset);
     if (by_rows) {
-      const bool direct = out == DType::f32;
       parallel_for(
           static_cast<size_t>(nb * g.Ho), 1, threads_for(nb * g.O * HWo * CKK),
           [&](size_t r0, size_t r1) {
             std::vector<const float*> xrow(static_cast<size_t>(CKK));
-            std::vector<float> acc(direct ? 0 : static_cast<size_t>(g.O * g.Wo));  // (O, Wo)
             for (size_t r = r0; r < r1; ++r) {
               const int64_t img = static_cast<int64_t>(r) / g.Ho,
                             oh = static_cast<int64_t>(r) % g.Ho;
@@ -127,13 +125,9 @@ Tensor implicit_forward(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
               for (int64_t t = 0; t < CKK; ++t)
                 xrow[static_cast<size_t>(t)] = start + offset[static_cast<size_t>(t)];
               const int64_t at = (n0 + img) * g.O * HWo + oh * g.Wo;  // channel 0's row in y
-              fma_rows_f32(direct ? y.data<float>() + at : acc.data(), direct ? HWo : g.Wo, g.O,
-                           bias.empty() ? nullptr : bias.data(), w32.data(), CKK, xrow.data(), CKK,
-                           g.Wo);
-              if (!direct)
-                for (int64_t o = 0; o < g.O; ++o)
-                  store_f32(acc.data() + o * g.Wo, g.Wo, bytes(y) + (at + o * HWo) * esize(out),
-                            out, 1);
+              fma_rows(bytes(y) + at * esize(out), out, HWo, g.O,
+                       bias.empty() ? nullptr : bias.data(), w32.data(), CKK, xrow.data(), CKK,
+                       g.Wo);
             }
           });
       continue;

@@ -205,7 +205,7 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
 
 // Implicit GEMM (conv_implicit.cc): y (N, O, Ho, Wo) = x (N, C, H, W) * w + bias, w given as an
 // (O, C*KH*KW) matrix in any float dtype, x in any float dtype (converted while padding); y
-// charged to `cat`. by_rows: register-tiled FMA rows (fma_rows_f32) instead of the GEMM (unit
+// charged to `cat`. by_rows: register-tiled FMA rows (fma_rows) instead of the GEMM (unit
 // column stride, FP32 partials, at most 12 outputs).
 Tensor implicit_forward(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
                         const std::vector<float>& bias, DType out, Partials partials,

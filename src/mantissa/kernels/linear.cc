@@ -150,7 +150,9 @@ void linear_weight_grad_parts_sum(std::span<const GradFactors> terms, DType out,
   // groups per block: the consumer takes kPartColumns of each of the thread's rows of the
   // parameter and its state per block (fc1 on 2 threads: 50 rows), and an input block is widened
   // once per thread.
-  parallel_for(static_cast<size_t>(groups), 1, default_num_threads(), [&](size_t g0, size_t g1) {
+  int64_t work = 0;  // multiply-adds
+  for (const Term& t : ts) work += (row_end - row_begin) * t.rows * in;
+  parallel_for(static_cast<size_t>(groups), 1, threads_for(work), [&](size_t g0, size_t g1) {
     std::vector<float> part(static_cast<size_t>(kPartRows * kPartColumns));  // (kPartRows, cols)
     std::vector<float> sum(summed ? part.size() : 0);                        // (kPartRows, cols)
     std::vector<char> rounded(out == DType::f32 ? 0 : kPartColumns * out_size);
@@ -181,8 +183,8 @@ void linear_weight_grad_parts_sum(std::span<const GradFactors> terms, DType out,
                       no = std::min(kPartRows, row_end - o0);
         for (size_t k = 0; k < ts.size(); ++k) {
           const Term& t = ts[k];
-          detail::fma_rows_f32(part.data(), kPartColumns, no, nullptr, t.gt.data() + o0 * t.rows,
-                               t.rows, xr[k].data(), t.rows, n);
+          detail::fma_rows(part.data(), DType::f32, kPartColumns, no, nullptr,
+                           t.gt.data() + o0 * t.rows, t.rows, xr[k].data(), t.rows, n);
           if (!summed) break;
           // A term's values as its own gradient would hold them (rounded into `out`), added in
           // term order in FP32.

@@ -1,15 +1,17 @@
-// The AVX-512 versions of vector_kernels.h's ReLU rows and FMA rows (6 outputs by 32 columns a
-// strip), and the tile of the lane-split dot products: up to 12 rows of A by 4 rows of B. A zmm
-// register holds the eight lanes of two outputs side by side, (A row i, B row j) and (i, j + 1):
-// B's rows are read (widened, or rounded as read) in pairs into one register, A's eight values
-// broadcast to both halves, and each FMA advances both outputs' lanes. Per eight columns, 2 B pairs
-// and 12 broadcasts of A feed 24 FMAs; each B value is read, widened or rounded once for all of A's
-// rows (the AVX2 tile: once for every three). Every lane is the same FMA chain as on the other
-// paths, so the bits are the same.
+// The AVX-512 versions of vector_kernels.h's ReLU rows, FMA rows and direct convolution rows (6
+// outputs by 32 columns a strip, stored in the output's type from the registers), and the tile of
+// the lane-split dot products: up to 12 rows of A by 4 rows of B. A zmm register holds the eight
+// lanes of two outputs side by side, (A row i, B row j) and (i, j + 1): B's rows are read (widened,
+// or rounded as read) in pairs into one register, A's eight values broadcast to both halves, and
+// each FMA advances both outputs' lanes. Per eight columns, 2 B pairs and 12 broadcasts of A feed
+// 24 FMAs; each B value is read, widened or rounded once for all of A's rows (the AVX2 tile: once
+// for every three). Every lane is the same FMA chain as on the other paths, so the bits are the
+// same.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "mantissa/core/convert_simd512_internal.h"
 #include "mantissa/kernels/vector_kernels.h"
@@ -116,13 +118,47 @@ inline char* at(void* p, DType t, int64_t i) {
   return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(t));
 }
 
-// OB output rows by 16 * V columns of fma_rows_f32 from column j: the AVX2 strip's arithmetic
-// (each element an FMA chain over the taps in order from zero, then + bias) sixteen lanes a
-// vector; the last vector loads and stores only the lanes `last` selects.
+// Sixteen FP32 results into y's storage yt at element i, the lanes `m` selects: stored as they
+// are, or rounded to nearest even into f16 / bf16 (convert()'s rounding).
+MANTISSA_AVX512 inline void store_lanes(void* y, DType yt, int64_t i, __m512 v, __mmask16 m) {
+  if (yt == DType::f32)
+    _mm512_mask_storeu_ps(static_cast<float*>(y) + i, m, v);
+  else
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, m,
+                             yt == DType::f16 ? simd512::to_f16x16(v) : simd512::to_bf16x16(v));
+}
+
+// a * b rounded to FP32 before anything adds it: the empty asm hides the product from the
+// compiler, which would otherwise fuse the multiply and the following add into an FMA.
+MANTISSA_AVX512 inline __attribute__((always_inline)) __m512 rounded_product(__m512 a, __m512 b) {
+  __m512 p = _mm512_mul_ps(a, b);
+  __asm__("" : "+v"(p));
+  return p;
+}
+
+// Column strips of OB output rows by 16 * V columns from column j (the last vector loads and
+// stores only the lanes `last` selects), and the loop over a row's strips: the last 1-31 columns
+// are one strip whose last vector is masked (or whole).
+template <class Strip>
+MANTISSA_AVX512 inline __attribute__((always_inline)) void for_strips(int64_t n, Strip&& strip) {
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) strip(j, std::integral_constant<int, 2>{}, __mmask16{0xffff});
+  const int64_t r = n - j;
+  if (r == 0) return;
+  const int64_t in_last = r > 16 ? r - 16 : r;
+  const __mmask16 mask = static_cast<__mmask16>((1u << in_last) - 1);
+  if (r > 16)
+    strip(j, std::integral_constant<int, 2>{}, mask);
+  else
+    strip(j, std::integral_constant<int, 1>{}, mask);
+}
+
+// fma_rows' strip: the AVX2 strip's arithmetic (each element an FMA chain over the taps in order
+// from zero, then + bias) sixteen lanes a vector.
 template <int OB, int V>
-MANTISSA_AVX512 inline void fma_strip(float* y, int64_t ys, const float* bias, const float* w,
-                                      int64_t ws, const float* const* x, int64_t taps, int64_t j,
-                                      __mmask16 last) {
+MANTISSA_AVX512 inline void fma_strip(void* y, DType yt, int64_t ys, const float* bias,
+                                      const float* w, int64_t ws, const float* const* x,
+                                      int64_t taps, int64_t j, __mmask16 last) {
   __m512 acc[OB][V];
 #pragma GCC unroll 8
   for (int o = 0; o < OB; ++o)
@@ -145,39 +181,88 @@ MANTISSA_AVX512 inline void fma_strip(float* y, int64_t ys, const float* bias, c
     const __m512 b = _mm512_set1_ps(bias ? bias[o] : 0.0f);
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v)
-      _mm512_mask_storeu_ps(y + o * ys + j + 16 * v, v == V - 1 ? last : __mmask16{0xffff},
-                            _mm512_add_ps(acc[o][v], b));
+      store_lanes(y, yt, o * ys + j + 16 * v, _mm512_add_ps(acc[o][v], b),
+                  v == V - 1 ? last : __mmask16{0xffff});
   }
 }
 
+// conv_rows' strip: the AVX2 rows' arithmetic (from the bias, each tap's product rounded and then
+// added, taps in order) sixteen lanes a vector.
+template <int OB, int V>
+MANTISSA_AVX512 inline void conv_strip(void* y, DType yt, int64_t ys, const float* bias,
+                                       const float* w, int64_t ws, const int64_t* tap,
+                                       const float* const* x, int64_t taps, int64_t j,
+                                       __mmask16 last) {
+  __m512 acc[OB][V];
+#pragma GCC unroll 8
+  for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[o][v] = _mm512_set1_ps(bias[o]);
+  for (int64_t i = 0; i < taps; ++i) {
+    __m512 xv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
+      xv[v] = _mm512_maskz_loadu_ps(v == V - 1 ? last : __mmask16{0xffff}, x[i] + j + 16 * v);
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o) {
+      const __m512 wv = _mm512_set1_ps(w[o * ws + tap[i]]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[o][v] = _mm512_add_ps(acc[o][v], rounded_product(wv, xv[v]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
+      store_lanes(y, yt, o * ys + j + 16 * v, acc[o][v], v == V - 1 ? last : __mmask16{0xffff});
+}
+
 template <int OB>
-MANTISSA_AVX512 void fma_block(float* y, int64_t ys, const float* bias, const float* w, int64_t ws,
-                               const float* const* x, int64_t taps, int64_t n) {
-  int64_t j = 0;
-  for (; j + 32 <= n; j += 32) fma_strip<OB, 2>(y, ys, bias, w, ws, x, taps, j, 0xffff);
-  // The last 1-31 columns: one strip whose last vector is masked (or whole).
-  const int64_t r = n - j;
-  if (r == 0) return;
-  const int64_t in_last = r > 16 ? r - 16 : r;
-  const __mmask16 mask = static_cast<__mmask16>((1u << in_last) - 1);
-  if (r > 16)
-    fma_strip<OB, 2>(y, ys, bias, w, ws, x, taps, j, mask);
-  else
-    fma_strip<OB, 1>(y, ys, bias, w, ws, x, taps, j, mask);
+MANTISSA_AVX512 void fma_block(void* y, DType yt, int64_t ys, const float* bias, const float* w,
+                               int64_t ws, const float* const* x, int64_t taps, int64_t n) {
+  for_strips(n, [&](int64_t j, auto v, __mmask16 last) {
+    fma_strip<OB, decltype(v)::value>(y, yt, ys, bias, w, ws, x, taps, j, last);
+  });
+}
+
+template <int OB>
+MANTISSA_AVX512 void conv_block(void* y, DType yt, int64_t ys, const float* bias, const float* w,
+                                int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
+                                int64_t n) {
+  for_strips(n, [&](int64_t j, auto v, __mmask16 last) {
+    conv_strip<OB, decltype(v)::value>(y, yt, ys, bias, w, ws, tap, x, taps, j, last);
+  });
+}
+
+// Element i of y's storage yt.
+inline void* element(void* y, DType yt, int64_t i) {
+  return static_cast<char*>(y) + i * static_cast<int64_t>(dtype_size(yt));
 }
 
 }  // namespace
 
 // Output rows in blocks of up to 6 (12 zmm sums over 32 columns, 2 input vectors, a weight).
-void fma_rows_f32_avx512(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
-                         int64_t ws, const float* const* x, int64_t taps, int64_t n) {
-  using Block = void (*)(float*, int64_t, const float*, const float*, int64_t, const float* const*,
-                         int64_t, int64_t);
+void fma_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
+                     int64_t ws, const float* const* x, int64_t taps, int64_t n) {
+  using Block = void (*)(void*, DType, int64_t, const float*, const float*, int64_t,
+                         const float* const*, int64_t, int64_t);
   static constexpr Block kBlocks[] = {fma_block<1>, fma_block<2>, fma_block<3>,
                                       fma_block<4>, fma_block<5>, fma_block<6>};
   for (int64_t o0 = 0; o0 < O; o0 += 6)
-    kBlocks[std::min<int64_t>(6, O - o0) - 1](y + o0 * ys, ys, bias ? bias + o0 : nullptr,
-                                              w + o0 * ws, ws, x, taps, n);
+    kBlocks[std::min<int64_t>(6, O - o0) - 1](
+        element(y, yt, o0 * ys), yt, ys, bias ? bias + o0 : nullptr, w + o0 * ws, ws, x, taps, n);
+}
+
+void conv_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
+                      int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
+                      int64_t n) {
+  using Block = void (*)(void*, DType, int64_t, const float*, const float*, int64_t, const int64_t*,
+                         const float* const*, int64_t, int64_t);
+  static constexpr Block kBlocks[] = {conv_block<1>, conv_block<2>, conv_block<3>,
+                                      conv_block<4>, conv_block<5>, conv_block<6>};
+  for (int64_t o0 = 0; o0 < O; o0 += 6)
+    kBlocks[std::min<int64_t>(6, O - o0) - 1](element(y, yt, o0 * ys), yt, ys, bias + o0,
+                                              w + o0 * ws, ws, tap, x, taps, n);
 }
 
 // ReLU rows sixteen values a vector (the AVX2 functions' comparisons, lane for lane; convert()'s

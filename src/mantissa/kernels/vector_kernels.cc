@@ -185,33 +185,59 @@ void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void*
   }
 }
 
-void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
-                   const int64_t* tap, const float* const* x, int64_t taps, int64_t n) {
-#if MANTISSA_HAVE_X86_SIMD
-  if (avx2_vectors()) return conv_rows_f32_avx2(y, ys, O, bias, w, ws, tap, x, taps, n);
-#endif
-  for (int64_t o = 0; o < O; ++o) {
-    float* row = y + o * ys;
-    for (int64_t j = 0; j < n; ++j) {
-      float acc = bias[o];
-      for (int64_t i = 0; i < taps; ++i) acc += w[o * ws + tap[i]] * x[i][j];
-      row[j] = acc;
-    }
-  }
+namespace {
+
+// A kernel's rows through FP32 (the AVX2 and scalar rows, which store FP32): computed into an
+// O x n buffer, then each row stored in yt.
+template <class Rows>
+void rows_through_f32(void* y, DType yt, int64_t ys, int64_t O, int64_t n, Rows&& rows) {
+  if (yt == DType::f32) return rows(static_cast<float*>(y), ys);
+  std::vector<float> buf(static_cast<size_t>(O * n));
+  rows(buf.data(), n);
+  const int64_t es = static_cast<int64_t>(dtype_size(yt));
+  for (int64_t o = 0; o < O; ++o)
+    convert(buf.data() + o * n, DType::f32, static_cast<char*>(y) + o * ys * es, yt,
+            static_cast<size_t>(n));
 }
 
-void fma_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
-                  const float* const* x, int64_t taps, int64_t n) {
+}  // namespace
+
+void conv_rows(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
+               int64_t ws, const int64_t* tap, const float* const* x, int64_t taps, int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD
-  if (avx512_vectors()) return fma_rows_f32_avx512(y, ys, O, bias, w, ws, x, taps, n);
-  if (avx2_vectors()) return fma_rows_f32_avx2(y, ys, O, bias, w, ws, x, taps, n);
+  if (avx512_vectors()) return conv_rows_avx512(y, yt, ys, O, bias, w, ws, tap, x, taps, n);
 #endif
-  for (int64_t o = 0; o < O; ++o)
-    for (int64_t j = 0; j < n; ++j) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < taps; ++i) acc = std::fma(w[o * ws + i], x[i][j], acc);
-      y[o * ys + j] = acc + (bias ? bias[o] : 0.0f);
+  rows_through_f32(y, yt, ys, O, n, [&](float* out, int64_t os) {
+#if MANTISSA_HAVE_X86_SIMD
+    if (avx2_vectors()) return conv_rows_f32_avx2(out, os, O, bias, w, ws, tap, x, taps, n);
+#endif
+    for (int64_t o = 0; o < O; ++o) {
+      float* row = out + o * os;
+      for (int64_t j = 0; j < n; ++j) {
+        float acc = bias[o];
+        for (int64_t i = 0; i < taps; ++i) acc += w[o * ws + tap[i]] * x[i][j];
+        row[j] = acc;
+      }
     }
+  });
+}
+
+void fma_rows(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
+              int64_t ws, const float* const* x, int64_t taps, int64_t n) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx512_vectors()) return fma_rows_avx512(y, yt, ys, O, bias, w, ws, x, taps, n);
+#endif
+  rows_through_f32(y, yt, ys, O, n, [&](float* out, int64_t os) {
+#if MANTISSA_HAVE_X86_SIMD
+    if (avx2_vectors()) return fma_rows_f32_avx2(out, os, O, bias, w, ws, x, taps, n);
+#endif
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t j = 0; j < n; ++j) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < taps; ++i) acc = std::fma(w[o * ws + i], x[i][j], acc);
+        out[o * os + j] = acc + (bias ? bias[o] : 0.0f);
+      }
+  });
 }
 
 void conv_wgrad_rows_f32(float* lanes, int64_t O, const float* dy, int64_t ds,

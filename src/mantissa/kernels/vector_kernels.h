@@ -30,9 +30,11 @@ void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void*
 //
 // Forward: y[o * ys + j] = ((bias[o] + w[o * ws + tap[0]] * x[0][j]) + w[o * ws + tap[1]] *
 // x[1][j]) + ..., each product rounded and then added: the per-tap axpy_f32 loop's arithmetic,
-// bit for bit.
-void conv_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
-                   const int64_t* tap, const float* const* x, int64_t taps, int64_t n);
+// bit for bit. y is stored in yt (f32, f16 or bf16): a 16-bit output is each FP32 sum rounded once
+// to nearest even as it leaves the registers (store_f32's rounding), so it holds the bits of the
+// FP32 rows converted, and no FP32 row is staged.
+void conv_rows(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
+               int64_t ws, const int64_t* tap, const float* const* x, int64_t taps, int64_t n);
 // Weight gradient: lanes[(o * taps + i) * 8 + j % 8] += dy[o * ds + j] * x[i][j], in increasing j,
 // each product rounded and then added. lanes: (O, taps, 8).
 void conv_wgrad_rows_f32(float* lanes, int64_t O, const float* dy, int64_t ds,
@@ -43,8 +45,9 @@ void conv_wgrad_rows_f32(float* lanes, int64_t O, const float* dy, int64_t ds,
 // most two tiles: y[o * ys + j] = acc + bias[o] (bias[o] = 0 when bias is null), acc =
 // fma(w[o * ws + i], x[i][j], acc) over i < taps in increasing order from acc = 0: gemm()'s
 // arithmetic (followed by the bias), bit for bit. x[i] is row i of the right operand (stride 1).
-void fma_rows_f32(float* y, int64_t ys, int64_t O, const float* bias, const float* w, int64_t ws,
-                  const float* const* x, int64_t taps, int64_t n);
+// y is stored in yt (f32, f16 or bf16), each result rounded once as conv_rows rounds it.
+void fma_rows(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
+              int64_t ws, const float* const* x, int64_t taps, int64_t n);
 
 // ReLU over n contiguous values, each operand f32, f16 or bf16: y = x where x > 0 or x is NaN,
 // else +0 (forward); dx = g where y > 0 or y is NaN, else +0 (backward, PyTorch's
@@ -152,8 +155,12 @@ void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, cons
                         int64_t n);
 void fma_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
                        int64_t ws, const float* const* x, int64_t taps, int64_t n);
-void fma_rows_f32_avx512(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
-                         int64_t ws, const float* const* x, int64_t taps, int64_t n);
+// The AVX-512 rows store y in yt themselves; the AVX2 ones store FP32.
+void fma_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
+                     int64_t ws, const float* const* x, int64_t taps, int64_t n);
+void conv_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
+                      int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
+                      int64_t n);
 void conv_wgrad_rows_f32_avx2(float* lanes, int64_t O, const float* dy, int64_t ds,
                               const float* const* x, int64_t taps, int64_t n);
 void axpy_f32_avx2(float* a, const float* x, float w, int64_t n);  // stride 1
