@@ -520,6 +520,51 @@ TEST(MaxPool, NanPropagatesFromTheFirstNanOfTheWindow) {
   }
 }
 
+// Group and layer norm read a 16-bit input (and output gradient) as the FP32 values it holds,
+// converting each row once for its statistics, its normalization and its gradient: the outputs and
+// gradients equal those of FP32 copies of the same values, bit for bit, in every output type, on
+// one and two threads (rows long enough to be split into chunks and across threads).
+TEST(Norm, SixteenBitRowsGiveTheBitsOfTheirFp32Values) {
+  std::mt19937 gen(11);
+  std::normal_distribution<float> dist(0.3f, 2.0f);
+  auto random = [&](const Shape& s) {
+    std::vector<float> v(static_cast<size_t>(shape_numel(s)));
+    for (float& e : v) e = dist(gen);
+    return Tensor::from_floats(v, s);
+  };
+  const Shape shape{3, 6, 37, 41};
+  const Tensor w = random({6}), b = random({6});
+  for (const DType t : {DType::f16, DType::bf16}) {
+    const Tensor x = ops::cast(random(shape), t), dy = ops::cast(random(shape), t);
+    const Tensor x32 = x.to(DType::f32), dy32 = dy.to(DType::f32);
+    for (int threads : {1, 2}) {
+      set_num_threads(threads);
+      for (const DType out : {t, DType::f32}) {
+        const std::string at = std::string(dtype_name(t)) + " -> " + std::string(dtype_name(out)) +
+                               ", " + std::to_string(threads) + " threads";
+        auto [y, mean, rstd] = kernels::group_norm(x, 3, w, b, 1e-5, out);
+        auto [y32, mean32, rstd32] = kernels::group_norm(x32, 3, w, b, 1e-5, out);
+        EXPECT_EQ(y.to_float_vector(), y32.to_float_vector()) << at;
+        EXPECT_EQ(mean.to_float_vector(), mean32.to_float_vector()) << at;
+        EXPECT_EQ(rstd.to_float_vector(), rstd32.to_float_vector()) << at;
+        auto [dx, dw, db] = kernels::group_norm_backward(dy, x, 3, w, mean, rstd, out);
+        auto [dx32, dw32, db32] = kernels::group_norm_backward(dy32, x32, 3, w, mean, rstd, out);
+        EXPECT_EQ(dx.to_float_vector(), dx32.to_float_vector()) << at;
+        EXPECT_EQ(dw.to_float_vector(), dw32.to_float_vector()) << at;
+        EXPECT_EQ(db.to_float_vector(), db32.to_float_vector()) << at;
+        auto [ly, lmean, lrstd] = kernels::layer_norm(x, 2, Tensor(), Tensor(), 1e-5, out);
+        auto [ly32, lmean32, lrstd32] = kernels::layer_norm(x32, 2, Tensor(), Tensor(), 1e-5, out);
+        EXPECT_EQ(ly.to_float_vector(), ly32.to_float_vector()) << at;
+        auto [ldx, ldw, ldb] = kernels::layer_norm_backward(dy, x, 2, Tensor(), lmean, lrstd, out);
+        auto [ldx32, ldw32, ldb32] =
+            kernels::layer_norm_backward(dy32, x32, 2, Tensor(), lmean, lrstd, out);
+        EXPECT_EQ(ldx.to_float_vector(), ldx32.to_float_vector()) << at;
+      }
+    }
+    set_num_threads(0);
+  }
+}
+
 // Sums at a bias gradient's size: the merged-plane path ({0, 2, 3} of a contiguous tensor), the
 // serial path (outputs along the row), a non-contiguous input and a 16-bit one, against FP64, with
 // the same bits on one and two threads.

@@ -90,7 +90,10 @@ struct NormApply {
   DType yt;
   // Row r; xbuf and ybuf hold L.inner floats when x or y is not FP32.
   void row(int64_t r, float* xbuf, float* ybuf) const {
-    const float* xs = x.row(r * L.inner, L.inner, xbuf);
+    row_from(r, x.row(r * L.inner, L.inner, xbuf), ybuf);
+  }
+  // Row r from its values xs in FP32 (x.row()'s).
+  void row_from(int64_t r, const float* xs, float* ybuf) const {
     char* dst = static_cast<char*>(y) + r * L.inner * static_cast<int64_t>(esize(yt));
     float* out = yt == DType::f32 ? reinterpret_cast<float*>(dst) : ybuf;
     for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
@@ -125,20 +128,24 @@ void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>
                    const int64_t o_end = L.across_outer ? L.outer : o_begin + 1;
                    const int64_t grp = L.across_outer ? static_cast<int64_t>(s)
                                                       : static_cast<int64_t>(s) % L.groups;
+                   // A stat group of one row (group and layer norm) is read once: a 16-bit
+                   // row converted once for both sums and the normalization.
+                   const float* one_row = o_end - o_begin == 1 ? row(o_begin, grp) : nullptr;
+                   auto values = [&](int64_t o) { return one_row ? one_row : row(o, grp); };
                    double sum = 0;
-                   for (int64_t o = o_begin; o < o_end; ++o) sum += sum_f(row(o, grp), L.inner);
+                   for (int64_t o = o_begin; o < o_end; ++o) sum += sum_f(values(o), L.inner);
                    const double count = static_cast<double>((o_end - o_begin) * L.inner);
                    const double mu = sum / count;
                    double sq = 0;  // two passes: the variance of values around their mean
                    for (int64_t o = o_begin; o < o_end; ++o)
-                     sq += sum_sq_f(row(o, grp), L.inner, static_cast<float>(mu));
+                     sq += sum_sq_f(values(o), L.inner, static_cast<float>(mu));
                    const double var = sq / count;
                    mean[s] = static_cast<float>(mu);
                    rstd[s] = static_cast<float>(1.0 / std::sqrt(var + eps));
                    if (var_out) (*var_out)[s] = var;
                    if (apply)
                      for (int64_t o = o_begin; o < o_end; ++o)
-                       apply->row(o * L.groups + grp, buf.data(), ybuf.data());
+                       apply->row_from(o * L.groups + grp, values(o), ybuf.data());
                  }
                });
 }
@@ -282,9 +289,8 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
   std::vector<double> sum_g(static_cast<size_t>(stats), 0.0),
       sum_gx(static_cast<size_t>(stats), 0.0);
   const size_t dx_size = esize(dx_type);
-  auto dx_row = [&](int64_t r, float* dybuf, float* xbuf, float* outbuf) {
-    const float* dr = dy.row(r * L.inner, L.inner, dybuf);
-    const float* xr = x.row(r * L.inner, L.inner, xbuf);
+  // Row r's dx from its dy and x values in FP32 (FloatRows::row()'s).
+  auto dx_values = [&](int64_t r, const float* dr, const float* xr, float* outbuf) {
     char* dst = static_cast<char*>(dx) + r * L.inner * static_cast<int64_t>(dx_size);
     float* out = dx_type == DType::f32 ? reinterpret_cast<float*>(dst) : outbuf;
     for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
@@ -297,6 +303,9 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
         out[i] = dr[i] * scale - shift - ((xr[i] - mu) * rs) * slope;
     });
     if (dx_type != DType::f32) store_f32(out, L.inner, dst, dx_type, 1);
+  };
+  auto dx_row = [&](int64_t r, float* dybuf, float* xbuf, float* outbuf) {
+    dx_values(r, dy.row(r * L.inner, L.inner, dybuf), x.row(r * L.inner, L.inner, xbuf), outbuf);
   };
   // A stat group of one row (group and layer norm) computes its dx right after its sums, while
   // the row is still in cache. Batch norm's stat group is a channel's rows, one per image, a
@@ -331,10 +340,10 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
           tdw[c] += sdx;
           tdb[c] += sd;
         });
+        // Without a second pass the stat group is this one row (L.across_outer is false), its
+        // sums complete: its dx from the values just read (a 16-bit row is not converted again).
+        if (!second_pass) dx_values(r, dr, xr, outbuf.data());
       }
-      if (!second_pass)
-        for (int64_t k = 0; k < n_rows; ++k)
-          dx_row(row_of(k), dybuf.data(), xbuf.data(), outbuf.data());
     }
     std::lock_guard<std::mutex> lock(merge);
     for (size_t c = 0; c < tdw.size(); ++c) dw[c] += tdw[c], db[c] += tdb[c];
