@@ -89,6 +89,15 @@ class OutPlane {
 // Offsets fit a byte up to this many window positions.
 constexpr int64_t kByteOffsetsMax = 256;
 
+// The common 2x2 window with stride 2 and no padding, every window inside the input (ceil mode
+// on an odd size makes a last window of one row or column: the general loops). Each input element
+// is then in at most one window.
+bool two_by_two(const Pool2dParams& p, int64_t H, int64_t W, int64_t Ho, int64_t Wo) {
+  return p.kernel_h == 2 && p.kernel_w == 2 && p.stride_h == 2 && p.stride_w == 2 && p.pad_h == 0 &&
+         p.pad_w == 0 && 2 * Ho <= H && 2 * Wo <= W;
+}
+bool row_kernel_reads(DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; }
+
 // Output i's window offset, whatever the offsets' dtype.
 int64_t window_offset(const Tensor& offsets, int64_t i) {
   return offsets.dtype() == DType::u8 ? offsets.data<uint8_t>()[i] : offsets.data<int32_t>()[i];
@@ -104,17 +113,9 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
   const bool bytes_fit = p.kernel_h * p.kernel_w <= kByteOffsetsMax;
   Tensor offsets = Tensor::empty(ys, bytes_fit ? DType::u8 : DType::i32,
                                  charged_to(MemoryCategory::activations));
-  // The common 2x2 window with stride 2 and no padding, every window inside the input (ceil mode
-  // on an odd size makes a last window of one row or column: the general loop): the four
-  // candidates in window order, NaN propagating from the first one found (as the general loop
-  // below does).
-  const bool two_by_two = p.kernel_h == 2 && p.kernel_w == 2 && p.stride_h == 2 &&
-                          p.stride_w == 2 && p.pad_h == 0 && p.pad_w == 0 && 2 * Ho <= H &&
-                          2 * Wo <= W;
-  const auto row_kernel_reads = [](DType t) {
-    return t == DType::f32 || t == DType::f16 || t == DType::bf16;
-  };
-  if (two_by_two && row_kernel_reads(x.dtype()) && row_kernel_reads(out)) {
+  // 2x2 windows with stride 2 (two_by_two): the four candidates in window order, NaN propagating
+  // from the first one found (as the general loop below does).
+  if (two_by_two(p, H, W, Ho, Wo) && row_kernel_reads(x.dtype()) && row_kernel_reads(out)) {
     // The row kernel reads x and writes y in their own storage: a 16-bit plane is widened in
     // registers and its outputs rounded from them, with no FP32 copy of either plane.
     const int64_t planes = ys[0] * ys[1], sx = esize(x.dtype()), sy = esize(out);
@@ -176,6 +177,34 @@ Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& offsets, const Sha
   const int64_t planes = x_shape[0] * x_shape[1], W = x_shape[3], HW = x_shape[2] * W,
                 Ho = dy.size(2), Wo = dy.size(3), OHW = Ho * Wo;
   Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
+  if (two_by_two(p, x_shape[2], W, Ho, Wo) && offsets.dtype() == DType::u8 &&
+      row_kernel_reads(dy.dtype()) && row_kernel_reads(out) &&
+      detail::has_max_pool_2x2_backward_row()) {
+    // Each input element is in at most one window: the row kernel writes every element of a row
+    // pair once, in dx's type (no plane to clear, scatter into and convert); the columns right of
+    // the last window (an odd W) and the rows below the last pair (an odd H) are zero.
+    const int64_t H = x_shape[2], sg = esize(dy.dtype()), sx = esize(out);
+    const uint8_t* ob = offsets.data<uint8_t>();
+    parallel_for(
+        static_cast<size_t>(planes), 1, threads_for(planes * HW), [&](size_t p0, size_t p1) {
+          const std::vector<float> zeros(static_cast<size_t>(W), 0.0f);
+          for (int64_t pl = static_cast<int64_t>(p0); pl < static_cast<int64_t>(p1); ++pl) {
+            char* dxp = bytes(dx) + pl * HW * sx;
+            for (int64_t oh = 0; oh < Ho; ++oh) {
+              char* r0 = dxp + 2 * oh * W * sx;
+              detail::max_pool_2x2_backward_row(bytes(dy) + (pl * OHW + oh * Wo) * sg, dy.dtype(),
+                                                ob + pl * OHW + oh * Wo, Wo, r0, r0 + W * sx, out);
+              if (2 * Wo < W) {
+                store_f32(zeros.data(), W - 2 * Wo, r0 + 2 * Wo * sx, out, 1);
+                store_f32(zeros.data(), W - 2 * Wo, r0 + (W + 2 * Wo) * sx, out, 1);
+              }
+            }
+            for (int64_t h = 2 * Ho; h < H; ++h)
+              store_f32(zeros.data(), W, dxp + h * W * sx, out, 1);
+          }
+        });
+    return dx;
+  }
   // An offset's place relative to its window's corner in the plane, looked up (no division per
   // output).
   std::vector<int64_t> delta(static_cast<size_t>(p.kernel_h * p.kernel_w));

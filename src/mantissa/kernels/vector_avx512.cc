@@ -241,6 +241,45 @@ inline void* element(void* y, DType yt, int64_t i) {
 
 }  // namespace
 
+// Sixteen windows at a time: the gradient (0 + g) masked by each window position, positions 0 and
+// 1 interleaved into 32 columns of r0, 2 and 3 into r1; the last 1-15 windows masked.
+MANTISSA_AVX512 void max_pool_2x2_backward_row_avx512(const void* g, DType tg, const uint8_t* at,
+                                                      int64_t n, void* r0, void* r1, DType ty) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const size_t sg = dtype_size(tg);
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j);
+    const __mmask16 in = static_cast<__mmask16>((1u << m) - 1);
+    __m512 gv;
+    if (tg == DType::f32)
+      gv = _mm512_maskz_loadu_ps(in, static_cast<const float*>(g) + j);
+    else
+      gv = simd512::from_half16(
+          _mm256_maskz_loadu_epi16(in, static_cast<const char*>(g) + j * static_cast<int64_t>(sg)),
+          tg);
+    gv = _mm512_add_ps(_mm512_setzero_ps(), gv);
+    const __m512i a = _mm512_maskz_cvtepu8_epi32(in, _mm_maskz_loadu_epi8(in, at + j));
+    __m512 v[4];
+    for (int k = 0; k < 4; ++k)
+      v[k] = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(a, _mm512_set1_epi32(k)) & in, gv);
+    // Columns [2j, 2j + 2m): 2m lanes, the first 16 in the low store.
+    const int64_t cols = 2 * m;
+    const __mmask16 first =
+        cols >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << cols) - 1);
+    const __mmask16 second =
+        cols > 16 ? static_cast<__mmask16>((1u << (cols - 16)) - 1) : __mmask16{0};
+    void* rows[2] = {r0, r1};
+    for (int r = 0; r < 2; ++r) {
+      store_lanes(rows[r], ty, 2 * j, _mm512_permutex2var_ps(v[2 * r], lo, v[2 * r + 1]), first);
+      if (second)
+        store_lanes(rows[r], ty, 2 * j + 16, _mm512_permutex2var_ps(v[2 * r], hi, v[2 * r + 1]),
+                    second);
+    }
+  }
+}
+
 // Output rows in blocks of up to 6 (12 zmm sums over 32 columns, 2 input vectors, a weight).
 void fma_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
                      int64_t ws, const float* const* x, int64_t taps, int64_t n) {

@@ -202,6 +202,25 @@ void rows_through_f32(void* y, DType yt, int64_t ys, int64_t O, int64_t n, Rows&
 
 }  // namespace
 
+bool has_max_pool_2x2_backward_row() {
+#if MANTISSA_HAVE_X86_SIMD
+  return avx512_vectors();
+#else
+  return false;
+#endif
+}
+
+void max_pool_2x2_backward_row(const void* g, DType tg, const uint8_t* at, int64_t n, void* r0,
+                               void* r1, DType ty) {
+  MANTISSA_ASSERT(has_max_pool_2x2_backward_row(),
+                  "max_pool_2x2_backward_row: no vector path on this processor");
+#if MANTISSA_HAVE_X86_SIMD
+  max_pool_2x2_backward_row_avx512(g, tg, at, n, r0, r1, ty);
+#else
+  (void)g, (void)tg, (void)at, (void)n, (void)r0, (void)r1, (void)ty;
+#endif
+}
+
 void conv_rows(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
                int64_t ws, const int64_t* tap, const float* const* x, int64_t taps, int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD

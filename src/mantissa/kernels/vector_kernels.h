@@ -24,6 +24,17 @@ void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n);
 void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void* out, DType ty,
                       uint8_t* at);
 
+// The 2x2 stride-2 max pooling's backward for one output row of n: window j's gradient g[j]
+// (stored in tg) goes to its winner, at[j] (0-3 as max_pool_2x2_row gives it), in the input rows
+// r0 (at 0, 1: columns 2j, 2j + 1) and r1 (at 2, 3), as 0 + g (-0 becomes +0, as adding it to a
+// zeroed plane gives); the window's other three elements are +0. Columns [0, 2n) of both rows are
+// written, in ty (f32, f16 or bf16), rounded to nearest even (convert()'s rounding). Only on the
+// AVX-512 path: has_max_pool_2x2_backward_row() says whether it is there (the callers' plane loops
+// do the same otherwise).
+bool has_max_pool_2x2_backward_row();
+void max_pool_2x2_backward_row(const void* g, DType tg, const uint8_t* at, int64_t n, void* r0,
+                               void* r1, DType ty);
+
 // ---- Direct convolution rows (few input channels and taps: the tutorial CNN's conv1), a row
 // segment of n output columns at a time, all output channels and taps together so that the sums
 // stay in registers. x[i] is tap i's input row (stride 1), already at the segment's first column.
@@ -155,6 +166,8 @@ void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, cons
                         int64_t n);
 void fma_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
                        int64_t ws, const float* const* x, int64_t taps, int64_t n);
+void max_pool_2x2_backward_row_avx512(const void* g, DType tg, const uint8_t* at, int64_t n,
+                                      void* r0, void* r1, DType ty);
 // The AVX-512 rows store y in yt themselves; the AVX2 ones store FP32.
 void fma_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
                      int64_t ws, const float* const* x, int64_t taps, int64_t n);
