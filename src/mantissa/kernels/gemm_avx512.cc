@@ -5,6 +5,8 @@
 // over k as on the other paths, so the bits are the same.
 #include <immintrin.h>
 
+#include <cstdlib>
+
 #include "mantissa/core/convert_simd512_internal.h"
 #include "mantissa/kernels/gemm_kernels.h"
 
@@ -39,17 +41,25 @@ inline const void* b_at(const void* b, int64_t e) {
   return static_cast<const char*>(b) + e * es;
 }
 
-// B rows read in place: a tile reads sixteen or thirty-two values of each of kc rows that lie far
-// apart (a linear layer's weight rows: 41,772 floats apart in the tutorial CNN's fc1), more
-// streams than the hardware prefetcher follows, so the loads wait on memory and a tile with more
-// work per value (rounding FP32 to 16 bits as it reads) hides less of the wait. Each tile fetches
-// its rows' values 256 bytes ahead (two 32-column tiles in FP32 rows, four in 16-bit ones) while
-// it computes. fc1's input gradient at batch 12 (12 x 100 by 100 x 41,772, best of 40 calls on
-// 2 threads, 2-core Xeon, 2026-11-27): FP32 B 0.61-0.68 -> 0.49-0.56 ms, FP32 read as FP16
-// 0.84-0.88 -> 0.52-0.59, FP16 0.60-0.69 -> 0.42-0.47 (distances of 128 to 2048 bytes tried).
+// B rows read in place: a tile reads sixteen or thirty-two values of each of kc rows. Where the
+// rows lie far apart (a linear layer's weight rows: 41,772 floats apart in the tutorial CNN's
+// fc1), they are more streams than the hardware prefetcher follows, so the loads wait on memory,
+// and a tile with more work per value (rounding FP32 to 16 bits as it reads) hides less of the
+// wait: such a tile fetches its rows' values 256 bytes ahead (two 32-column tiles in FP32 rows,
+// four in 16-bit ones) while it computes. fc1's input gradient at batch 12 (12 x 100 by 100 x
+// 41,772, best of 40 calls on 2 threads, 2-core Xeon, 2026-11-27): FP32 B 0.61-0.68 -> 0.58 ms,
+// FP32 read as FP16 0.84-0.88 -> 0.60-0.62, FP16 0.60-0.69 -> 0.45-0.48 (distances of 128 to
+// 2048 bytes tried). Rows close together (an implicit convolution's taps: shifts of one padded
+// chunk, which is in cache) are not prefetched.
 constexpr int64_t kRowPrefetchBytes = 256;
-MANTISSA_AVX512 inline __attribute__((always_inline)) void prefetch_row_ahead(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + kRowPrefetchBytes, _MM_HINT_T0);
+template <int kLoad>
+inline bool rows_far_apart(int64_t kc, const int64_t* b_off) {
+  constexpr int64_t es = (kLoad == kLoadF16 || kLoad == kLoadBF16) ? 2 : 4;
+  return kc > 1 && std::abs(b_off[1] - b_off[0]) * es >= 4096;
+}
+MANTISSA_AVX512 inline __attribute__((always_inline)) void prefetch_row_ahead(const void* p,
+                                                                              bool far) {
+  if (far) _mm_prefetch(static_cast<const char*>(p) + kRowPrefetchBytes, _MM_HINT_T0);
 }
 
 // The accumulators are named variables (as in the AVX2 kernel), so GCC keeps them in registers.
@@ -96,13 +106,14 @@ MANTISSA_AVX512 void micro_6x32(int64_t kc, const float* a, const void* b0v, con
 #define MANTISSA_ROUND(i)                        \
   c##i##0 = simd512::round_through_f16(c##i##0); \
   c##i##1 = simd512::round_through_f16(c##i##1);
+  const bool far = kRows && rows_far_apart<kLoad>(kc, b_off);
   for (int64_t k = 0; k < kc; ++k) {
     __m512 v0, v1;
     if constexpr (kRows) {
       const void* p0 = b_at<kLoad>(b0v, b_off[k]);
       const void* p1 = b_at<kLoad>(b1v, b_off[k]);
-      prefetch_row_ahead(p0);
-      prefetch_row_ahead(p1);
+      prefetch_row_ahead(p0, far);
+      prefetch_row_ahead(p1, far);
       v0 = load_b16<kLoad>(p0);
       v1 = load_b16<kLoad>(p1);
     } else {
@@ -144,11 +155,12 @@ MANTISSA_AVX512 void micro_12x32_rows(int64_t kc, const float* a, const void* b0
   x = _mm512_set1_ps((i) < kMR ? a[(i) % kMR] : a_hi[(i) % kMR]); \
   c##i##0 = _mm512_fmadd_ps(x, v0, c##i##0);                      \
   c##i##1 = _mm512_fmadd_ps(x, v1, c##i##1);
+  const bool far = rows_far_apart<kLoad>(kc, b_off);
   for (int64_t k = 0; k < kc; ++k) {
     const void* p0 = b_at<kLoad>(b0v, b_off[k]);
     const void* p1 = b_at<kLoad>(b1v, b_off[k]);
-    prefetch_row_ahead(p0);
-    prefetch_row_ahead(p1);
+    prefetch_row_ahead(p0, far);
+    prefetch_row_ahead(p1, far);
     const __m512 v0 = load_b16<kLoad>(p0);
     const __m512 v1 = load_b16<kLoad>(p1);
     __m512 x;
@@ -189,11 +201,12 @@ MANTISSA_AVX512 void micro_6x16(int64_t kc, const float* a, const void* bv, cons
   }
 #define MANTISSA_FMA(i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), v, c##i);
 #define MANTISSA_ROUND(i) c##i = simd512::round_through_f16(c##i);
+  const bool far = kRows && rows_far_apart<kLoad>(kc, b_off);
   for (int64_t k = 0; k < kc; ++k) {
     __m512 v;
     if constexpr (kRows) {
       const void* p = b_at<kLoad>(bv, b_off[k]);
-      prefetch_row_ahead(p);
+      prefetch_row_ahead(p, far);
       v = load_b16<kLoad>(p);
     } else {
       v = _mm512_load_ps(b);
