@@ -177,6 +177,36 @@ const std::vector<Geometry>& geometries() {
   return g;
 }
 
+// Every path of every direction reads 16-bit operands as the FP32 values they hold (widened as
+// they are staged, a row or an image at a time) and rounds a 16-bit result once from its FP32
+// value: with FP32 partials, f16 and bf16 x, w and dy give the bits of their FP32 copies, and a
+// 16-bit output holds the FP32 output converted.
+TEST(Conv2d, SixteenBitOperandsGiveTheBitsOfTheirFp32Copies) {
+  uint32_t seed = 90;
+  for (const Geometry& g : geometries())
+    for (const DType half : {DType::f16, DType::bf16}) {
+      SCOPED_TRACE(g.name + " " + std::string(dtype_name(half)));
+      const Tensor x = stored(random_values(g.x[0] * g.x[1] * g.x[2] * g.x[3], seed++), g.x, half);
+      const Tensor w = stored(random_values(g.w[0] * g.w[1] * g.w[2] * g.w[3], seed++), g.w, half);
+      const Tensor b = stored(random_values(g.w[0], seed++), {g.w[0]}, DType::f32);
+      const Tensor x32 = x.to(DType::f32), w32 = w.to(DType::f32);
+      const Tensor y32 = conv2d(x32, w32, b, g.p, DType::f32);
+      const Tensor dy = stored(random_values(y32.numel(), seed++), y32.shape(), half);
+      const Tensor dy32 = dy.to(DType::f32);
+      const Tensor dx32 = conv2d_backward_input(dy32, w32, g.x, g.p, DType::f32);
+      const Tensor dw32 = conv2d_backward_weight(dy32, x32, g.w, g.p, DType::f32);
+      auto same = [](const Tensor& got, const Tensor& want, const char* what) {
+        ASSERT_EQ(got.dtype(), want.dtype()) << what;
+        EXPECT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()), 0) << what;
+      };
+      for (const DType out : {half, DType::f32}) {
+        same(conv2d(x, w, b, g.p, out), y32.to(out), "forward");
+        same(conv2d_backward_input(dy, w, g.x, g.p, out), dx32.to(out), "input gradient");
+        same(conv2d_backward_weight(dy, x, g.w, g.p, out), dw32.to(out), "weight gradient");
+      }
+    }
+}
+
 // The geometries above, with the partials of the tests below (the storage dtypes choose no path),
 // take every path of every direction (with the switches on; CTest's runs with them off move the
 // same geometries to other paths).

@@ -76,9 +76,12 @@ Tensor direct_forward(const Tensor& x_in, const Tensor& w_in, const std::vector<
     const int64_t plane = g.C * g.H * g.W;
     parallel_for(static_cast<size_t>(g.N), 1, threads_for(g.N * plane), [&](size_t n0, size_t n1) {
       for (size_t n = n0; n < n1; ++n) {
-        const int64_t at = static_cast<int64_t>(n) * plane;
-        std::copy(x.data<float>() + at, x.data<float>() + at + plane, staged.data<float>() + at);
-        round_through(staged.data<float>() + at, plane, g.read_as);
+        for (int64_t at = static_cast<int64_t>(n) * plane, end = at + plane; at < end;
+             at += 4096) {  // a block at a time in L1
+          const int64_t m = std::min<int64_t>(4096, end - at);
+          std::copy(x.data<float>() + at, x.data<float>() + at + m, staged.data<float>() + at);
+          round_through(staged.data<float>() + at, m, g.read_as);
+        }
       }
     });
     x = staged.view(x.shape());
@@ -149,24 +152,43 @@ Tensor direct_weight_grad(const Tensor& dy_in, const Tensor& x_in, const Shape& 
         // products, one at a time in row order, into `rest`.
         std::vector<float> lanes(static_cast<size_t>(taps * kDotLanes)), rest(taps);
         std::vector<const float*> xrow(static_cast<size_t>(g.CKK));
-        // (C, H, W) and (O, Ho, Wo) of one image, when 16-bit (or read as 16-bit: g.read_as)
+        // (C, H, W) of one image, when 16-bit (or read as 16-bit: g.read_as); (O, kDyRows, Wo):
+        // kDyRows output rows of every channel of a 16-bit dy, widened a block at a time (in L1,
+        // where a whole image's would stream through L2: 5 x 126 x 126 floats for the tutorial
+        // CNN's conv1).
+        constexpr int64_t kDyRows = 8;
         const bool round = g.read_as != DType::f32;
+        const bool dy32 = dy.dtype() == DType::f32;
         std::vector<float> xbuf(x.dtype() == DType::f32 && !round ? 0 : static_cast<size_t>(plane)),
-            dybuf(dy.dtype() == DType::f32 ? 0 : static_cast<size_t>(g.O * g.HW));
+            dyrows(dy32 ? 0 : static_cast<size_t>(g.O * kDyRows * g.Wo));
         for (size_t n = n0; n < n1; ++n) {
           const int64_t ni = static_cast<int64_t>(n);
           const float* xn =
               row_f32(bytes(x) + ni * plane * esize(x.dtype()), x.dtype(), 1, plane, xbuf.data());
-          if (round) {  // an FP32 image as its 16-bit copy holds it
-            std::copy(xn, xn + plane, xbuf.data());
-            round_through(xbuf.data(), plane, g.read_as);
+          if (round) {  // an FP32 image as its 16-bit copy holds it, a block at a time in L1
+            for (int64_t i = 0; i < plane; i += 4096) {
+              const int64_t m = std::min<int64_t>(4096, plane - i);
+              std::copy(xn + i, xn + i + m, xbuf.data() + i);
+              round_through(xbuf.data() + i, m, g.read_as);
+            }
             xn = xbuf.data();
           }
-          const float* dyn = row_f32(bytes(dy) + ni * g.O * g.HW * esize(dy.dtype()), dy.dtype(), 1,
-                                     g.O * g.HW, dybuf.data());
+          const char* dyn = bytes(dy) + ni * g.O * g.HW * esize(dy.dtype());
           std::fill(lanes.begin(), lanes.end(), 0.0f);
           std::fill(rest.begin(), rest.end(), 0.0f);
           for (int64_t oh = 0; oh < g.Ho; ++oh) {
+            // Output row oh of channel o at dyo + o * ds.
+            const float* dyo = reinterpret_cast<const float*>(dyn) + oh * g.Wo;
+            int64_t ds = g.HW;
+            if (!dy32) {
+              const int64_t block = oh % kDyRows, rows = std::min(kDyRows, g.Ho - (oh - block));
+              if (block == 0)
+                for (int64_t o = 0; o < g.O; ++o)
+                  load_f32(dyn + (o * g.HW + oh * g.Wo) * esize(dy.dtype()), dy.dtype(), 1,
+                           rows * g.Wo, dyrows.data() + o * kDyRows * g.Wo);
+              dyo = dyrows.data() + block * g.Wo;
+              ds = kDyRows * g.Wo;
+            }
             int64_t valid = 0;
             for_each_row_tap(g, tap_list, oh, [&](int64_t t, int64_t lo, int64_t, int64_t xo) {
               xrow[static_cast<size_t>(t)] = xn + xo + (j0 - lo);
@@ -174,10 +196,9 @@ Tensor direct_weight_grad(const Tensor& dy_in, const Tensor& x_in, const Shape& 
             });
             const bool tiled = j0 < j1 && valid == g.CKK;
             if (tiled)
-              conv_wgrad_rows_f32(lanes.data(), g.O, dyn + oh * g.Wo + j0, g.HW, xrow.data(), g.CKK,
-                                  j1 - j0);
+              conv_wgrad_rows_f32(lanes.data(), g.O, dyo + j0, ds, xrow.data(), g.CKK, j1 - j0);
             for (int64_t o = 0; o < g.O; ++o) {
-              const float* d = dyn + o * g.HW + oh * g.Wo;
+              const float* d = dyo + o * ds;
               untiled_columns(tiled, j0, j1, g.Wo, [&](int64_t a, int64_t b) {
                 for_each_row_tap(
                     g, tap_list, oh, [&](int64_t t, int64_t lo, int64_t cols, int64_t xo) {
