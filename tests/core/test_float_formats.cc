@@ -152,12 +152,15 @@ TEST(Convert, BetweenAllDtypes) {
   EXPECT_EQ(e[2], 0xc5);
 }
 
-// Every length from 0 to 40 at every start within a 32-value block: the SIMD path's full blocks
-// and its padded last block (a kernel's short rows) give the scalar path's bits, to and from FP16
-// and BF16, with and without saturation, on values that take every branch of the rounding
-// (ties, overflow, subnormals, infinities, NaNs) and nothing past the last element is written.
+// Every length from 0 to 40 at every start within a 32-value block: each SIMD path's full blocks
+// and its last partial block (a kernel's short rows: padded on the AVX2 path, masked on the
+// AVX-512 one) give the scalar path's bits, to and from FP16 and BF16, with and without
+// saturation, on values that take every branch of the rounding (ties, overflow, subnormals,
+// infinities, NaNs) and nothing past the last element is written.
 TEST(Convert, SimdPathAgreesWithScalarAtEveryLengthAndStart) {
   if (!simd_path_supported(SimdPath::kAvx2)) GTEST_SKIP() << "no AVX2 path on this processor";
+  std::vector<SimdPath> paths = {SimdPath::kAvx2};
+  if (simd_path_supported(SimdPath::kAvx512)) paths.push_back(SimdPath::kAvx512);
   std::vector<float> in;
   for (uint32_t b : {0x3f801000u, 0x3f803000u, 0x477ff000u, 0x477fefffu, 0x7f7fffffu, 0x7f800000u,
                      0xff800000u, 0x7fc00001u, 0xffa00000u, 0x33000000u, 0x33000001u, 0x00000001u,
@@ -166,22 +169,25 @@ TEST(Convert, SimdPathAgreesWithScalarAtEveryLengthAndStart) {
   for (int i = 0; in.size() < 72; ++i) in.push_back(std::ldexp(1.0f + 0.37f * i, i % 40 - 20));
   CastOptions sat;
   sat.saturate = true;
-  for (DType t : {DType::f16, DType::bf16})
-    for (const CastOptions& o : {CastOptions{}, sat})
-      for (size_t start = 0; start < 32; ++start)
-        for (size_t n = 0; n <= 40; ++n) {
-          std::vector<uint16_t> want(48, 0xabcd), got(48, 0xabcd);
-          convert(in.data() + start, DType::f32, want.data(), t, n, o, SimdPath::kScalar);
-          convert(in.data() + start, DType::f32, got.data(), t, n, o, SimdPath::kAvx2);
-          ASSERT_EQ(got, want) << dtype_name(t) << " from f32, start " << start << ", n " << n
-                               << (o.saturate ? ", saturating" : "");
-          std::vector<float> back_want(48, -7.0f), back_got(48, -7.0f);
-          convert(want.data(), t, back_want.data(), DType::f32, n, {}, SimdPath::kScalar);
-          convert(want.data(), t, back_got.data(), DType::f32, n, {}, SimdPath::kAvx2);
-          for (size_t j = 0; j < back_want.size(); ++j)
-            ASSERT_EQ(bits(back_got[j]), bits(back_want[j]))
-                << dtype_name(t) << " to f32, n " << n << ", element " << j;
-        }
+  for (const SimdPath path : paths)
+    for (DType t : {DType::f16, DType::bf16})
+      for (const CastOptions& o : {CastOptions{}, sat})
+        for (size_t start = 0; start < 32; ++start)
+          for (size_t n = 0; n <= 40; ++n) {
+            const std::string at = std::string(simd_path_name(path)) + " " +
+                                   std::string(dtype_name(t)) + ", start " + std::to_string(start) +
+                                   ", n " + std::to_string(n) + (o.saturate ? ", saturating" : "");
+            std::vector<uint16_t> want(48, 0xabcd), got(48, 0xabcd);
+            convert(in.data() + start, DType::f32, want.data(), t, n, o, SimdPath::kScalar);
+            convert(in.data() + start, DType::f32, got.data(), t, n, o, path);
+            ASSERT_EQ(got, want) << "from f32, " << at;
+            std::vector<float> back_want(48, -7.0f), back_got(48, -7.0f);
+            convert(want.data(), t, back_want.data(), DType::f32, n, {}, SimdPath::kScalar);
+            convert(want.data(), t, back_got.data(), DType::f32, n, {}, path);
+            for (size_t j = 0; j < back_want.size(); ++j)
+              ASSERT_EQ(bits(back_got[j]), bits(back_want[j]))
+                  << "to f32, " << at << ", element " << j;
+          }
 }
 
 TEST(Convert, SimdPathsAreReported) {

@@ -2,10 +2,9 @@
 // round-to-nearest-even with or without saturation: F16C's rounding for FP16 (the 512-bit form
 // rounds each lane as the 256-bit one does), add-and-truncate for BF16, the AVX2 kernels' steps
 // lane for lane, so the same bits as the scalar encoders (the exhaustive tests run every path).
-// Stochastic rounding and the FP8 formats use the AVX2 kernels.
+// Stochastic rounding and the FP8 formats use the AVX2 kernels. A last partial vector is read and
+// written through masks.
 #include <immintrin.h>
-
-#include <cstring>
 
 #include "mantissa/core/convert_kernels.h"
 #include "mantissa/core/convert_simd512_internal.h"
@@ -45,13 +44,10 @@ MANTISSA_AVX512 void from_f32(const float* src, void* dst_v, size_t n, const Cas
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
                         rne16<kF16>(_mm512_loadu_ps(src + i), opt.saturate));
-  if (i < n) {  // the last one to fifteen through a zero-padded block
-    alignas(64) float in[16] = {};
-    alignas(32) uint16_t out[16];
-    std::memcpy(in, src + i, (n - i) * sizeof(float));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(out),
-                       rne16<kF16>(_mm512_load_ps(in), opt.saturate));
-    std::memcpy(dst + i, out, (n - i) * sizeof(uint16_t));
+  if (i < n) {  // the last one to fifteen: masked (the other lanes read as zero, not stored)
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(dst + i, m,
+                             rne16<kF16>(_mm512_maskz_loadu_ps(m, src + i), opt.saturate));
   }
 }
 
@@ -67,12 +63,9 @@ MANTISSA_AVX512 void to_f32(const void* src_v, float* dst, size_t n) {
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(dst + i,
                      widen<kF16>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-  if (i < n) {
-    alignas(32) uint16_t in[16] = {};
-    alignas(64) float out[16];
-    std::memcpy(in, src + i, (n - i) * sizeof(uint16_t));
-    _mm512_store_ps(out, widen<kF16>(_mm256_load_si256(reinterpret_cast<const __m256i*>(in))));
-    std::memcpy(dst + i, out, (n - i) * sizeof(float));
+  if (i < n) {  // the last one to fifteen: masked
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, m, widen<kF16>(_mm256_maskz_loadu_epi16(m, src + i)));
   }
 }
 
