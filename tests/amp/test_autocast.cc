@@ -3,7 +3,9 @@
 // reaching FP32 weights, per-module precision, stochastic op outputs and the default partials.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <set>
@@ -171,6 +173,56 @@ TEST(Autocast, Conv2dReadsAnFp32InputAsItsSixteenBitCopy) {
       // the activations held after the forward differ by that.
       EXPECT_EQ(held[1] - held[0], static_cast<size_t>(2 * 8 * 8 * ws[1] * 2)) << dtype_name(lower);
     }
+}
+
+// linear reads an FP32 activation as its 16-bit copy (input_as): it makes the copy itself, which
+// its weight gradient keeps as it would keep the cast's, and computes the input's gradient in FP32
+// rounded in place: output, input gradient (FP32, holding the 16-bit gradient's values) and weight
+// gradient are an explicit cast's, bit for bit, through the small-batch and the GEMM paths, with
+// input gradients that overflow FP16 (scaled outputs), and the forward holds the same memory.
+TEST(Autocast, LinearReadsAnFp32InputAsItsSixteenBitCopy) {
+  const AutocastPolicy policy;
+  for (const DType lower : {DType::f16, DType::bf16})
+    for (const Shape& xs : {Shape{3, 1100}, Shape{40, 24}, Shape{2, 5, 24}})
+      for (const double scale : {1.0, 6e4}) {  // 6e4: gradients past FP16's largest value
+        const int64_t in = xs.back();
+        std::vector<std::vector<float>> y, dx, dw;
+        std::vector<size_t> held;
+        for (const bool explicit_cast : {false, true}) {
+          Tensor x0 = param(xs, 0.37f), w = param({7, in}, scale > 1 ? 1.0f : 0.05f),
+                 b = param({7});
+          Tensor y_out;
+          {
+            AutocastScope scope(lower, policy);
+            const Tensor x = mul_scalar(x0, 1.0);  // an activation: FP32, computed
+            const size_t before =
+                default_memory_tracker().stats().current_of(MemoryCategory::activations);
+            y_out = linear(explicit_cast ? cast(x, lower) : x, w, b);
+            held.push_back(
+                default_memory_tracker().stats().current_of(MemoryCategory::activations) - before);
+            autograd::backward(sum(mul_scalar(y_out, scale)));
+          }
+          y.push_back(y_out.to_float_vector());
+          dx.push_back(x0.grad().to_float_vector());
+          dw.push_back(w.grad().to_float_vector());
+          EXPECT_EQ(y_out.dtype(), lower);
+          EXPECT_EQ(x0.grad().dtype(), DType::f32);
+        }
+        const std::string at =
+            std::string(dtype_name(lower)) + " " + shape_str(xs) + " x" + std::to_string(scale);
+        auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+          return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+        };
+        EXPECT_TRUE(same_bits(y[0], y[1])) << at;
+        EXPECT_TRUE(same_bits(dx[0], dx[1])) << at;
+        EXPECT_TRUE(same_bits(dw[0], dw[1])) << at;
+        EXPECT_EQ(held[0], held[1]) << at;
+        if (scale > 1 && lower == DType::f16) {  // the input gradient overflowed somewhere
+          EXPECT_TRUE(std::any_of(dx[0].begin(), dx[0].end(), [](float v) {
+            return std::isinf(v);
+          })) << at;
+        }
+      }
 }
 
 // relu of an FP32 activation under autocast is computed from the FP32 values and rounded once into

@@ -321,6 +321,43 @@ TEST(Gemm, SmallMRoundedRowsOfBEqualTheSixteenBitCopy) {
         }
 }
 
+// An FP32 C rounded to 16 bits as it is stored (round_c) holds the values of the 16-bit C the
+// same GEMM gives, widened: small M with B rows read in place (FP32, and FP32 read as 16-bit),
+// packed B, beta 0 and not, 1 and 2 threads; products past FP16's range overflow alike.
+TEST(Gemm, RoundedFp32OutputHoldsTheSixteenBitOutputsValues) {
+  for (const Case& c : {Case{12, 2061, 100}, Case{70, 90, 33}, Case{3, 20, 5}})
+    for (DType t : {DType::f16, DType::bf16})
+      for (DType round_b : {DType::f32, t})
+        for (float beta : {0.0f, 0.5f})
+          for (int threads : {1, 2}) {
+            const Stored A = random_matrix(c.M, c.K, DType::f32, false, 5);
+            Stored B = random_matrix(c.K, c.N, DType::f32, false, 6);
+            reinterpret_cast<float*>(B.bytes.data())[7] = 1e5f;  // a column past FP16's range
+            Stored C16 = random_matrix(c.M, c.N, t, false, 7);
+            Stored C32 = random_matrix(c.M, c.N, DType::f32, false, 7);
+            convert(C16.bytes.data(), t, C32.bytes.data(), DType::f32,
+                    static_cast<size_t>(c.M * c.N));
+            GemmOptions opt;
+            opt.threads = threads;
+            opt.round_b = round_b;
+            gemm(c.M, c.N, c.K, 1.0f, A.view(), B.view(), beta, C16.mut(), opt);
+            opt.round_c = t;
+            gemm(c.M, c.N, c.K, 1.0f, A.view(), B.view(), beta, C32.mut(), opt);
+            std::vector<float> want(static_cast<size_t>(c.M * c.N));
+            convert(C16.bytes.data(), t, want.data(), DType::f32, want.size());
+            EXPECT_EQ(std::memcmp(C32.bytes.data(), want.data(), want.size() * sizeof(float)), 0)
+                << c.M << " x " << c.N << " x " << c.K << " " << dtype_name(t) << " round_b "
+                << dtype_name(round_b) << " beta " << beta << " threads " << threads;
+          }
+  GemmOptions opt;  // a 16-bit C is not rounded again: refused
+  opt.round_c = DType::f16;
+  const float one = 1.0f;
+  uint16_t h = 0;
+  EXPECT_THROW(gemm(1, 1, 1, 1.0f, {&one, DType::f32, 1, 1}, {&one, DType::f32, 1, 1}, 0.0f,
+                    {&h, DType::f16, 1, 1}, opt),
+               Error);
+}
+
 TEST(Gemm, ExactOnSmallIntegers) {
   // Products and sums of small integers are exact in FP32 and in FP16 partials (below 2048).
   const int64_t M = 20, N = 30, K = 40;

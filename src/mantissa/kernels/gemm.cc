@@ -338,7 +338,8 @@ void pack_row_listed_sliver(const OffsetMatrix& B, int64_t j0, int64_t w, int64_
 // One thread's whole GEMM on the block C[m0:m1, n0:n1]: the BLIS loop nest (NC columns, KC depth,
 // MC rows, then 16 x 6 micro-tiles), with its own packing buffers and no synchronisation.
 void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float alpha,
-                const ConstMatrix& A, const BSource& B, float beta, const Matrix& C, bool f16p) {
+                const ConstMatrix& A, const BSource& B, float beta, const Matrix& C, bool f16p,
+                DType round_c) {
   const int64_t M = m1 - m0;
   if (M <= 0 || n1 <= n0) return;
   const detail::MicroKernel micro = kernels().micro;
@@ -352,9 +353,10 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
   const detail::Pair12RowsMicroKernel pair12_rows_micro =
       kernels().pair12_rows[static_cast<size_t>(rows16 ? B.load16 : detail::kLoadF32)];
   const size_t es_b = dtype_size(B.plain.dtype);
-  // C in FP32 accumulates in place; a 16-bit C is staged in FP32 a block of columns at a time
-  // (rounding it to 16 bits between depth panels would not be FP32 accumulation).
-  const bool direct = C.dtype == DType::f32;
+  // C in FP32 accumulates in place; a 16-bit C (or an FP32 one rounded to 16 bits: round_c) is
+  // staged in FP32 a block of columns at a time (rounding it to 16 bits between depth panels
+  // would not be FP32 accumulation).
+  const bool direct = C.dtype == DType::f32 && round_c == DType::f32;
   const int64_t nc_max = direct ? kNC : std::clamp<int64_t>(kMaxC32 / M / kNR * kNR, kNR, kNC);
   // Row blocks of equal size (a multiple of 6), so no block is a sliver of leftovers.
   const int64_t m_blocks = (M + kMC - 1) / kMC;
@@ -544,6 +546,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
     }
     if (!direct) {
       for (int64_t m = 0; m < M; ++m) {
+        if (round_c != DType::f32) detail::round_through(c32 + m * nc, nc, round_c);
         char* dst =
             static_cast<char*>(C.data) + ((m0 + m) * C.rs + jc * C.cs) * static_cast<int64_t>(es_c);
         if (C.cs == 1) {
@@ -565,6 +568,12 @@ namespace {
 // Splits C among the threads and runs gemm_block on each part.
 void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix& A,
                  const BSource& B, float beta, const Matrix& C, const GemmOptions& opt) {
+  MANTISSA_CHECK(
+      opt.round_c == DType::f32 ||
+          ((opt.round_c == DType::f16 || opt.round_c == DType::bf16) && C.dtype == DType::f32),
+      "gemm: round_c " + std::string(dtype_name(opt.round_c)) + " for a " +
+          std::string(dtype_name(C.dtype)) + " C",
+      "round_c rounds an f32 C to f16 or bf16");
   if (M <= 0 || N <= 0) return;
   int threads = opt.threads > 0 ? opt.threads : default_num_threads();
   if (static_cast<double>(M) * static_cast<double>(N) *
@@ -592,10 +601,10 @@ void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix
                                  u1 = units * static_cast<int64_t>(p + 1) / parts;
                    if (split_n)
                      gemm_block(0, M, std::min(N, u0 * kNR), std::min(N, u1 * kNR), K, alpha, A, B,
-                                beta, C, f16p);
+                                beta, C, f16p, opt.round_c);
                    else
                      gemm_block(std::min(M, u0 * kMR), std::min(M, u1 * kMR), 0, N, K, alpha, A, B,
-                                beta, C, f16p);
+                                beta, C, f16p, opt.round_c);
                  });
 }
 

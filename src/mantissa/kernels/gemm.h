@@ -42,6 +42,10 @@ struct GemmOptions {
   // as B is packed, so the product is exactly that of B's 16-bit copy, which is never made
   // (autocast's linear reads its FP32 weight so). f32: B as it is.
   DType round_b = DType::f32;
+  // f16 or bf16 with an FP32 C: each result rounded to nearest even to that type as it is stored,
+  // so C holds the values of the 16-bit C the same product would give, widened (a linear layer's
+  // input gradient for an FP32 input read as 16-bit, which the cast's backward would widen).
+  DType round_c = DType::f32;
 };
 
 // C (M x N) = alpha * A (M x K) * B (K x N) + beta * C. A and B: any float dtype; C: f32, f16 or

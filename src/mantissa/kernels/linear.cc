@@ -258,7 +258,7 @@ double linear_weight_grad_bound_sum(std::span<const GradFactors> terms, DType ou
 }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, MemoryCategory cat,
-              DType round_b) {
+              DType round_b, DType round_out) {
   require_float(a_in, "matmul", "left operand");
   require_float(b_in, "matmul", "right operand");
   MANTISSA_CHECK(a_in.dim() >= 2 && b_in.dim() >= 2,
@@ -288,6 +288,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, Mem
   GemmOptions go;
   go.partials = p;
   go.round_b = round_b;
+  go.round_c = round_out;
   for (int64_t i = 0; i < batches; ++i) {
     const Tensor ai = a.select(0, i);
     const Tensor bi = b_batched ? b.select(0, i) : b;

@@ -58,8 +58,10 @@ double linear_weight_grad_bound_sum(std::span<const GradFactors> terms, DType ou
 bool linear_weight_grad_parts_fit(int64_t rows);
 
 // a (..., M, K) @ b (..., K, N) with equal batch dimensions, or b 2-D. round_b: an FP32 b read as
-// if stored in f16 or bf16 (GemmOptions::round_b).
+// if stored in f16 or bf16 (GemmOptions::round_b). round_out: an FP32 result holding the values of
+// its f16 or bf16 copy (GemmOptions::round_c).
 Tensor matmul(const Tensor& a, const Tensor& b, DType out, Partials p = Partials::kF32,
-              MemoryCategory cat = MemoryCategory::activations, DType round_b = DType::f32);
+              MemoryCategory cat = MemoryCategory::activations, DType round_b = DType::f32,
+              DType round_out = DType::f32);
 
 }  // namespace mantissa::kernels

@@ -326,6 +326,15 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::span<const Tensor* const> inp
             opt_->input_as = ctx.lower;
             continue;
           }
+          if (!weight && op == OpId::linear && i == 0 && t.dtype() == DType::f32 &&
+              !ctx.stochastic) {
+            // linear makes the copy itself (OpOptions::input_as) and computes the input's
+            // gradient in FP32, rounded as the copy's gradient widened would be, in place: one
+            // pass less and no 16-bit gradient in the backward. (Not with stochastic outputs,
+            // under which the cast rounds stochastically.)
+            opt_->input_as = ctx.lower;
+            continue;
+          }
           if (!weight && op == OpId::relu && !ctx.stochastic) {
             // relu commutes with rounding to nearest (monotonic, and 0 stays 0): relu of the FP32
             // input rounded once into the 16-bit output is relu of its 16-bit copy, and the

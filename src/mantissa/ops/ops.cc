@@ -327,28 +327,43 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
   if (const auto fp8 = detail::fp8_scaling()) return fp8_linear(x, w, b, *fp8, opt);
   detail::OpCall call(OpId::linear, opt, {&x, &w, &b});
   if (call.active()) return call.finish(linear(call.in(0), call.in(1), call.in(2), call.options()));
-  const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
   const DType w_as = opt.weight_as.value_or(w.dtype());
   MANTISSA_CHECK(w_as == w.dtype() || (w.dtype() == DType::f32 && is_16bit_float(w_as)),
                  std::string("linear: weight_as ") + std::string(dtype_name(w_as)) + " for an " +
                      std::string(dtype_name(w.dtype())) + " weight",
                  "weight_as reads an f32 weight as f16 or bf16");
+  const DType x_as = opt.input_as.value_or(x.dtype());
+  MANTISSA_CHECK(x_as == x.dtype() || (x.dtype() == DType::f32 && is_16bit_float(x_as)),
+                 std::string("linear: input_as ") + std::string(dtype_name(x_as)) + " for an " +
+                     std::string(dtype_name(x.dtype())) + " input",
+                 "input_as reads an f32 input as f16 or bf16");
+  // An input read as x_as: its 16-bit copy, which the kernels read and the weight gradient keeps
+  // (as the cast's output would be); the input gradient is computed in FP32 and rounded to x_as
+  // in place, the values of the cast's backward (the 16-bit gradient widened), without the
+  // 16-bit gradient and the widening pass.
+  const Tensor xd = x_as == x.dtype() ? x.detach() : kernels::cast(x.detach(), x_as);
+  const Tensor wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
   // The type the kernels round w's values to as they read them (f32: none).
   const DType round_w = w_as == w.dtype() ? DType::f32 : w_as;
-  Tensor y = kernels::linear(xd, wd, bd, out_or(opt, promote_types(x.dtype(), w_as)),
-                             partials_of(opt), round_w);
+  Tensor y = kernels::linear(xd, wd, bd, out_or(opt, promote_types(x_as, w_as)), partials_of(opt),
+                             round_w);
   count_macs(y.numel() * wd.size(1));
   const Partials p = partials_of(opt);
   return recorded(
       y, OpId::linear, {&x, &w, &b},
-      [xd, wd, p, round_w](const Tensor& g, const FnNode& n) -> std::vector<Tensor> {
+      [xd, wd, p, round_w, read_x = x_as != x.dtype()](const Tensor& g,
+                                                       const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(3);
         const int64_t in = wd.size(1), outf = wd.size(0),
                       rows = xd.numel() / std::max<int64_t>(in, 1);
         const Tensor g2 = g.reshape({rows, outf});
-        if (n.needs_input_grad(0))  // dx = g w
-          out[0] = kernels::matmul(g2, wd, n.input_dtype(0), p, MemoryCategory::gradients, round_w)
+        if (n.needs_input_grad(0)) {  // dx = g w
+          // Read as its 16-bit copy (input_as): the FP32 input's gradient holds the values of the
+          // copy's gradient, rounded as the GEMM stores them.
+          out[0] = kernels::matmul(g2, wd, n.input_dtype(0), p, MemoryCategory::gradients, round_w,
+                                   read_x ? xd.dtype() : DType::f32)
                        .view(xd.shape());
+        }
         if (n.needs_input_grad(1)) {  // dw = g^T x
           // After dx, which read the weights: an update in the backward pass may take dw in
           // parts, changing the weights as each part is handed over.

@@ -32,11 +32,16 @@ struct OpOptions {
   // casting the weight (a leaf that requires grad) of these two ops; the gradient reaches the FP32
   // weight as it reached the cast copy's stand-in (computed in FP32, never reading the weight).
   std::optional<DType> weight_as = std::nullopt;
-  // conv2d: an FP32 input read as if cast to this type (f16 or bf16), forward and backward: the
-  // kernels round its values as they stage them (kernels::conv2d's read_x), so no 16-bit copy is
-  // made or saved for the backward pass (the graph keeps the FP32 input, which its producer
-  // usually saves anyway), and the input gradient is computed in that type and widened, as the
-  // cast's backward widens it. Autocast sets it instead of casting conv2d's activation input.
+  // conv2d and linear: an FP32 input read as if cast to this type (f16 or bf16), forward and
+  // backward, with the input gradient of the cast copy widened, as the cast's backward widens it.
+  // conv2d's kernels round its values as they stage them (kernels::conv2d's read_x), so no 16-bit
+  // copy is made or saved for the backward pass (the graph keeps the FP32 input, which its
+  // producer usually saves anyway), and compute the input gradient in that type and widen it.
+  // linear makes the 16-bit copy and keeps it for the weight gradient (as the cast would), and
+  // computes the input gradient in FP32, rounded to the type in place (the copy's gradient
+  // widened, bit for bit), without a 16-bit gradient. Autocast sets it instead of casting these
+  // ops' activation input (linear's: not under stochastic outputs, whose cast rounds
+  // stochastically).
   std::optional<DType> input_as = std::nullopt;
 };
 
