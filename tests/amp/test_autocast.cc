@@ -175,11 +175,12 @@ TEST(Autocast, Conv2dReadsAnFp32InputAsItsSixteenBitCopy) {
     }
 }
 
-// linear reads an FP32 activation as its 16-bit copy (input_as): it makes the copy itself, which
-// its weight gradient keeps as it would keep the cast's, and computes the input's gradient in FP32
-// rounded in place: output, input gradient (FP32, holding the 16-bit gradient's values) and weight
-// gradient are an explicit cast's, bit for bit, through the small-batch and the GEMM paths, with
-// input gradients that overflow FP16 (scaled outputs), and the forward holds the same memory.
+// linear reads an FP32 activation as its 16-bit copy (input_as) at a batch of at most 16 rows: it
+// makes the copy itself, which its weight gradient keeps as it would keep the cast's, and computes
+// the input's gradient in FP32, rounded as the GEMM stores it: output, input gradient (FP32,
+// holding the 16-bit gradient's values) and weight gradient are an explicit cast's, bit for bit,
+// through the small-batch and the GEMM paths, with input gradients that overflow FP16 (scaled
+// outputs), and the forward holds the same memory. A larger batch (40 rows) is cast as before.
 TEST(Autocast, LinearReadsAnFp32InputAsItsSixteenBitCopy) {
   const AutocastPolicy policy;
   for (const DType lower : {DType::f16, DType::bf16})
@@ -198,6 +199,10 @@ TEST(Autocast, LinearReadsAnFp32InputAsItsSixteenBitCopy) {
             const size_t before =
                 default_memory_tracker().stats().current_of(MemoryCategory::activations);
             y_out = linear(explicit_cast ? cast(x, lower) : x, w, b);
+            // What linear's input edge leads to: the cast, or the activation itself.
+            const bool read_as = xs[0] * (xs.size() > 2 ? xs[1] : 1) <= 16;
+            EXPECT_STREQ(y_out.grad_fn()->inputs()[0].fn->name(),
+                         explicit_cast || !read_as ? "cast" : "mul_scalar");
             held.push_back(
                 default_memory_tracker().stats().current_of(MemoryCategory::activations) - before);
             autograd::backward(sum(mul_scalar(y_out, scale)));
