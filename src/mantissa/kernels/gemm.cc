@@ -565,15 +565,19 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
 
 namespace {
 
+// GemmOptions::round_b and round_c: none (f32), or f16 / bf16 for an f32 operand.
+void check_rounding(const char* option, DType round, DType operand, const char* name) {
+  MANTISSA_CHECK(round == DType::f32 ||
+                     ((round == DType::f16 || round == DType::bf16) && operand == DType::f32),
+                 std::string("gemm: ") + option + " " + std::string(dtype_name(round)) + " for a " +
+                     std::string(dtype_name(operand)) + " " + name,
+                 std::string(option) + " rounds an f32 " + name + " to f16 or bf16");
+}
+
 // Splits C among the threads and runs gemm_block on each part.
 void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix& A,
                  const BSource& B, float beta, const Matrix& C, const GemmOptions& opt) {
-  MANTISSA_CHECK(
-      opt.round_c == DType::f32 ||
-          ((opt.round_c == DType::f16 || opt.round_c == DType::bf16) && C.dtype == DType::f32),
-      "gemm: round_c " + std::string(dtype_name(opt.round_c)) + " for a " +
-          std::string(dtype_name(C.dtype)) + " C",
-      "round_c rounds an f32 C to f16 or bf16");
+  check_rounding("round_c", opt.round_c, C.dtype, "C");
   if (M <= 0 || N <= 0) return;
   int threads = opt.threads > 0 ? opt.threads : default_num_threads();
   if (static_cast<double>(M) * static_cast<double>(N) *
@@ -613,12 +617,7 @@ void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B, float beta,
           Matrix C, const GemmOptions& opt) {
   check_dtypes(A, B, C);
-  MANTISSA_CHECK(
-      opt.round_b == DType::f32 ||
-          ((opt.round_b == DType::f16 || opt.round_b == DType::bf16) && B.dtype == DType::f32),
-      "gemm: round_b " + std::string(dtype_name(opt.round_b)) + " for a " +
-          std::string(dtype_name(B.dtype)) + " B",
-      "round_b rounds an f32 B to f16 or bf16");
+  check_rounding("round_b", opt.round_b, B.dtype, "B");
   BSource src;
   src.plain = B;
   src.round = opt.round_b;
