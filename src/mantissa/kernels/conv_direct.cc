@@ -56,6 +56,15 @@ std::pair<int64_t, int64_t> tiled_columns(const ConvGeometry& g, const std::vect
   return {j0, j1};
 }
 
+// dst[0, n) = src's values as their 16-bit copy (t) holds them, 4096 at a time (in L1).
+void copy_rounded(const float* src, float* dst, int64_t n, DType t) {
+  for (int64_t i = 0; i < n; i += 4096) {
+    const int64_t m = std::min<int64_t>(4096, n - i);
+    std::copy(src + i, src + i + m, dst + i);
+    round_through(dst + i, m, t);
+  }
+}
+
 // Calls fn(a, b) for the ranges of output columns [a, b) that a row's tiled span [j0, j1) leaves
 // out (the whole row [0, Wo) when the row is not tiled).
 template <class Fn>
@@ -76,12 +85,8 @@ Tensor direct_forward(const Tensor& x_in, const Tensor& w_in, const std::vector<
     const int64_t plane = g.C * g.H * g.W;
     parallel_for(static_cast<size_t>(g.N), 1, threads_for(g.N * plane), [&](size_t n0, size_t n1) {
       for (size_t n = n0; n < n1; ++n) {
-        for (int64_t at = static_cast<int64_t>(n) * plane, end = at + plane; at < end;
-             at += 4096) {  // a block at a time in L1
-          const int64_t m = std::min<int64_t>(4096, end - at);
-          std::copy(x.data<float>() + at, x.data<float>() + at + m, staged.data<float>() + at);
-          round_through(staged.data<float>() + at, m, g.read_as);
-        }
+        const int64_t at = static_cast<int64_t>(n) * plane;
+        copy_rounded(x.data<float>() + at, staged.data<float>() + at, plane, g.read_as);
       }
     });
     x = staged.view(x.shape());
@@ -165,12 +170,8 @@ Tensor direct_weight_grad(const Tensor& dy_in, const Tensor& x_in, const Shape& 
           const int64_t ni = static_cast<int64_t>(n);
           const float* xn =
               row_f32(bytes(x) + ni * plane * esize(x.dtype()), x.dtype(), 1, plane, xbuf.data());
-          if (round) {  // an FP32 image as its 16-bit copy holds it, a block at a time in L1
-            for (int64_t i = 0; i < plane; i += 4096) {
-              const int64_t m = std::min<int64_t>(4096, plane - i);
-              std::copy(xn + i, xn + i + m, xbuf.data() + i);
-              round_through(xbuf.data() + i, m, g.read_as);
-            }
+          if (round) {  // an FP32 image as its 16-bit copy holds it
+            copy_rounded(xn, xbuf.data(), plane, g.read_as);
             xn = xbuf.data();
           }
           const char* dyn = bytes(dy) + ni * g.O * g.HW * esize(dy.dtype());
@@ -178,9 +179,11 @@ Tensor direct_weight_grad(const Tensor& dy_in, const Tensor& x_in, const Shape& 
           std::fill(rest.begin(), rest.end(), 0.0f);
           for (int64_t oh = 0; oh < g.Ho; ++oh) {
             // Output row oh of channel o at dyo + o * ds.
-            const float* dyo = reinterpret_cast<const float*>(dyn) + oh * g.Wo;
+            const float* dyo = nullptr;
             int64_t ds = g.HW;
-            if (!dy32) {
+            if (dy32) {
+              dyo = reinterpret_cast<const float*>(dyn) + oh * g.Wo;
+            } else {
               const int64_t block = oh % kDyRows, rows = std::min(kDyRows, g.Ho - (oh - block));
               if (block == 0)
                 for (int64_t o = 0; o < g.O; ++o)
