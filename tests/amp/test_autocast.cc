@@ -230,6 +230,32 @@ TEST(Autocast, LinearReadsAnFp32InputAsItsSixteenBitCopy) {
       }
 }
 
+// weight_as and input_as read an f32 operand as f16 or bf16; any other pairing is refused, naming
+// the op, the option and the operand.
+TEST(Autocast, ReadAsOptionsRefuseOperandsThatAreNotFp32) {
+  const Tensor x16 = Tensor::zeros({2, 8}, DType::f16), w16 = Tensor::zeros({3, 8}, DType::f16);
+  const Tensor x32 = Tensor::zeros({2, 8}, DType::f32), w32 = Tensor::zeros({3, 8}, DType::f32);
+  OpOptions in_bf16;
+  in_bf16.input_as = DType::bf16;
+  OpOptions w_bf16;
+  w_bf16.weight_as = DType::bf16;
+  OpOptions in_f64;
+  in_f64.input_as = DType::f64;
+  const std::string e1 = error_of([&] { linear(x16, w32, Tensor(), in_bf16); });
+  EXPECT_NE(e1.find("linear: input_as bf16 for an f16 input"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("input_as reads an f32 input as f16 or bf16"), std::string::npos) << e1;
+  const std::string e2 = error_of([&] { linear(x32, w16, Tensor(), w_bf16); });
+  EXPECT_NE(e2.find("linear: weight_as bf16 for an f16 weight"), std::string::npos) << e2;
+  const std::string e3 = error_of([&] { linear(x32, w32, Tensor(), in_f64); });
+  EXPECT_NE(e3.find("linear: input_as f64 for an f32 input"), std::string::npos) << e3;
+  const Tensor img16 = Tensor::zeros({1, 2, 5, 5}, DType::f16),
+               k32 = Tensor::zeros({3, 2, 3, 3}, DType::f32);
+  const std::string e4 =
+      error_of([&] { conv2d(img16, k32, Tensor(), kernels::Conv2dParams{}, in_bf16); });
+  EXPECT_NE(e4.find("conv2d: input_as bf16 for an f16 input"), std::string::npos) << e4;
+  EXPECT_EQ(error_of([&] { linear(x32, w32, Tensor(), in_bf16); }), "");
+}
+
 // relu of an FP32 activation under autocast is computed from the FP32 values and rounded once into
 // the 16-bit output, without casting the input first: relu commutes with rounding to nearest, so
 // the output and the input's gradient (masked by the output, computed in FP32) are an explicit

@@ -88,6 +88,18 @@ Tensor recorded(Tensor out, OpId op, std::initializer_list<const Tensor*> inputs
 }
 
 DType out_or(const OpOptions& opt, DType fallback) { return opt.out.value_or(fallback); }
+
+// The type an operand is read as under OpOptions::weight_as or input_as (`option`): its own, or
+// f16 / bf16 for an f32 operand; anything else throws, naming the op and the operand (`what`).
+DType read_type(const char* op, const char* option, const std::optional<DType>& as, const Tensor& t,
+                const char* what) {
+  const DType d = as.value_or(t.dtype());
+  MANTISSA_CHECK(d == t.dtype() || (t.dtype() == DType::f32 && is_16bit_float(d)),
+                 std::string(op) + ": " + option + " " + std::string(dtype_name(d)) + " for an " +
+                     std::string(dtype_name(t.dtype())) + " " + what,
+                 std::string(option) + " reads an f32 " + what + " as f16 or bf16");
+  return d;
+}
 Partials partials_of(const OpOptions& opt) { return opt.partials.value_or(default_partials()); }
 
 // ReLU, sigmoid and tanh differentiate from their output, GELU from its input: the node keeps
@@ -327,20 +339,12 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
   if (const auto fp8 = detail::fp8_scaling()) return fp8_linear(x, w, b, *fp8, opt);
   detail::OpCall call(OpId::linear, opt, {&x, &w, &b});
   if (call.active()) return call.finish(linear(call.in(0), call.in(1), call.in(2), call.options()));
-  const DType w_as = opt.weight_as.value_or(w.dtype());
-  MANTISSA_CHECK(w_as == w.dtype() || (w.dtype() == DType::f32 && is_16bit_float(w_as)),
-                 std::string("linear: weight_as ") + std::string(dtype_name(w_as)) + " for an " +
-                     std::string(dtype_name(w.dtype())) + " weight",
-                 "weight_as reads an f32 weight as f16 or bf16");
-  const DType x_as = opt.input_as.value_or(x.dtype());
-  MANTISSA_CHECK(x_as == x.dtype() || (x.dtype() == DType::f32 && is_16bit_float(x_as)),
-                 std::string("linear: input_as ") + std::string(dtype_name(x_as)) + " for an " +
-                     std::string(dtype_name(x.dtype())) + " input",
-                 "input_as reads an f32 input as f16 or bf16");
+  const DType w_as = read_type("linear", "weight_as", opt.weight_as, w, "weight");
+  const DType x_as = read_type("linear", "input_as", opt.input_as, x, "input");
   // An input read as x_as: its 16-bit copy, which the kernels read and the weight gradient keeps
-  // (as the cast's output would be); the input gradient is computed in FP32 and rounded to x_as
-  // in place, the values of the cast's backward (the 16-bit gradient widened), without the
-  // 16-bit gradient and the widening pass.
+  // (as the cast's output would be); the input gradient is computed in FP32, each value rounded to
+  // x_as as the GEMM stores it: the values of the cast's backward (the 16-bit gradient widened),
+  // without the 16-bit gradient and the widening pass.
   const Tensor xd = x_as == x.dtype() ? x.detach() : kernels::cast(x.detach(), x_as);
   const Tensor wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
   // The type the kernels round w's values to as they read them (f32: none).
@@ -437,16 +441,8 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dPar
   if (call.active())
     return call.finish(conv2d(call.in(0), call.in(1), call.in(2), prm, call.options()));
   const Tensor xd = x.detach(), wd = w.detach(), bd = b.defined() ? b.detach() : Tensor();
-  const DType w_as = opt.weight_as.value_or(w.dtype());
-  MANTISSA_CHECK(w_as == w.dtype() || (w.dtype() == DType::f32 && is_16bit_float(w_as)),
-                 std::string("conv2d: weight_as ") + std::string(dtype_name(w_as)) + " for an " +
-                     std::string(dtype_name(w.dtype())) + " weight",
-                 "weight_as reads an f32 weight as f16 or bf16");
-  const DType x_as = opt.input_as.value_or(x.dtype());
-  MANTISSA_CHECK(x_as == x.dtype() || (x.dtype() == DType::f32 && is_16bit_float(x_as)),
-                 std::string("conv2d: input_as ") + std::string(dtype_name(x_as)) + " for an " +
-                     std::string(dtype_name(x.dtype())) + " input",
-                 "input_as reads an f32 input as f16 or bf16");
+  const DType w_as = read_type("conv2d", "weight_as", opt.weight_as, w, "weight");
+  const DType x_as = read_type("conv2d", "input_as", opt.input_as, x, "input");
   const DType read_x = x_as == x.dtype() ? DType::f32 : x_as;  // kernels::conv2d's read_x
   // With weight_as the kernels read a 16-bit copy made for the call (workspace), in the forward
   // and again in the backward: the graph keeps only the FP32 weight, which the model holds anyway.

@@ -38,8 +38,8 @@ struct OpOptions {
   // copy is made or saved for the backward pass (the graph keeps the FP32 input, which its
   // producer usually saves anyway), and compute the input gradient in that type and widen it.
   // linear makes the 16-bit copy and keeps it for the weight gradient (as the cast would), and
-  // computes the input gradient in FP32, rounded to the type in place (the copy's gradient
-  // widened, bit for bit), without a 16-bit gradient. Autocast sets it instead of casting these
+  // computes the input gradient in FP32, each value rounded to the type as the GEMM stores it
+  // (the copy's gradient widened, bit for bit), without a 16-bit gradient. Autocast sets it instead of casting these
   // ops' activation input (linear's: not under stochastic outputs, whose cast rounds
   // stochastically).
   std::optional<DType> input_as = std::nullopt;
