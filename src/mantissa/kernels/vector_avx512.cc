@@ -153,90 +153,73 @@ MANTISSA_AVX512 inline __attribute__((always_inline)) void for_strips(int64_t n,
     strip(j, std::integral_constant<int, 1>{}, mask);
 }
 
-// fma_rows' strip: the AVX2 strip's arithmetic (each element an FMA chain over the taps in order
-// from zero, then + bias) sixteen lanes a vector.
-template <int OB, int V>
-MANTISSA_AVX512 inline void fma_strip(void* y, DType yt, int64_t ys, const float* bias,
-                                      const float* w, int64_t ws, const float* const* x,
-                                      int64_t taps, int64_t j, __mmask16 last) {
+// The two row kernels' arithmetic (vector_kernels.h), each element in its own lane:
+//   kFma (fma_rows): an FMA chain over the taps in order from zero, then + bias (0 when null);
+//   kProducts (conv_rows): from the bias, each tap's product rounded and then added, taps in order,
+//     tap i's weight at column tap[i].
+enum class RowSums { kFma, kProducts };
+
+// A strip of OB output rows by 16 * V columns from column j, the last vector loading and storing
+// only the lanes `last` selects.
+template <RowSums S, int OB, int V>
+MANTISSA_AVX512 inline void row_strip(void* y, DType yt, int64_t ys, const float* bias,
+                                      const float* w, int64_t ws, const int64_t* tap,
+                                      const float* const* x, int64_t taps, int64_t j,
+                                      __mmask16 last) {
+  constexpr bool kFma = S == RowSums::kFma;
   __m512 acc[OB][V];
 #pragma GCC unroll 8
   for (int o = 0; o < OB; ++o)
 #pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) acc[o][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[o][v] = kFma ? _mm512_setzero_ps() : _mm512_set1_ps(bias[o]);
   for (int64_t i = 0; i < taps; ++i) {
     __m512 xv[V];
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v)
       xv[v] = _mm512_maskz_loadu_ps(v == V - 1 ? last : __mmask16{0xffff}, x[i] + j + 16 * v);
+    const int64_t col = kFma ? i : tap[i];
 #pragma GCC unroll 8
     for (int o = 0; o < OB; ++o) {
-      const __m512 wv = _mm512_set1_ps(w[o * ws + i]);
+      const __m512 wv = _mm512_set1_ps(w[o * ws + col]);
 #pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) acc[o][v] = _mm512_fmadd_ps(wv, xv[v], acc[o][v]);
+      for (int v = 0; v < V; ++v)
+        acc[o][v] = kFma ? _mm512_fmadd_ps(wv, xv[v], acc[o][v])
+                         : _mm512_add_ps(acc[o][v], rounded_product(wv, xv[v]));
     }
   }
 #pragma GCC unroll 8
   for (int o = 0; o < OB; ++o) {
-    const __m512 b = _mm512_set1_ps(bias ? bias[o] : 0.0f);
+    const __m512 b = _mm512_set1_ps(kFma && bias ? bias[o] : 0.0f);
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v)
-      store_lanes(y, yt, o * ys + j + 16 * v, _mm512_add_ps(acc[o][v], b),
+      store_lanes(y, yt, o * ys + j + 16 * v, kFma ? _mm512_add_ps(acc[o][v], b) : acc[o][v],
                   v == V - 1 ? last : __mmask16{0xffff});
   }
 }
 
-// conv_rows' strip: the AVX2 rows' arithmetic (from the bias, each tap's product rounded and then
-// added, taps in order) sixteen lanes a vector.
-template <int OB, int V>
-MANTISSA_AVX512 inline void conv_strip(void* y, DType yt, int64_t ys, const float* bias,
-                                       const float* w, int64_t ws, const int64_t* tap,
-                                       const float* const* x, int64_t taps, int64_t j,
-                                       __mmask16 last) {
-  __m512 acc[OB][V];
-#pragma GCC unroll 8
-  for (int o = 0; o < OB; ++o)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) acc[o][v] = _mm512_set1_ps(bias[o]);
-  for (int64_t i = 0; i < taps; ++i) {
-    __m512 xv[V];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v)
-      xv[v] = _mm512_maskz_loadu_ps(v == V - 1 ? last : __mmask16{0xffff}, x[i] + j + 16 * v);
-#pragma GCC unroll 8
-    for (int o = 0; o < OB; ++o) {
-      const __m512 wv = _mm512_set1_ps(w[o * ws + tap[i]]);
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) acc[o][v] = _mm512_add_ps(acc[o][v], rounded_product(wv, xv[v]));
-    }
-  }
-#pragma GCC unroll 8
-  for (int o = 0; o < OB; ++o)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v)
-      store_lanes(y, yt, o * ys + j + 16 * v, acc[o][v], v == V - 1 ? last : __mmask16{0xffff});
-}
-
-template <int OB>
-MANTISSA_AVX512 void fma_block(void* y, DType yt, int64_t ys, const float* bias, const float* w,
-                               int64_t ws, const float* const* x, int64_t taps, int64_t n) {
+template <RowSums S, int OB>
+MANTISSA_AVX512 void row_block(void* y, DType yt, int64_t ys, const float* bias, const float* w,
+                               int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
+                               int64_t n) {
   for_strips(n, [&](int64_t j, auto v, __mmask16 last) {
-    fma_strip<OB, decltype(v)::value>(y, yt, ys, bias, w, ws, x, taps, j, last);
+    row_strip<S, OB, decltype(v)::value>(y, yt, ys, bias, w, ws, tap, x, taps, j, last);
   });
 }
 
-template <int OB>
-MANTISSA_AVX512 void conv_block(void* y, DType yt, int64_t ys, const float* bias, const float* w,
-                                int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
-                                int64_t n) {
-  for_strips(n, [&](int64_t j, auto v, __mmask16 last) {
-    conv_strip<OB, decltype(v)::value>(y, yt, ys, bias, w, ws, tap, x, taps, j, last);
-  });
-}
-
-// Element i of y's storage yt.
-inline void* element(void* y, DType yt, int64_t i) {
-  return static_cast<char*>(y) + i * static_cast<int64_t>(dtype_size(yt));
+// Output rows in blocks of up to 6 (12 zmm sums over 32 columns, 2 input vectors, a weight).
+template <RowSums S>
+MANTISSA_AVX512 void rows(void* y, DType yt, int64_t ys, int64_t O, const float* bias,
+                          const float* w, int64_t ws, const int64_t* tap, const float* const* x,
+                          int64_t taps, int64_t n) {
+  using Block = void (*)(void*, DType, int64_t, const float*, const float*, int64_t, const int64_t*,
+                         const float* const*, int64_t, int64_t);
+  static constexpr Block kBlocks[] = {row_block<S, 1>, row_block<S, 2>, row_block<S, 3>,
+                                      row_block<S, 4>, row_block<S, 5>, row_block<S, 6>};
+  const size_t es = dtype_size(yt);
+  for (int64_t o0 = 0; o0 < O; o0 += 6)
+    kBlocks[std::min<int64_t>(6, O - o0) - 1](
+        static_cast<char*>(y) + static_cast<size_t>(o0 * ys) * es, yt, ys,
+        bias ? bias + o0 : nullptr, w + o0 * ws, ws, tap, x, taps, n);
 }
 
 }  // namespace
@@ -280,28 +263,15 @@ MANTISSA_AVX512 void max_pool_2x2_backward_row_avx512(const void* g, DType tg, c
   }
 }
 
-// Output rows in blocks of up to 6 (12 zmm sums over 32 columns, 2 input vectors, a weight).
 void fma_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
                      int64_t ws, const float* const* x, int64_t taps, int64_t n) {
-  using Block = void (*)(void*, DType, int64_t, const float*, const float*, int64_t,
-                         const float* const*, int64_t, int64_t);
-  static constexpr Block kBlocks[] = {fma_block<1>, fma_block<2>, fma_block<3>,
-                                      fma_block<4>, fma_block<5>, fma_block<6>};
-  for (int64_t o0 = 0; o0 < O; o0 += 6)
-    kBlocks[std::min<int64_t>(6, O - o0) - 1](
-        element(y, yt, o0 * ys), yt, ys, bias ? bias + o0 : nullptr, w + o0 * ws, ws, x, taps, n);
+  rows<RowSums::kFma>(y, yt, ys, O, bias, w, ws, nullptr, x, taps, n);
 }
 
 void conv_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
                       int64_t ws, const int64_t* tap, const float* const* x, int64_t taps,
                       int64_t n) {
-  using Block = void (*)(void*, DType, int64_t, const float*, const float*, int64_t, const int64_t*,
-                         const float* const*, int64_t, int64_t);
-  static constexpr Block kBlocks[] = {conv_block<1>, conv_block<2>, conv_block<3>,
-                                      conv_block<4>, conv_block<5>, conv_block<6>};
-  for (int64_t o0 = 0; o0 < O; o0 += 6)
-    kBlocks[std::min<int64_t>(6, O - o0) - 1](element(y, yt, o0 * ys), yt, ys, bias + o0,
-                                              w + o0 * ws, ws, tap, x, taps, n);
+  rows<RowSums::kProducts>(y, yt, ys, O, bias, w, ws, tap, x, taps, n);
 }
 
 // ReLU rows sixteen values a vector (the AVX2 functions' comparisons, lane for lane; convert()'s
