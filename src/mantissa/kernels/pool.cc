@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "mantissa/core/parallel.h"
@@ -182,12 +183,12 @@ Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& offsets, const Sha
       detail::has_max_pool_2x2_backward_row()) {
     // Each input element is in at most one window: the row kernel writes every element of a row
     // pair once, in dx's type (no plane to clear, scatter into and convert); the columns right of
-    // the last window (an odd W) and the rows below the last pair (an odd H) are zero.
+    // the last window (an odd W) and the rows below the last pair (an odd H) are +0, all-zero
+    // bits in f32, f16 and bf16 alike.
     const int64_t H = x_shape[2], sg = esize(dy.dtype()), sx = esize(out);
     const uint8_t* ob = offsets.data<uint8_t>();
     parallel_for(
         static_cast<size_t>(planes), 1, threads_for(planes * HW), [&](size_t p0, size_t p1) {
-          const std::vector<float> zeros(static_cast<size_t>(W), 0.0f);
           for (int64_t pl = static_cast<int64_t>(p0); pl < static_cast<int64_t>(p1); ++pl) {
             char* dxp = bytes(dx) + pl * HW * sx;
             for (int64_t oh = 0; oh < Ho; ++oh) {
@@ -195,12 +196,12 @@ Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& offsets, const Sha
               detail::max_pool_2x2_backward_row(bytes(dy) + (pl * OHW + oh * Wo) * sg, dy.dtype(),
                                                 ob + pl * OHW + oh * Wo, Wo, r0, r0 + W * sx, out);
               if (2 * Wo < W) {
-                store_f32(zeros.data(), W - 2 * Wo, r0 + 2 * Wo * sx, out, 1);
-                store_f32(zeros.data(), W - 2 * Wo, r0 + (W + 2 * Wo) * sx, out, 1);
+                const size_t rest = static_cast<size_t>((W - 2 * Wo) * sx);
+                std::memset(r0 + 2 * Wo * sx, 0, rest);
+                std::memset(r0 + (W + 2 * Wo) * sx, 0, rest);
               }
             }
-            for (int64_t h = 2 * Ho; h < H; ++h)
-              store_f32(zeros.data(), W, dxp + h * W * sx, out, 1);
+            std::memset(dxp + 2 * Ho * W * sx, 0, static_cast<size_t>((H - 2 * Ho) * W * sx));
           }
         });
     return dx;

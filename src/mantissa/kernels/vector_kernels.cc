@@ -188,11 +188,12 @@ void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void*
 namespace {
 
 // A kernel's rows through FP32 (the AVX2 and scalar rows, which store FP32): computed into an
-// O x n buffer, then each row stored in yt.
+// O x n buffer (the thread's, reused: the callers go row by row), then each row stored in yt.
 template <class Rows>
 void rows_through_f32(void* y, DType yt, int64_t ys, int64_t O, int64_t n, Rows&& rows) {
   if (yt == DType::f32) return rows(static_cast<float*>(y), ys);
-  std::vector<float> buf(static_cast<size_t>(O * n));
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(O * n)) buf.resize(static_cast<size_t>(O * n));
   rows(buf.data(), n);
   const int64_t es = static_cast<int64_t>(dtype_size(yt));
   for (int64_t o = 0; o < O; ++o)
