@@ -39,9 +39,9 @@ struct OpOptions {
   // producer usually saves anyway), and compute the input gradient in that type and widen it.
   // linear makes the 16-bit copy and keeps it for the weight gradient (as the cast would), and
   // computes the input gradient in FP32, each value rounded to the type as the GEMM stores it
-  // (the copy's gradient widened, bit for bit), without a 16-bit gradient. Autocast sets it instead of casting these
-  // ops' activation input (linear's: not under stochastic outputs, whose cast rounds
-  // stochastically).
+  // (the copy's gradient widened, bit for bit), without a 16-bit gradient. Autocast sets it
+  // instead of casting these ops' activation input (linear's only at batches of at most 16 rows,
+  // and not under stochastic outputs, whose cast rounds stochastically).
   std::optional<DType> input_as = std::nullopt;
 };
 
