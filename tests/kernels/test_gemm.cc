@@ -114,8 +114,11 @@ TEST(Gemm, ResultDoesNotDependOnThreads) {
 // consecutive.
 enum class Listed { kRows, kColumns, kBoth, kBothRowRuns };
 
+// packed: A packed ahead (PackedMatrix), its slivers in a shuffled order, into a buffer of NaN
+// (a sliver placed wrongly or left out shows).
 void expect_offset_same(int64_t M, int64_t N, int64_t K, Listed listed, DType ta, DType tc,
-                        float beta, Partials p, int threads, int64_t run = 16) {
+                        float beta, Partials p, int threads, int64_t run = 16,
+                        bool packed = false) {
   const Stored A = random_matrix(M, K, ta, false, 11);
   const Stored dense = random_matrix(K, N, DType::f32, false, 12);  // (K, N) row-major
   const float* d = reinterpret_cast<const float*>(dense.bytes.data());
@@ -175,12 +178,27 @@ void expect_offset_same(int64_t M, int64_t N, int64_t K, Listed listed, DType ta
   GemmOptions opt;
   opt.partials = p;
   opt.threads = threads;
-  gemm(M, N, K, 1.0f, A.view(), B, beta, C2.mut(), opt);
+  std::vector<float> panels(packed_floats(M, K), NAN);
+  if (packed) {
+    const PackedMatrix pa{panels.data(), M, K};
+    const int64_t slivers = (M + kPackedSliverRows - 1) / kPackedSliverRows;
+    std::vector<int64_t> order(static_cast<size_t>(slivers));
+    for (int64_t i = 0; i < slivers; ++i) order[static_cast<size_t>(i)] = i;
+    std::shuffle(order.begin(), order.end(), std::mt19937(17));
+    for (const int64_t i : order) {
+      const int64_t r0 = i * kPackedSliverRows;
+      pack_rows(pa, r0, std::min(kPackedSliverRows, M - r0),
+                {A.bytes.data() + r0 * K * dtype_size(ta), ta, K, 1});
+    }
+    gemm(N, pa, B, beta, C2.mut(), opt);
+  } else {
+    gemm(M, N, K, 1.0f, A.view(), B, beta, C2.mut(), opt);
+  }
   static const char* const kListed[] = {"rows", "columns", "both", "both (row runs)"};
-  EXPECT_EQ(C1.bytes, C2.bytes) << "M=" << M << " N=" << N << " K=" << K << " "
-                                << kListed[static_cast<int>(listed)] << " listed (runs of " << run
-                                << "), A " << dtype_name(ta) << " C " << dtype_name(tc) << " beta "
-                                << beta << " threads " << threads;
+  EXPECT_EQ(C1.bytes, C2.bytes) << (packed ? "packed A, " : "") << "M=" << M << " N=" << N
+                                << " K=" << K << " " << kListed[static_cast<int>(listed)]
+                                << " listed (runs of " << run << "), A " << dtype_name(ta) << " C "
+                                << dtype_name(tc) << " beta " << beta << " threads " << threads;
 }
 
 TEST(Gemm, OffsetMatrixMatchesTheReference) {
@@ -221,6 +239,21 @@ TEST(Gemm, OffsetMatrixWithRowRunsPacksByTransposes) {
       expect_offset_same(c.M, c.N, c.K, Listed::kBothRowRuns, DType::bf16, DType::f32, 0.5f,
                          Partials::kF16, 1, run);
     }
+}
+
+// A packed ahead gives the bits of gemm given A: M past one block of rows (96) and a partial
+// last sliver, K past one and two depth panels (384), every table, thread counts, beta, FP16
+// partials, a 16-bit A.
+TEST(Gemm, PackedAGivesTheBitsOfItsMatrix) {
+  for (const Case& c :
+       {Case{1, 40, 5}, Case{6, 70, 384}, Case{7, 33, 400}, Case{100, 64, 130}, Case{200, 90, 800}})
+    for (Listed listed : {Listed::kRows, Listed::kColumns, Listed::kBoth})
+      for (int threads : {1, 2, 3}) {
+        expect_offset_same(c.M, c.N, c.K, listed, DType::f32, DType::f32, 0.0f, Partials::kF32,
+                           threads, 16, true);
+        expect_offset_same(c.M, c.N, c.K, listed, DType::bf16, DType::f16, 0.5f, Partials::kF16,
+                           threads, 16, true);
+      }
 }
 
 TEST(Gemm, OffsetMatrixNeedsATable) {

@@ -86,6 +86,11 @@ constexpr int64_t kNC = 1024;  // columns of B per packed block: 384 x 1024 x 4 
 constexpr int64_t kMaxC32 = int64_t{1} << 20;  // FP32 staging of a 16-bit C: at most 4 MiB a thread
 // Depth panels shallower than this walk C along its rows (see gemm_block).
 constexpr int64_t kShallowK = 64;
+static_assert(kPackedSliverRows == kMR, "PackedMatrix slivers are the micro-kernel's rows");
+
+// Where depth panel kb of a PackedMatrix of `rows` rows starts: each earlier panel holds kKC
+// positions of every sliver.
+int64_t packed_panel(int64_t rows, int64_t kb) { return kb * kKC * ((rows + kMR - 1) / kMR * kMR); }
 // Below this many multiply-adds a GEMM runs on one thread: splitting costs more than it saves.
 constexpr double kMinParallelWork = 1 << 18;
 
@@ -337,9 +342,11 @@ void pack_row_listed_sliver(const OffsetMatrix& B, int64_t j0, int64_t w, int64_
 
 // One thread's whole GEMM on the block C[m0:m1, n0:n1]: the BLIS loop nest (NC columns, KC depth,
 // MC rows, then 16 x 6 micro-tiles), with its own packing buffers and no synchronisation.
+// Rows [m0, m1) and columns [n0, n1) of C. A is packed here, a block at a time, or was packed
+// ahead (packed_a: then A is unused, alpha is 1 and m0 starts a sliver).
 void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float alpha,
                 const ConstMatrix& A, const BSource& B, float beta, const Matrix& C, bool f16p,
-                DType round_c) {
+                DType round_c, const PackedMatrix* packed_a) {
   const int64_t M = m1 - m0;
   if (M <= 0 || n1 <= n0) return;
   const detail::MicroKernel micro = kernels().micro;
@@ -487,13 +494,19 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
       const float bscale = kb == 0 ? beta : 1.0f;
       for (int64_t ic = 0; ic < M; ic += mc_step) {
         const int64_t mc = std::min(mc_step, M - ic);
-        float* ap = scratch(
-            kPackA, static_cast<size_t>(((mc + kMR - 1) / kMR) * kMR * std::max<int64_t>(kc, 1)));
-        // A's lines are its rows (6 per sliver), positions run along k.
-        pack(at(A.data, A.dtype, (m0 + ic) * A.rs + pc * A.cs), A.dtype, A.rs, A.cs, mc, kc, kMR,
-             ap);
-        if (alpha != 1.0f)
-          for (int64_t i = 0; i < ((mc + kMR - 1) / kMR) * kMR * kc; ++i) ap[i] *= alpha;
+        const float* ap;
+        if (packed_a) {
+          ap = packed_a->data + packed_panel(packed_a->rows, kb) + (m0 + ic) / kMR * kc * kMR;
+        } else {
+          float* own = scratch(
+              kPackA, static_cast<size_t>(((mc + kMR - 1) / kMR) * kMR * std::max<int64_t>(kc, 1)));
+          // A's lines are its rows (6 per sliver), positions run along k.
+          pack(at(A.data, A.dtype, (m0 + ic) * A.rs + pc * A.cs), A.dtype, A.rs, A.cs, mc, kc, kMR,
+               own);
+          if (alpha != 1.0f)
+            for (int64_t i = 0; i < ((mc + kMR - 1) / kMR) * kMR * kc; ++i) own[i] *= alpha;
+          ap = own;
+        }
         // Deep panels: a B sliver stays in L1 while the A slivers stream from L2 (BLIS's order).
         // Shallow panels (the cost is writing C): walk along C's rows, so its stores stream.
         float edge[kMR * kNR];
@@ -576,7 +589,8 @@ void check_rounding(const char* option, DType round, DType operand, const char* 
 
 // Splits C among the threads and runs gemm_block on each part.
 void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix& A,
-                 const BSource& B, float beta, const Matrix& C, const GemmOptions& opt) {
+                 const BSource& B, float beta, const Matrix& C, const GemmOptions& opt,
+                 const PackedMatrix* packed_a = nullptr) {
   check_rounding("round_c", opt.round_c, C.dtype, "C");
   if (M <= 0 || N <= 0) return;
   int threads = opt.threads > 0 ? opt.threads : default_num_threads();
@@ -605,10 +619,10 @@ void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix
                                  u1 = units * static_cast<int64_t>(p + 1) / parts;
                    if (split_n)
                      gemm_block(0, M, std::min(N, u0 * kNR), std::min(N, u1 * kNR), K, alpha, A, B,
-                                beta, C, f16p, opt.round_c);
+                                beta, C, f16p, opt.round_c, packed_a);
                    else
                      gemm_block(std::min(M, u0 * kMR), std::min(M, u1 * kMR), 0, N, K, alpha, A, B,
-                                beta, C, f16p, opt.round_c);
+                                beta, C, f16p, opt.round_c, packed_a);
                  });
 }
 
@@ -648,6 +662,38 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
     }
   }
   gemm_driver(M, N, K, alpha, A, src, beta, C, opt);
+}
+
+size_t packed_floats(int64_t rows, int64_t depth) {
+  return static_cast<size_t>((rows + kMR - 1) / kMR * kMR * std::max<int64_t>(depth, 0));
+}
+
+void pack_rows(const PackedMatrix& p, int64_t r0, int64_t n, ConstMatrix A) {
+  MANTISSA_ASSERT(
+      r0 >= 0 && r0 % kMR == 0 && n > 0 && r0 + n <= p.rows && (n % kMR == 0 || r0 + n == p.rows),
+      "pack_rows: rows must be whole slivers of 6, or end the matrix");
+  // Packed in this thread's buffer first: pack may write a few floats past a sliver, which gemm's
+  // own packing overwrites with the next one, but here would land on slivers packed before (or by
+  // another thread).
+  const int64_t slivers = (n + kMR - 1) / kMR;
+  for (int64_t pc = 0, kb = 0; pc < p.depth; pc += kKC, ++kb) {
+    const int64_t kc = std::min(kKC, p.depth - pc);
+    float* own = scratch(kPackA, static_cast<size_t>(slivers * kc * kMR));
+    pack(at(A.data, A.dtype, pc * A.cs), A.dtype, A.rs, A.cs, n, kc, kMR, own);
+    std::memcpy(p.data + packed_panel(p.rows, kb) + r0 / kMR * kc * kMR, own,
+                static_cast<size_t>(slivers * kc * kMR) * sizeof(float));
+  }
+}
+
+void gemm(int64_t N, const PackedMatrix& A, const OffsetMatrix& B, float beta, Matrix C,
+          const GemmOptions& opt) {
+  check_dtypes({A.data, DType::f32, 0, 0}, {B.data, DType::f32, 0, 0}, C);
+  MANTISSA_CHECK(B.row_offset != nullptr || B.col_offset != nullptr,
+                 "gemm: an OffsetMatrix lists neither its rows nor its columns",
+                 "set row_offset, col_offset or both");
+  BSource src;
+  src.offsets = B;
+  gemm_driver(A.rows, N, A.depth, 1.0f, {A.data, DType::f32, A.depth, 1}, src, beta, C, opt, &A);
 }
 
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, const OffsetMatrix& B,

@@ -72,6 +72,23 @@ struct OffsetMatrix {
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, const OffsetMatrix& B,
           float beta, Matrix C, const GemmOptions& opt = {});
 
+// A packed ahead of the products that share it (Winograd's transformed filters, against every
+// batch of tiles): the FP32 panels gemm packs A into at each call, made once. Rows go in with
+// pack_rows, in any order, from any thread; gemm then reads the panels in place, with the values
+// and the arithmetic of gemm given A itself (the same bits).
+inline constexpr int64_t kPackedSliverRows = 6;  // rows pack_rows takes together
+struct PackedMatrix {
+  float* data = nullptr;  // packed_floats(rows, depth) floats
+  int64_t rows = 0, depth = 0;
+};
+size_t packed_floats(int64_t rows, int64_t depth);
+// Rows [r0, r0 + n) of the matrix, given as A (row r0 at A.data, any float dtype): r0 a multiple
+// of kPackedSliverRows, n a multiple of it too unless the rows end the matrix.
+void pack_rows(const PackedMatrix& p, int64_t r0, int64_t n, ConstMatrix A);
+// C (A.rows x N) = A B + beta * C, A packed, B given by offsets.
+void gemm(int64_t N, const PackedMatrix& A, const OffsetMatrix& B, float beta, Matrix C,
+          const GemmOptions& opt = {});
+
 // The scalar reference: the same arithmetic, one element at a time. Always built; the oracle of
 // the fast path's tests.
 void gemm_reference(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B,
