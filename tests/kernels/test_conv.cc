@@ -337,10 +337,10 @@ TEST(Conv2d, WinogradOutputBlocksGiveTheSameBits) {
     const Tensor x = stored(random_values(2 * 20 * 48, 5), xs, t),
                  w = stored(random_values(23 * 20 * 9, 6), ws, t);
     const std::vector<float> bias(23, 0.25f);
-    const Tensor whole =
-        detail::winograd_forward(x, g, w.data_ptr(), t, bias, t, MemoryCategory::activations, 23);
+    const Tensor whole = detail::winograd_forward(x, g, w.data_ptr(), t, false, bias, t,
+                                                  MemoryCategory::activations, 23);
     for (const int64_t block : {1, 5, 8, 22}) {
-      const Tensor y = detail::winograd_forward(x, g, w.data_ptr(), t, bias, t,
+      const Tensor y = detail::winograd_forward(x, g, w.data_ptr(), t, false, bias, t,
                                                 MemoryCategory::activations, block);
       EXPECT_EQ(0, std::memcmp(y.data_ptr(), whole.data_ptr(),
                                static_cast<size_t>(y.numel()) * dtype_size(t)))

@@ -197,8 +197,8 @@ Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Con
     case ConvPath::kDirect:
       return detail::direct_forward(x, w, bias, g, out);
     case ConvPath::kWinograd:
-      return detail::winograd_forward(x, detail::ImplicitConv(g), w.data_ptr(), w.dtype(), bias,
-                                      out, MemoryCategory::activations);
+      return detail::winograd_forward(x, detail::ImplicitConv(g), w.data_ptr(), w.dtype(), false,
+                                      bias, out, MemoryCategory::activations);
     case ConvPath::kImplicitRows:
     case ConvPath::kImplicitGemm:
       return detail::implicit_forward(x, detail::ImplicitConv(g),
@@ -223,8 +223,16 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
   if (path == ConvPath::kIm2col)
     return detail::im2col_backward_input(dy, w, x_shape, g, out, partials);
   // dx is the forward convolution of dy with the weights flipped and their channels swapped,
-  // wt[c, o, kh, kw] = w[o, c, KH-1-kh, KW-1-kw], in w's own dtype (the GEMM converts while
-  // packing): no FP32 copy of 16-bit weights.
+  // wt[c, o, kh, kw] = w[o, c, KH-1-kh, KW-1-kw]. Winograd reads them so from w as it transforms
+  // the filters; the implicit GEMM gets a copy in w's own dtype (the GEMM converts while packing):
+  // no FP32 copy of 16-bit weights.
+  const detail::ImplicitConv t = detail::flipped_conv(g);
+  MANTISSA_ASSERT(path == ConvPath::kWinograd || path == ConvPath::kImplicitRows ||
+                      path == ConvPath::kImplicitGemm,
+                  "conv2d backward: not a backward-input path");
+  if (path == ConvPath::kWinograd)
+    return detail::winograd_forward(dy, t, w.data_ptr(), w.dtype(), true, {}, out,
+                                    MemoryCategory::gradients);
   Tensor wt = detail::byte_workspace(g.C * g.O * g.KH * g.KW, w.dtype());
   const int64_t KK = g.KH * g.KW;
   auto flip = [&](auto word) {
@@ -247,13 +255,6 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
       MANTISSA_ASSERT(esize(w.dtype()) == 1, "conv2d backward: unexpected weight dtype");
       flip(uint8_t{});
   }
-  const detail::ImplicitConv t = detail::flipped_conv(g);
-  MANTISSA_ASSERT(path == ConvPath::kWinograd || path == ConvPath::kImplicitRows ||
-                      path == ConvPath::kImplicitGemm,
-                  "conv2d backward: not a backward-input path");
-  if (path == ConvPath::kWinograd)
-    return detail::winograd_forward(dy, t, wt.data_ptr(), wt.dtype(), {}, out,
-                                    MemoryCategory::gradients);
   return detail::implicit_forward(dy, t, {wt.data_ptr(), w.dtype(), g.O * KK, 1}, {}, out, partials,
                                   MemoryCategory::gradients, path == ConvPath::kImplicitRows);
 }

@@ -159,7 +159,7 @@ Tensor im2col_backward_input(const Tensor& dy, const Tensor& w, const Shape& x_s
   Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
   GemmOptions go;
   go.partials = partials;
-  const int64_t chunk = g.chunk();
+  const int64_t chunk = g.input_chunk();
   Tensor dyg = byte_workspace(g.Og * chunk * g.HW, dy.dtype());
   Tensor dcols = f32_workspace({g.CKK * chunk * g.HW});
   Tensor dx32 = f32_workspace({chunk * g.C * g.H * g.W});

@@ -94,7 +94,9 @@ Tensor implicit_forward(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
                         MemoryCategory cat, bool by_rows) {
   Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(cat));
   const int64_t CKK = g.C * g.KH * g.KW;
-  const int64_t nb_max = g.chunk(g.staged(x.dtype()));
+  // The register-tiled rows stage a 16-bit input within the smaller budget; the GEMM takes the
+  // whole one (staged_budget).
+  const int64_t nb_max = by_rows ? g.chunk(g.staged(x.dtype())) : g.chunk();
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});  // (C, nb, Hp, Wp)
   std::vector<int64_t> offset, position;
   const bool dense = g.dense();

@@ -98,9 +98,10 @@ const ConvSettings& conv_settings();
 // the values they copy, in a model that holds half the bytes of an FP32 one: a quarter keeps the
 // staging of a 16-bit model from undoing what its storage saves (the tutorial CNN's conv2 weight
 // gradient at batch 12: 3.1 MiB of copies for all 12 images, 0.8 MiB in chunks of 3), and it was
-// no slower there nor on ResNet-18 in 16-true. FP32 operands keep the whole budget (a quarter made
-// ResNet-18 in 32-true 7% slower), and so does Winograd for any storage (its tile batches are the
-// GEMM's columns: 16-true's ResNet-18 was 7% slower with a quarter for every path).
+// no slower there. FP32 operands keep the whole budget (a quarter made ResNet-18 in 32-true 7%
+// slower), and so do the GEMM forward (and backward-input) and Winograd for any storage: their
+// chunks are the GEMM's columns, and each chunk packs the weights again (ResNet-18's stride-2
+// 3x3 forwards in 16 bits took 12.9-14.4 ms with a quarter against 10.6-11.4 in FP32).
 inline int64_t staged_budget(DType staged) {
   return dtype_size(staged) < 4 ? conv_settings().column_budget / 4 : conv_settings().column_budget;
 }
@@ -118,6 +119,14 @@ struct ConvGeometry {
   int64_t chunk() const {
     return std::clamp<int64_t>(conv_settings().column_budget / std::max<int64_t>(CKK * HW, 1), 1,
                                N);
+  }
+  // Images per chunk of the backward-input: the columns and the FP32 image gradients col2im adds
+  // them into (C x H x W an image: four times the columns of a 1x1 stride-2 convolution) each
+  // within the budget.
+  int64_t input_chunk() const {
+    return std::min(
+        chunk(),
+        std::max<int64_t>(conv_settings().column_budget / std::max<int64_t>(C * H * W, 1), 1));
   }
 };
 
@@ -197,10 +206,12 @@ Tensor direct_weight_grad(const Tensor& dy, const Tensor& x, const Shape& w_shap
 
 // Winograd F(2x2, 3x3) (conv_winograd.cc): y (N, O, H, W) = x (N, C, H, W) * w + bias, w
 // (O, C, 3, 3) contiguous in dtype wt; x and w in any float dtype; y charged to `cat`.
+// flipped: w holds the weights (C, O, 3, 3) of the convolution whose backward-input this is, read
+// with channels swapped and taps reversed (flipped_conv's filters, no copy made).
 // out_block: output channels per block of transformed filters (0: as many as twice the weights'
 // bytes or the column budget hold; any block size gives the same bits).
 Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, DType wt,
-                        const std::vector<float>& bias, DType out, MemoryCategory cat,
+                        bool flipped, const std::vector<float>& bias, DType out, MemoryCategory cat,
                         int64_t out_block = 0);
 
 // Implicit GEMM (conv_implicit.cc): y (N, O, Ho, Wo) = x (N, C, H, W) * w + bias, w given as an

@@ -12,6 +12,7 @@
 //   A^T = [1 1 1 0; 0 1 -1 -1]
 // The input and output transforms are vector kernels (vector_kernels.h), 8 tiles at a time.
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "mantissa/core/parallel.h"
@@ -23,23 +24,64 @@ namespace mantissa::kernels::detail {
 
 namespace {
 
-// U[xi] (16, nO, C) = G g G^T for output channels [o0, o0 + nO) of w (O, C, 3, 3), stored in any
-// float dtype (widened exactly), xi = 4 * row + column of the 4x4 tile (winograd_filter_f32).
-void transform_filters(const void* w, DType wt, int64_t o0, int64_t nO, int64_t C, float* U) {
+// Filters [o, o + n) of the flipped filters of forward weights w (C, O, 3, 3), as stored, filter
+// l at dst + l * C * 9: dst[l][c, k] = w[c, o + l, 8 - k]. The n filters of one c lie side by
+// side in w, so w is read in order.
+template <class Word>
+void gather_flipped(const void* w, int64_t O, int64_t o, int64_t n, int64_t C, char* dst) {
+  const Word* src = static_cast<const Word*>(w);
+  Word* d = reinterpret_cast<Word*>(dst);
+  for (int64_t c = 0; c < C; ++c) {
+    const Word* f = src + (c * O + o) * 9;
+    for (int64_t l = 0; l < n; ++l)
+      for (int64_t k = 0; k < 9; ++k) d[(l * C + c) * 9 + k] = f[l * 9 + 8 - k];
+  }
+}
+
+// U[xi] (nO, C) = G g G^T for output channels [o0, o0 + nO) of the filters in w, stored in any
+// float dtype (widened exactly), xi = 4 * row + column of the 4x4 tile (winograd_filter_f32),
+// packed for the GEMM as it is made (u[xi]: each a PackedMatrix of nO rows and C columns). w holds
+// (O, C, 3, 3), or with `flipped` the forward weights (C, O, 3, 3) whose channels swapped and taps
+// reversed are the filters (a backward-input's): gathered from w a sliver of outputs at a time,
+// with no flipped copy of the weights.
+void transform_filters(const void* w, DType wt, bool flipped, int64_t o0, int64_t nO, int64_t O,
+                       int64_t C, const PackedMatrix* u) {
+  constexpr int64_t kRows = kPackedSliverRows;  // outputs transformed and packed together
   const int64_t es = static_cast<int64_t>(dtype_size(wt));
-  parallel_for(static_cast<size_t>(nO), 1, nO * C >= 4096 ? default_num_threads() : 1,
-               [&](size_t b0, size_t b1) {
-                 // (C, 3, 3) of one output: FP32 weights read in place, others widened.
+  const int64_t slivers = (nO + kRows - 1) / kRows;
+  parallel_for(static_cast<size_t>(slivers), 1, nO * C >= 4096 ? default_num_threads() : 1,
+               [&](size_t s0, size_t s1) {
+                 // (C, 3, 3) of one output: FP32 weights read in place, others widened; flipped
+                 // filters gathered as stored first. The sliver's U (16, n, C) is made here, then
+                 // packed.
                  std::vector<float> row(wt == DType::f32 ? 0 : static_cast<size_t>(C * 9));
-                 for (size_t ob = b0; ob < b1; ++ob) {
-                   const int64_t o = o0 + static_cast<int64_t>(ob);
-                   const char* src = static_cast<const char*>(w) + o * C * 9 * es;
-                   const float* f = reinterpret_cast<const float*>(src);
-                   if (wt != DType::f32) {
-                     load_f32(src, wt, 1, C * 9, row.data());
-                     f = row.data();
+                 std::vector<char> gathered(flipped ? static_cast<size_t>(kRows * C * 9 * es) : 0);
+                 std::vector<float> sliver(static_cast<size_t>(16 * kRows * C));
+                 for (size_t s = s0; s < s1; ++s) {
+                   const int64_t r0 = static_cast<int64_t>(s) * kRows, o = o0 + r0;
+                   const int64_t n = std::min(kRows, nO - r0);
+                   if (flipped) switch (es) {
+                       case 4:
+                         gather_flipped<uint32_t>(w, O, o, n, C, gathered.data());
+                         break;
+                       case 2:
+                         gather_flipped<uint16_t>(w, O, o, n, C, gathered.data());
+                         break;
+                       default:
+                         gather_flipped<uint8_t>(w, O, o, n, C, gathered.data());
+                     }
+                   for (int64_t l = 0; l < n; ++l) {
+                     const char* src = flipped ? gathered.data() + l * C * 9 * es
+                                               : static_cast<const char*>(w) + (o + l) * C * 9 * es;
+                     const float* f = reinterpret_cast<const float*>(src);
+                     if (wt != DType::f32) {
+                       load_f32(src, wt, 1, C * 9, row.data());
+                       f = row.data();
+                     }
+                     winograd_filter_f32(f, C, sliver.data() + l * C, n * C);
                    }
-                   winograd_filter_f32(f, C, U + static_cast<int64_t>(ob) * C, nO * C);
+                   for (int64_t xi = 0; xi < 16; ++xi)
+                     pack_rows(u[xi], r0, n, {sliver.data() + xi * n * C, DType::f32, C, 1});
                  }
                });
 }
@@ -47,8 +89,8 @@ void transform_filters(const void* w, DType wt, int64_t o0, int64_t nO, int64_t 
 }  // namespace
 
 Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, DType wt,
-                        const std::vector<float>& bias, DType out_dtype, MemoryCategory cat,
-                        int64_t out_block) {
+                        bool flipped, const std::vector<float>& bias, DType out_dtype,
+                        MemoryCategory cat, int64_t out_block) {
   Tensor y = Tensor::empty({g.N, g.O, g.H, g.W}, out_dtype, charged_to(cat));
   const int64_t C = g.C, O = g.O, th = g.H / 2, tw = g.W / 2, P = th * tw;
   // Output channels in blocks whose transformed filters U (16, Ob, C) take at most twice the
@@ -61,16 +103,17 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
       std::max(conv_settings().column_budget, 2 * O * C * 9 * esize(wt) / int64_t{4});
   const int64_t Ob = std::clamp<int64_t>(
       out_block > 0 ? out_block : u_floats / std::max<int64_t>(16 * C, 1), 1, O);
-  Tensor u_t = f32_workspace({16, Ob, C});
-  float* U = u_t.data<float>();
-  const int64_t nb_max = g.chunk();
-  Tensor xpad = f32_workspace({C * nb_max * g.plane});  // (C, nb, H+2, W+2)
+  Tensor u_t = f32_workspace({16 * static_cast<int64_t>(packed_floats(Ob, C))});
   // Tiles per block: V (16, C, Tb) and M (16, Ob, Tb) within about 4 MiB, so the transforms and
   // the GEMMs pass them through the caches; at least 64, at most a chunk's tiles, a multiple of
-  // the GEMM's 16-column slivers.
-  const int64_t Tb_max =
-      std::min(std::max<int64_t>((int64_t{4} << 20) / (64 * (C + Ob)) / 16 * 16, 64),
-               (nb_max * P + 15) / 16 * 16);
+  // the GEMM's 16-column slivers. A chunk holds the images of one batch of tiles (the padded
+  // input's FP32 staging no larger than what the batch reads), within the column budget.
+  int64_t nb_max = g.chunk();
+  int64_t Tb_max = std::min(std::max<int64_t>((int64_t{4} << 20) / (64 * (C + Ob)) / 16 * 16, 64),
+                            (nb_max * P + 15) / 16 * 16);
+  nb_max = std::clamp<int64_t>(Tb_max / std::max<int64_t>(P, 1), 1, nb_max);
+  Tb_max = std::min(Tb_max, (nb_max * P + 15) / 16 * 16);
+  Tensor xpad = f32_workspace({C * nb_max * g.plane});  // (C, nb, H+2, W+2)
   Tensor v_t = f32_workspace({16, C, Tb_max}), m_t = f32_workspace({16, Ob, Tb_max});
   float *V = v_t.data<float>(), *M = m_t.data<float>();
   // f32, f16 and bf16 outputs are written by the output transform; other dtypes are staged.
@@ -83,7 +126,10 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
   std::vector<int64_t> tile_in(static_cast<size_t>(Tb_max)), tile_out(static_cast<size_t>(Tb_max));
   for (int64_t o0 = 0; o0 < O; o0 += Ob) {
     const int64_t nO = std::min(Ob, O - o0);
-    transform_filters(w, wt, o0, nO, C, U);
+    PackedMatrix u[16];  // U[xi] (nO, C), packed for the GEMM
+    for (int64_t xi = 0; xi < 16; ++xi)
+      u[xi] = {u_t.data<float>() + xi * static_cast<int64_t>(packed_floats(nO, C)), nO, C};
+    transform_filters(w, wt, flipped, o0, nO, O, C, u);
     for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
       const int64_t nb = std::min(nb_max, g.N - n0), T = nb * P;
       float* xp = xpad.data<float>();
@@ -121,8 +167,7 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
           OffsetMatrix Vx;
           Vx.data = V + i * C * Tb;
           Vx.row_offset = v_rows.data();
-          gemm(nO, Tb, C, 1.0f, {U + i * nO * C, DType::f32, C, 1}, Vx, 0.0f,
-               {M + i * nO * Tb, DType::f32, Tb, 1}, go);
+          gemm(Tb, u[i], Vx, 0.0f, {M + i * nO * Tb, DType::f32, Tb, 1}, go);
         });
         // Y = A^T M A + bias for each tile, into y (rounded once into y's dtype from the
         // registers; other dtypes staged in FP32).
