@@ -109,6 +109,17 @@ TEST(MemoryProfile, ReportsCategoriesLayersAndLivenessOfOneStep) {
     EXPECT_TRUE(phases.count("forward") && phases.count("backward"));
     EXPECT_EQ(top, r.peak_total);
     EXPECT_TRUE(r.fits);
+    // The peak is reached by an allocation, made while a layer ran (the backward pass of one of
+    // ResNet's convolutions, as it happens), and the timeline holds that point.
+    EXPECT_EQ(r.peak.total, r.peak_total);
+    EXPECT_GT(r.peak.delta, 0);
+    EXPECT_FALSE(r.peak.owner.empty());
+    EXPECT_EQ(r.peak.module.rfind("layer", 0), 0u) << r.peak.module;
+    bool listed = false;
+    for (const train::MemoryPoint& p : r.timeline)
+      listed = listed || (p.event == r.peak.event && p.module == r.peak.module &&
+                          p.owner == r.peak.owner && p.delta == r.peak.delta);
+    EXPECT_TRUE(listed);
   }
   // The 16-bit model holds a bit more than half (the normalization layers' FP32 staging).
   EXPECT_LT(static_cast<double>(runs[1].peak_total), 0.6 * static_cast<double>(runs[0].peak_total));
@@ -135,6 +146,13 @@ TEST(MemoryProfile, ReportsCategoriesLayersAndLivenessOfOneStep) {
   EXPECT_EQ(j["runs"][1]["precision"], "16-true");
   EXPECT_EQ(j["runs"][0]["peak_total_bytes"].get<size_t>(), runs[0].peak_total);
   EXPECT_FALSE(j["runs"][0]["timeline"].empty());
+  const nlohmann::json& last = j["runs"][0]["timeline"].back();
+  EXPECT_TRUE(last.contains("delta") && last.contains("owner") && last.contains("module") &&
+              last.contains("category"));
+  const std::string text = train::memory_text(runs);
+  EXPECT_NE(text.find("peak of 16-true reached in the backward of " + runs[1].peak.module),
+            std::string::npos)
+      << text;
   const std::string html = train::memory_html(c, runs);
   size_t svgs = 0;
   for (size_t at = html.find("<svg"); at != std::string::npos; at = html.find("<svg", at + 1))

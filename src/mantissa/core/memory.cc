@@ -59,7 +59,7 @@ void MemoryTracker::on_allocate(size_t bytes, MemoryCategory category, std::stri
 
 void MemoryTracker::record(int64_t delta, MemoryCategory category, std::string_view owner) {
   events_.push_back({delta, category, std::string(owner.empty() ? "(unnamed)" : owner),
-                     stats_.current, stats_.current_total, phase_});
+                     stats_.current, stats_.current_total, phase_, current_module_path()});
 }
 
 void MemoryTracker::start_recording() {

@@ -70,6 +70,7 @@ struct MemoryEvent {
   std::array<size_t, kNumMemoryCategories> current{};  // after the event
   size_t total = 0;                                    // after the event
   std::string phase;                                   // set_phase()'s label at the time
+  std::string module;  // the module running on the recording thread (current_module_path())
 };
 
 class MemoryTracker {

@@ -191,10 +191,16 @@ StepMemory profile_step(TrainConfig c, int ranks) {
   const size_t n = end - std::min(first, end);
   m.events = n;
   const size_t stride = std::max<size_t>(1, (n + kMaxPoints - 1) / kMaxPoints);
+  auto point = [&](size_t i) {
+    const MemoryEvent& e = events[i];
+    return MemoryPoint{i - first, e.phase.empty() ? "loader" : e.phase,
+                       e.current, e.total,
+                       e.delta,   e.category,
+                       e.owner,   e.module};
+  };
   for (size_t i = first; i < end; ++i)
-    if ((i - first) % stride == 0 || i == peak || i + 1 == end)
-      m.timeline.push_back({i - first, events[i].phase.empty() ? "loader" : events[i].phase,
-                            events[i].current, events[i].total});
+    if ((i - first) % stride == 0 || i == peak || i + 1 == end) m.timeline.push_back(point(i));
+  if (peak < end) m.peak = point(peak);
   return m;
 }
 
@@ -369,6 +375,11 @@ std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers,
     out << line;
   }
   for (const StepMemory& r : runs) {
+    if (r.peak.delta > 0)
+      out << "peak of " << r.precision << " reached in the " << r.peak.phase
+          << (r.peak.module.empty() ? "" : " of " + r.peak.module) << ", allocating "
+          << format_bytes(static_cast<size_t>(r.peak.delta)) << " of "
+          << memory_category_name(r.peak.category) << " (" << r.peak.owner << ")\n";
     out << "largest holders at the peak, " << r.precision << ":\n";
     for (size_t i = 0; i < r.layers.size() && i < top_layers; ++i) {
       const LayerMemory& l = r.layers[i];
@@ -417,7 +428,11 @@ std::string memory_json(const TrainConfig& c, const std::vector<StepMemory>& run
       timeline.push_back({{"event", p.event},
                           {"phase", p.phase},
                           {"total", p.total},
-                          {"bytes", category_json(p.bytes)}});
+                          {"bytes", category_json(p.bytes)},
+                          {"delta", p.delta},
+                          {"category", memory_category_name(p.category)},
+                          {"owner", p.owner},
+                          {"module", p.module}});
     run["timeline"] = timeline;
     const size_t i = j["runs"].size();
     if (i < ranks.size())

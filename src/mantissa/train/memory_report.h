@@ -26,12 +26,16 @@ struct LayerMemory {
   size_t total = 0;
 };
 
-// Memory of the step at one moment of its liveness.
+// Memory of the step at one moment of its liveness: after one allocation or free.
 struct MemoryPoint {
   size_t event = 0;  // index in the step's allocations and frees
   std::string phase;
   CategoryBytes bytes{};
   size_t total = 0;
+  int64_t delta = 0;  // the event's bytes: + allocated, - freed
+  MemoryCategory category = MemoryCategory::workspace;
+  std::string owner;   // what the memory was charged to ("layer1.0.conv1", "kernel workspace")
+  std::string module;  // the module running ("" outside modules: the loader, the optimizer)
 };
 
 // A parameter as the step's optimizer holds it: what per-rank memory is computed from.
@@ -57,6 +61,7 @@ struct StepMemory {
   CategoryBytes category_peaks{};     // each category's own high-water mark
   std::vector<LayerMemory> layers;    // at the peak, largest first
   std::vector<MemoryPoint> timeline;  // at most ~1000 points, the peak among them
+  MemoryPoint peak;                   // the allocation that reached the peak
   size_t events = 0;                  // allocations and frees recorded
   std::optional<size_t> budget;
   bool fits = true;
