@@ -1,7 +1,8 @@
 // Gradients kept as what computes them under loss scaling (optim::Optimizer::defer_gradients):
-// the same step and the same skips as the stored gradients, bit for bit; an overflow in the last
-// gradient the backward pass produces changes nothing; and the trainer's 16-bit step with dynamic
-// loss scaling holds no linear weight gradient whole (mantissa memory's peak).
+// the same step and the same skips as the stored gradients, bit for bit, for linear and
+// convolution weights; an overflow in the last gradient the backward pass produces, or in a
+// deferred one, changes nothing; and the trainer's 16-bit step with dynamic loss scaling holds no
+// linear weight gradient whole (mantissa memory's peak), nor ResNet's largest convolution ones.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -325,6 +326,176 @@ TEST(DeferredGradients, AFiniteBoundSkipsTheCheckPass) {
   }
 }
 
+// h = relu(conv(x * a, w1)), y = conv(h, w2, b2), loss = sum(y * y): w1's and w2's gradients are
+// kept as their producers (dy and x hold at most half the gradients' bytes), a's and b2's are
+// stored, and a's is the last one produced.
+struct ConvModel {
+  Tensor a, w1, w2, b2;
+  std::unique_ptr<optim::Optimizer> opt;
+  ConvModel(const std::string& kind, DType dtype) {
+    a = random({1, 16, 1, 1}, 31, 0.01f, 1.0f).to(dtype);
+    w1 = random({32, 16, 3, 3}, 32).to(dtype);
+    w2 = random({32, 32, 3, 3}, 33).to(dtype);
+    b2 = random({32}, 34).to(dtype);
+    for (Tensor* t : {&a, &w1, &w2, &b2}) t->set_requires_grad(true);
+    const optim::ParamList params{{"a", &a}, {"w1", &w1}, {"w2", &w2}, {"b2", &b2}};
+    if (kind == "sgd") {
+      optim::SgdOptions o;
+      o.lr = 1e-4, o.momentum = 0.9, o.weight_decay = 0.01;
+      opt = std::make_unique<optim::Sgd>(params, o);
+    } else {
+      optim::AdamOptions o;
+      o.lr = 1e-4, o.weight_decay = 0.01;
+      opt = std::make_unique<optim::Adam>(params, o, true);
+    }
+  }
+  ConvModel(const ConvModel&) = delete;
+  Tensor loss(const Tensor& x) const {
+    kernels::Conv2dParams same;
+    same.pad_h = same.pad_w = 1;
+    const Tensor h = ops::relu(ops::conv2d(ops::mul(x, a), w1, Tensor(), same));
+    const Tensor y = ops::conv2d(h, w2, b2, same);
+    return ops::sum(ops::mul(y, y));
+  }
+  std::vector<std::vector<float>> params() const { return values({&a, &w1, &w2, &b2}); }
+};
+
+TEST(DeferredGradients, ConvolutionWeightGradientsStepAsTheStoredOnesBitForBit) {
+  const Tensor x = random({2, 16, 4, 4}, 35, 1.0);
+  for (const std::string kind : {"sgd", "adamw"})
+    for (const DType dtype : {DType::f32, DType::f16}) {
+      struct Run {
+        std::vector<std::vector<float>> params, state;
+        std::vector<bool> skipped;
+        double scale = 0;
+        bool kept = false;
+      };
+      auto run = [&](bool defer) {
+        ConvModel m(kind, dtype);
+        amp::LossScalerOptions so;
+        so.init_scale = dtype == DType::f16 ? 256.0 : 1024.0;
+        so.growth_interval = 2;
+        amp::LossScaler scaler(so);
+        const Tensor xin = x.to(dtype);
+        Run r;
+        for (int step = 0; step < 10; ++step) {
+          amp::ScaledStep scaled(&scaler);
+          const Tensor loss = m.loss(xin);
+          if (defer) {
+            EXPECT_EQ(m.opt->defer_gradients(), 4u);
+          }
+          autograd::backward(scaled.scale_loss(loss));
+          r.kept = m.w1.grad().defined() || m.w2.grad().defined();
+          EXPECT_EQ(m.opt->deferred_gradients(), defer ? 2u : 0u) << "w1's and w2's";
+          r.skipped.push_back(scaled.step(*m.opt, {}).skipped);
+          m.opt->zero_grad();
+        }
+        r.params = m.params();
+        r.state = state_values(*m.opt);
+        r.scale = scaler.scale();
+        return r;
+      };
+      const Run stored = run(false), deferred = run(true);
+      const std::string at = kind + " " + std::string(dtype_name(dtype));
+      EXPECT_TRUE(stored.kept) << at;
+      EXPECT_FALSE(deferred.kept) << at << ": deferred gradients are not stored";
+      EXPECT_EQ(deferred.skipped, stored.skipped) << at;
+      EXPECT_EQ(deferred.scale, stored.scale) << at;
+      EXPECT_EQ(deferred.params, stored.params) << at;
+      EXPECT_EQ(deferred.state, stored.state) << at;
+      int applied = 0;
+      for (bool skipped : stored.skipped) applied += skipped ? 0 : 1;
+      EXPECT_GE(applied, 3) << at;
+      if (dtype == DType::f16) {
+        EXPECT_TRUE(stored.skipped[0]) << at << ": the overflow is tested";
+      }
+    }
+}
+
+// conv2d_weight_grad_bound bounds every value of the weight gradient (and not loosely), for an
+// FP32 input read as f16 too; infinite when an operand is not finite, when the input read as f16
+// overflows, or when a value could overflow the output's type.
+TEST(DeferredGradients, TheConvolutionWeightGradientBoundHoldsEveryValue) {
+  kernels::Conv2dParams p;
+  p.pad_h = p.pad_w = 1;
+  p.stride_h = 2;
+  for (const DType out : {DType::f32, DType::f16, DType::bf16})
+    for (const float magnitude : {0.1f, 30.0f}) {
+      const Tensor x = random({3, 8, 9, 10}, 36, magnitude);
+      const Tensor dy = random({3, 6, 5, 10}, 37, magnitude);
+      for (const DType read_x : {DType::f32, DType::f16}) {
+        const double bound = kernels::conv2d_weight_grad_bound(dy, x, out, read_x);
+        const Tensor dw = kernels::conv2d_backward_weight(dy, x, {6, 8, 3, 3}, p, out,
+                                                          kernels::Partials::kF32, read_x);
+        double largest = 0;
+        bool finite = true;
+        for (const float v : dw.to_float_vector()) {
+          finite = finite && std::isfinite(v);
+          largest = std::max(largest, static_cast<double>(std::fabs(v)));
+        }
+        const std::string at = std::string(dtype_name(out)) + " " + std::to_string(magnitude);
+        if (out == DType::f16 && magnitude > 1) {
+          // 3 images of 50 positions by amaxes near 100 (3 sigma): a bound past FP16's 65504.
+          EXPECT_TRUE(std::isinf(bound)) << at;
+          continue;
+        }
+        ASSERT_TRUE(std::isfinite(bound)) << at;
+        EXPECT_TRUE(finite) << at;
+        EXPECT_GE(bound, largest) << at;
+        // Each image's amax product is at most (5 sigma)^2 over 50 positions.
+        EXPECT_LE(bound, 3 * 50 * 25.0 * magnitude * magnitude) << at;
+      }
+    }
+  const Tensor x = random({2, 4, 6, 6}, 38), dy = random({2, 5, 6, 6}, 39);
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    std::vector<float> xv = x.to_float_vector(), gv = dy.to_float_vector();
+    xv[100] = bad;
+    gv[200] = bad;
+    EXPECT_TRUE(std::isinf(
+        kernels::conv2d_weight_grad_bound(dy, Tensor::from_floats(xv, x.shape()), DType::f32)));
+    EXPECT_TRUE(std::isinf(
+        kernels::conv2d_weight_grad_bound(Tensor::from_floats(gv, dy.shape()), x, DType::f32)));
+  }
+  std::vector<float> big = x.to_float_vector();
+  big[7] = 70000.0f;  // finite in FP32, inf read as f16
+  const Tensor xb = Tensor::from_floats(big, x.shape());
+  EXPECT_TRUE(std::isfinite(kernels::conv2d_weight_grad_bound(dy, xb, DType::f32)));
+  EXPECT_TRUE(std::isinf(kernels::conv2d_weight_grad_bound(dy, xb, DType::f32, DType::f16)));
+}
+
+// An overflow in a deferred convolution weight gradient alone skips the step: loss =
+// sum(conv(h, w2, b2)) scaled by 1024 gives w2 the gradient 1024 * (the sum of h over 32
+// positions), past FP16's range, while b2's (1024 * 32) and, w2 being tiny, w1's and a's stay
+// finite. With the bound the check pass cannot be skipped (the bound is infinite).
+TEST(DeferredGradients, AnOverflowInADeferredConvolutionGradientSkipsTheStep) {
+  for (const bool defer : {false, true}) {
+    ConvModel m("sgd", DType::f16);
+    m.w2 = random({32, 32, 3, 3}, 41, 1e-5f).to(DType::f16);
+    m.w2.set_requires_grad(true);
+    optim::Sgd opt({{"a", &m.a}, {"w1", &m.w1}, {"w2", &m.w2}, {"b2", &m.b2}}, optim::SgdOptions{});
+    const Tensor x = random({2, 16, 4, 4}, 40, 30.0f).to(DType::f16);
+    amp::LossScalerOptions lo;
+    lo.init_scale = 1024;
+    amp::LossScaler scaler(lo);
+    const std::vector<std::vector<float>> before = m.params();
+    amp::ScaledStep scaled(&scaler);
+    kernels::Conv2dParams same;
+    same.pad_h = same.pad_w = 1;
+    const Tensor h = ops::relu(ops::conv2d(ops::mul(x, m.a), m.w1, Tensor(), same));
+    const Tensor loss = ops::sum(ops::conv2d(h, m.w2, m.b2, same));
+    if (defer) {
+      EXPECT_EQ(opt.defer_gradients(), 4u);
+    }
+    autograd::backward(scaled.scale_loss(loss));
+    EXPECT_EQ(opt.deferred_gradients(), defer ? 2u : 0u);
+    const optim::StepReport r = scaled.step(opt, {});
+    EXPECT_TRUE(r.skipped) << defer;
+    EXPECT_EQ(r.nonfinite, std::vector<std::string>{"w2"}) << defer;
+    EXPECT_EQ(m.params(), before) << defer;
+    EXPECT_EQ(scaler.scale(), 512.0) << defer;
+  }
+}
+
 // The trainer defers under loss scaling: the same losses, skips and weights as the ordinary
 // step (which keeps every gradient), with fewer gradient bytes at the peak.
 TEST(DeferredGradients, TrainerTrainsAsTheOrdinaryStepWithLessMemory) {
@@ -360,6 +531,39 @@ TEST(DeferredGradients, TrainerTrainsAsTheOrdinaryStepWithLessMemory) {
               ordinary.memory.peak_of(MemoryCategory::gradients))
         << precision;
   }
+}
+
+// ResNet-18 in 16-mixed: its 512-channel convolutions' weight gradients are kept as their
+// producers (batch 16, 2x2 planes: 192 KiB of dy and x against 9 MiB of FP32 gradient each): the
+// same losses, skips and weights as the ordinary step, with fewer gradient bytes at the peak.
+TEST(DeferredGradients, TrainerKeepsResNetConvolutionGradientsAsProducers) {
+  train::TrainConfig c = testing::small_run("resnet18", 64);
+  c.max_steps = 6;
+  c.precision = "16-mixed";
+  c.loss_scale_init = 4194304.0;  // 2^22: overflows the 16-bit activation gradients at first
+  c.update_in_backward = false;
+  train::Trainer ordinary_run(c);
+  const train::TrainResult ordinary = ordinary_run.run();
+  c.update_in_backward = true;
+  train::Trainer deferred_run(c);
+  const train::TrainResult deferred = deferred_run.run();
+  EXPECT_EQ(deferred.step_losses, ordinary.step_losses);
+  EXPECT_EQ(deferred.skipped, ordinary.skipped);
+  EXPECT_FALSE(ordinary.skipped.empty()) << "the skip is tested";
+  EXPECT_LT(ordinary.skipped.size(), 6u) << "so are the updates";
+  std::vector<float> a, b;
+  for (auto& p : ordinary_run.model().named_parameters()) {
+    const auto v = p.tensor->to_float_vector();
+    a.insert(a.end(), v.begin(), v.end());
+  }
+  for (auto& p : deferred_run.model().named_parameters()) {
+    const auto v = p.tensor->to_float_vector();
+    b.insert(b.end(), v.begin(), v.end());
+  }
+  EXPECT_EQ(a, b);
+  // Four 9 MiB gradients of layer4 not kept (less the linear's and the small layers' change).
+  EXPECT_LT(static_cast<double>(deferred.memory.peak_of(MemoryCategory::gradients)),
+            static_cast<double>(ordinary.memory.peak_of(MemoryCategory::gradients)) - 20e6);
 }
 
 // mantissa memory's figures for the tutorial CNN at batch 12: 16-true with dynamic loss scaling

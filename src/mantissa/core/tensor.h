@@ -128,9 +128,10 @@ struct AutogradMeta {
   std::function<GradPartConsumer()> consume_grad_parts;
   // Set on a leaf by an optimizer that keeps the step's gradients as what computes them
   // (optim::Optimizer::defer_gradients): an op that can compute the leaf's gradient in parts
-  // (a linear layer's weight gradient) hands this function a producer of those parts (holding
-  // the small operands it needs) instead of storing the gradient, and an upper bound of |v| over
-  // every value v the producer gives (+infinity when none is known); the optimizer's step then
+  // (a linear layer's weight gradient; a convolution's, as one part) hands this function a
+  // producer of those parts (holding the small operands it needs) instead of storing the
+  // gradient, and an upper bound of |v| over every value v the producer gives (+infinity when
+  // none is known); the optimizer's step then
   // computes the parts twice, once to check them and once to apply them, or only to apply them
   // when the bound alone proves them finite. Cleared as consume_grad is: where the leaf would get
   // more than one gradient or already has one.

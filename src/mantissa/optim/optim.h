@@ -97,7 +97,9 @@ class Optimizer {
   // change anything (the inf/NaN skip of loss scaling): each eligible parameter gets a deferral
   // (AutogradMeta::defer_grad_parts), through which an op that computes its gradient in parts
   // (a linear layer's weight gradient at a small batch) leaves a producer of the parts (its
-  // small operands, g and x) instead of the gradient; other ops store theirs as usual. step()
+  // small operands, g and x) instead of the gradient, as does a convolution whose dy and x hold
+  // at most half its weight gradient's bytes (one part, computed whole at the step); other ops
+  // store theirs as usual. step()
   // then computes each deferred gradient twice in parts: in the read-only pass (inf/NaN and the
   // sum of squares, in the parts' order) and, unless the step is skipped, in the update pass,
   // where each part is applied while in cache, before the stored gradients. Without clipping
