@@ -235,7 +235,11 @@ Tensor implicit_weight_grad_gemm(const Tensor& dy, const Tensor& x, const Shape&
       staged_budget(g.staged(x.dtype())) / std::max<int64_t>(g.C * g.plane + g.O * HWo, 1), 1, g.N);
   Tensor xpad = f32_workspace({g.C * nb_max * g.plane});        // (C, nb, Hp, Wp)
   Tensor dyg = byte_workspace(g.O * nb_max * HWo, dy.dtype());  // (O, nb * Ho * Wo)
-  Tensor dw32 = f32_workspace({g.O * CKK});
+  // An FP32 gradient accumulates in place; another type's in an FP32 buffer, rounded once at the
+  // end.
+  Tensor dw32 = out == DType::f32
+                    ? Tensor::empty(w_shape, DType::f32, charged_to(MemoryCategory::gradients))
+                    : f32_workspace({g.O * CKK});
   std::vector<int64_t> taps, positions;
   GemmOptions go;
   go.partials = partials;
@@ -253,6 +257,7 @@ Tensor implicit_weight_grad_gemm(const Tensor& dy, const Tensor& x, const Shape&
     gemm(g.O, CKK, L, 1.0f, {dyg.data_ptr(), dy.dtype(), L, 1}, B, n0 == 0 ? 0.0f : 1.0f,
          {dw32.data_ptr(), DType::f32, CKK, 1}, go);
   }
+  if (out == DType::f32) return dw32;
   Tensor dw = Tensor::empty(w_shape, out, charged_to(MemoryCategory::gradients));
   convert(dw32.data_ptr(), DType::f32, dw.data_ptr(), out, static_cast<size_t>(dw.numel()));
   return dw;
