@@ -561,7 +561,7 @@ TEST(DeferredGradients, TrainerKeepsResNetConvolutionGradientsAsProducers) {
     b.insert(b.end(), v.begin(), v.end());
   }
   EXPECT_EQ(a, b);
-  // Four 9 MiB gradients of layer4 not kept (less the linear's and the small layers' change).
+  // Three 9 MiB gradients of layer4 not kept.
   EXPECT_LT(static_cast<double>(deferred.memory.peak_of(MemoryCategory::gradients)),
             static_cast<double>(ordinary.memory.peak_of(MemoryCategory::gradients)) - 20e6);
 }
