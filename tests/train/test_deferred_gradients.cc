@@ -94,18 +94,50 @@ optim::StepReport scaled_step(Model& m, amp::LossScaler& scaler, const Tensor& x
   return r;
 }
 
+// What a run of scaled steps leaves: the parameters, the optimizer state, which steps were
+// skipped, the final scale, and whether a deferrable gradient was stored.
+struct ScaledRun {
+  std::vector<std::vector<float>> params, state;
+  std::vector<bool> skipped;
+  double scale = 0;
+  bool kept = false;
+};
+
+// The deferred run against the stored one: the same skips, scale, parameters and state, bit for
+// bit, with the deferrable gradients not stored; enough steps applied, and with FP16 gradients
+// the first step's overflow (and skip) tested.
+void expect_same_training(const ScaledRun& stored, const ScaledRun& deferred, DType dtype,
+                          const std::string& at) {
+  EXPECT_TRUE(stored.kept) << at;
+  EXPECT_FALSE(deferred.kept) << at << ": a deferred gradient is not stored";
+  EXPECT_EQ(deferred.skipped, stored.skipped) << at;
+  EXPECT_EQ(deferred.scale, stored.scale) << at;
+  EXPECT_EQ(deferred.params, stored.params) << at;
+  EXPECT_EQ(deferred.state, stored.state) << at;
+  int applied = 0;
+  for (bool skipped : stored.skipped) applied += skipped ? 0 : 1;
+  EXPECT_GE(applied, 3) << at;
+  if (dtype == DType::f16) {
+    EXPECT_TRUE(stored.skipped[0]) << at << ": the overflow is tested";
+  }
+}
+
+// A trained model's parameters, flattened in registration order.
+std::vector<float> flat_parameters(nn::Module& model) {
+  std::vector<float> all;
+  for (auto& p : model.named_parameters()) {
+    const auto v = p.tensor->to_float_vector();
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
 TEST(DeferredGradients, StepAsTheStoredGradientsBitForBit) {
   const Tensor x = random({8, 2100}, 4, 1.0);
   // "master": f16 parameters with FP32 masters (O2's layout); "sr": with stochastic rounding.
   for (const std::string kind :
        {"sgd", "adam", "adamw", "adamw-f16-state", "adamw-master", "adamw-f16-sr"}) {
     const DType dtype = kind == "sgd" || kind == "adam" ? DType::f32 : DType::f16;
-    struct Run {
-      std::vector<std::vector<float>> params, state;
-      std::vector<bool> skipped;
-      double scale = 0;
-      bool w_grad_kept = false;
-    };
     auto run = [&](bool defer) {
       Model m(kind, dtype);
       if (kind == "adamw-master") m.opt->enable_master_weights();
@@ -117,27 +149,15 @@ TEST(DeferredGradients, StepAsTheStoredGradientsBitForBit) {
       so.growth_interval = 2;
       amp::LossScaler scaler(so);
       const Tensor xin = x.to(dtype);
-      Run r;
+      ScaledRun r;
       for (int step = 0; step < 12; ++step)
-        r.skipped.push_back(scaled_step(m, scaler, xin, defer, &r.w_grad_kept).skipped);
+        r.skipped.push_back(scaled_step(m, scaler, xin, defer, &r.kept).skipped);
       r.params = m.params();
       r.state = state_values(*m.opt);
       r.scale = scaler.scale();
       return r;
     };
-    const Run stored = run(false), deferred = run(true);
-    EXPECT_TRUE(stored.w_grad_kept) << kind;
-    EXPECT_FALSE(deferred.w_grad_kept) << kind << ": a deferred gradient is not stored";
-    EXPECT_EQ(deferred.skipped, stored.skipped) << kind;
-    EXPECT_EQ(deferred.scale, stored.scale) << kind;
-    EXPECT_EQ(deferred.params, stored.params) << kind;
-    EXPECT_EQ(deferred.state, stored.state) << kind;
-    int applied = 0;
-    for (bool s : stored.skipped) applied += s ? 0 : 1;
-    EXPECT_GE(applied, 3) << kind;
-    if (dtype == DType::f16) {
-      EXPECT_TRUE(stored.skipped[0]) << kind << ": the overflow is tested";
-    }
+    expect_same_training(run(false), run(true), dtype, kind);
   }
 }
 
@@ -364,12 +384,6 @@ TEST(DeferredGradients, ConvolutionWeightGradientsStepAsTheStoredOnesBitForBit) 
   const Tensor x = random({2, 16, 4, 4}, 35, 1.0);
   for (const std::string kind : {"sgd", "adamw"})
     for (const DType dtype : {DType::f32, DType::f16}) {
-      struct Run {
-        std::vector<std::vector<float>> params, state;
-        std::vector<bool> skipped;
-        double scale = 0;
-        bool kept = false;
-      };
       auto run = [&](bool defer) {
         ConvModel m(kind, dtype);
         amp::LossScalerOptions so;
@@ -377,7 +391,7 @@ TEST(DeferredGradients, ConvolutionWeightGradientsStepAsTheStoredOnesBitForBit) 
         so.growth_interval = 2;
         amp::LossScaler scaler(so);
         const Tensor xin = x.to(dtype);
-        Run r;
+        ScaledRun r;
         for (int step = 0; step < 10; ++step) {
           amp::ScaledStep scaled(&scaler);
           const Tensor loss = m.loss(xin);
@@ -395,20 +409,8 @@ TEST(DeferredGradients, ConvolutionWeightGradientsStepAsTheStoredOnesBitForBit) 
         r.scale = scaler.scale();
         return r;
       };
-      const Run stored = run(false), deferred = run(true);
-      const std::string at = kind + " " + std::string(dtype_name(dtype));
-      EXPECT_TRUE(stored.kept) << at;
-      EXPECT_FALSE(deferred.kept) << at << ": deferred gradients are not stored";
-      EXPECT_EQ(deferred.skipped, stored.skipped) << at;
-      EXPECT_EQ(deferred.scale, stored.scale) << at;
-      EXPECT_EQ(deferred.params, stored.params) << at;
-      EXPECT_EQ(deferred.state, stored.state) << at;
-      int applied = 0;
-      for (bool skipped : stored.skipped) applied += skipped ? 0 : 1;
-      EXPECT_GE(applied, 3) << at;
-      if (dtype == DType::f16) {
-        EXPECT_TRUE(stored.skipped[0]) << at << ": the overflow is tested";
-      }
+      expect_same_training(run(false), run(true), dtype,
+                           kind + " " + std::string(dtype_name(dtype)));
     }
 }
 
@@ -517,16 +519,8 @@ TEST(DeferredGradients, TrainerTrainsAsTheOrdinaryStepWithLessMemory) {
     EXPECT_EQ(deferred.skipped, ordinary.skipped) << precision;
     EXPECT_FALSE(ordinary.skipped.empty()) << precision << ": the skip is tested";
     EXPECT_LT(ordinary.skipped.size(), 8u) << precision << ": so are the updates";
-    std::vector<float> a, b;
-    for (auto& p : ordinary_run.model().named_parameters()) {
-      const auto v = p.tensor->to_float_vector();
-      a.insert(a.end(), v.begin(), v.end());
-    }
-    for (auto& p : deferred_run.model().named_parameters()) {
-      const auto v = p.tensor->to_float_vector();
-      b.insert(b.end(), v.begin(), v.end());
-    }
-    EXPECT_EQ(a, b) << precision;
+    EXPECT_EQ(flat_parameters(deferred_run.model()), flat_parameters(ordinary_run.model()))
+        << precision;
     EXPECT_LT(deferred.memory.peak_of(MemoryCategory::gradients),
               ordinary.memory.peak_of(MemoryCategory::gradients))
         << precision;
@@ -551,16 +545,7 @@ TEST(DeferredGradients, TrainerKeepsResNetConvolutionGradientsAsProducers) {
   EXPECT_EQ(deferred.skipped, ordinary.skipped);
   EXPECT_FALSE(ordinary.skipped.empty()) << "the skip is tested";
   EXPECT_LT(ordinary.skipped.size(), 6u) << "so are the updates";
-  std::vector<float> a, b;
-  for (auto& p : ordinary_run.model().named_parameters()) {
-    const auto v = p.tensor->to_float_vector();
-    a.insert(a.end(), v.begin(), v.end());
-  }
-  for (auto& p : deferred_run.model().named_parameters()) {
-    const auto v = p.tensor->to_float_vector();
-    b.insert(b.end(), v.begin(), v.end());
-  }
-  EXPECT_EQ(a, b);
+  EXPECT_EQ(flat_parameters(deferred_run.model()), flat_parameters(ordinary_run.model()));
   // Three 9 MiB gradients of layer4 not kept.
   EXPECT_LT(static_cast<double>(deferred.memory.peak_of(MemoryCategory::gradients)),
             static_cast<double>(ordinary.memory.peak_of(MemoryCategory::gradients)) - 20e6);
