@@ -58,33 +58,36 @@ int64_t wide_columns(const ImplicitConv& g, int64_t nb) {
 
 void pad_images(const Tensor& x, const ImplicitConv& g, int64_t n0, int64_t nb, float* xp) {
   const int64_t cstride = nb * g.plane, es = esize(x.dtype());
+  const bool f32 = x.dtype() == DType::f32;
+  const bool round = f32 && g.read_as != DType::f32;  // the 16-bit copy's values
   parallel_for(
       static_cast<size_t>(g.C * nb), 1, threads_for(g.C * cstride), [&](size_t t0, size_t t1) {
+        // A 16-bit plane is widened in one conversion, then its rows are copied: ResNet's rows of
+        // 4 to 32 values cost more as calls of the conversion table than as copies.
+        std::vector<float> widened(f32 ? 0 : static_cast<size_t>(g.H * g.W));
         for (size_t t = t0; t < t1; ++t) {
           const int64_t c = static_cast<int64_t>(t) / nb, img = static_cast<int64_t>(t) % nb;
           float* dst = xp + c * cstride + img * g.plane;
           std::fill(dst, dst + g.pad_h * g.Wp, 0.0f);
           std::fill(dst + (g.pad_h + g.H) * g.Wp, dst + g.plane, 0.0f);
           const char* src = bytes(x) + ((n0 + img) * g.C + c) * g.H * g.W * es;
-          // FP32 rows are copied inline: ResNet's rows of 4 to 32 values cost more as calls of
-          // the conversion table than as copies.
-          const bool f32 = x.dtype() == DType::f32;
-          const bool round = f32 && g.read_as != DType::f32;  // the 16-bit copy's values
           if (g.pad_w == 0 && !f32) {  // unpadded rows: the plane's rows in one conversion
             load_f32(src, x.dtype(), 1, g.H * g.W, dst + g.pad_h * g.Wp);
             continue;
           }
+          const float* rows = reinterpret_cast<const float*>(src);
+          if (!f32) {
+            load_f32(src, x.dtype(), 1, g.H * g.W, widened.data());
+            rows = widened.data();
+          }
           for (int64_t h = 0; h < g.H; ++h) {
             float* row = dst + (g.pad_h + h) * g.Wp;
             std::fill(row, row + g.pad_w, 0.0f);
-            if (f32)
-              std::memcpy(row + g.pad_w, src + h * g.W * es,
-                          static_cast<size_t>(g.W) * sizeof(float));
-            else
-              load_f32(src + h * g.W * es, x.dtype(), 1, g.W, row + g.pad_w);
-            if (round) round_through(row + g.pad_w, g.W, g.read_as);
+            std::memcpy(row + g.pad_w, rows + h * g.W, static_cast<size_t>(g.W) * sizeof(float));
             std::fill(row + g.pad_w + g.W, row + g.Wp, 0.0f);
           }
+          // An FP32 input read as 16 bits: its rows rounded in one pass (the zeros stay zero).
+          if (round) round_through(dst + g.pad_h * g.Wp, g.H * g.Wp, g.read_as);
         }
       });
 }
