@@ -341,9 +341,9 @@ void pack_row_listed_sliver(const OffsetMatrix& B, int64_t j0, int64_t w, int64_
 }
 
 // One thread's whole GEMM on the block C[m0:m1, n0:n1]: the BLIS loop nest (NC columns, KC depth,
-// MC rows, then 16 x 6 micro-tiles), with its own packing buffers and no synchronisation.
-// Rows [m0, m1) and columns [n0, n1) of C. A is packed here, a block at a time, or was packed
-// ahead (packed_a: then A is unused, alpha is 1 and m0 starts a sliver).
+// MC rows, then 16 x 6 micro-tiles), with its own packing buffers and no synchronisation. A is
+// packed here, a block at a time, or was packed ahead (packed_a: then A is unused, alpha is 1
+// and m0 starts a sliver).
 void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float alpha,
                 const ConstMatrix& A, const BSource& B, float beta, const Matrix& C, bool f16p,
                 DType round_c, const PackedMatrix* packed_a) {
