@@ -154,6 +154,9 @@ TEST(MemoryProfile, ReportsCategoriesLayersAndLivenessOfOneStep) {
             std::string::npos)
       << text;
   const std::string html = train::memory_html(c, runs);
+  // The liveness charts say and mark what reached each peak.
+  EXPECT_NE(html.find("peak reached in the backward of " + runs[1].peak.module), std::string::npos);
+  EXPECT_NE(html.find("<circle"), std::string::npos);
   size_t svgs = 0;
   for (size_t at = html.find("<svg"); at != std::string::npos; at = html.find("<svg", at + 1))
     ++svgs;

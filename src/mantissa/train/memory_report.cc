@@ -479,9 +479,17 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
     auto Y = [&](size_t b) {
       return T + CH - CH * static_cast<double>(b) / static_cast<double>(top);
     };
-    h << "<h3>" << escape(r.precision) << " (" << r.events
-      << " allocations and frees)</h3>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
-      << L + CW + 20 << "\" height=\"" << T + CH + 40 << "\">\n";
+    // What reached the peak, said under the title and marked on the chart.
+    std::string reached;
+    if (r.peak.delta > 0)
+      reached = "peak reached in the " + r.peak.phase +
+                (r.peak.module.empty() ? "" : " of " + r.peak.module) + ", allocating " +
+                format_bytes(static_cast<size_t>(r.peak.delta)) + " of " +
+                std::string(memory_category_name(r.peak.category)) + " (" + r.peak.owner + ")";
+    h << "<h3>" << escape(r.precision) << " (" << r.events << " allocations and frees)</h3>\n";
+    if (!reached.empty()) h << "<p>" << escape(reached) << "</p>\n";
+    h << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << L + CW + 20 << "\" height=\""
+      << T + CH + 40 << "\">\n";
     // Phase bands, each named on hover; a label that would overlap the previous one or run past
     // the chart (a short phase) is left out; 7 px a character is more than the 11 px font needs.
     size_t start = 0;
@@ -531,7 +539,12 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
     h << "<line x1=\"" << L << "\" x2=\"" << L + CW << "\" y1=\"" << Y(r.peak_total) << "\" y2=\""
       << Y(r.peak_total) << "\" stroke=\"#000\" stroke-dasharray=\"2 3\"/><text x=\"" << L + 4
       << "\" y=\"" << Y(r.peak_total) - 3 << "\" font-size=\"11\">peak "
-      << format_bytes(r.peak_total) << "</text>\n</svg>\n";
+      << format_bytes(r.peak_total) << "</text>\n";
+    if (!reached.empty())
+      h << "<circle cx=\"" << X(r.peak.event) << "\" cy=\"" << Y(r.peak_total)
+        << "\" r=\"4\" fill=\"none\" stroke=\"#c00\" stroke-width=\"2\"><title>" << escape(reached)
+        << "</title></circle>\n";
+    h << "</svg>\n";
   }
 
   // By layer.
