@@ -11,7 +11,6 @@
 #include "mantissa/kernels/conv_paths.h"
 #include "mantissa/kernels/elementwise.h"
 #include "mantissa/kernels/nn_internal.h"
-#include "mantissa/kernels/quantize.h"
 
 namespace mantissa::kernels {
 
@@ -289,24 +288,13 @@ double conv2d_weight_grad_bound(const Tensor& dy_in, const Tensor& x_in, DType o
                   "conv2d_weight_grad_bound takes dy (N, O, Ho, Wo) and x (N, C, H, W)");
   if (largest == 0) return kInf;
   const Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
-  const int64_t N = x.size(0), dy_image = dy.numel() / std::max<int64_t>(N, 1),
-                x_image = x.numel() / std::max<int64_t>(N, 1), positions = dy.size(2) * dy.size(3);
+  const int64_t N = x.size(0), positions = dy.size(2) * dy.size(3);
   // Products summed into each value, in FP32 chains (the paths add a few more sums of parts):
   // (1 + 2^-24)^terms <= 1 + terms * 2^-23 while terms * 2^-24 stays below one.
   const double terms = static_cast<double>(N * positions) + 64;
   if (terms > 0x1p23) return kInf;
   // Per image, in parallel; amax is +inf for values holding an inf or NaN, and so is the sum then.
-  std::vector<double> dy_max(static_cast<size_t>(N)), x_max(static_cast<size_t>(N));
-  parallel_for(static_cast<size_t>(N), 1, threads_for(N * (dy_image + x_image)),
-               [&](size_t n0, size_t n1) {
-                 for (size_t n = n0; n < n1; ++n) {
-                   const int64_t i = static_cast<int64_t>(n);
-                   dy_max[n] = amax(bytes(dy) + i * dy_image * esize(dy.dtype()), dy.dtype(),
-                                    static_cast<size_t>(dy_image));
-                   x_max[n] = amax(bytes(x) + i * x_image * esize(x.dtype()), x.dtype(),
-                                   static_cast<size_t>(x_image));
-                 }
-               });
+  const auto [dy_max, x_max] = slice_amaxes(dy, x, N);
   double t = 0;
   for (int64_t n = 0; n < N; ++n) {
     double xm = x_max[static_cast<size_t>(n)];
@@ -318,11 +306,9 @@ double conv2d_weight_grad_bound(const Tensor& dy_in, const Tensor& x_in, DType o
     }
     t += dy_max[static_cast<size_t>(n)] * xm;
   }
-  // The double sums are off by far less than 2^-10; a value at most `largest` rounds to at most
-  // `largest`, and by at most half a unit (bf16: a factor 1 + 2^-8) above itself.
-  t *= static_cast<double>(positions) * (1 + terms * 0x1p-23) * (1 + 0x1p-10);
-  if (!(t <= largest)) return kInf;
-  return std::min(t * (1 + 0x1p-7), largest);
+  // The double sums are off by far less than 2^-10.
+  return bound_rounded_into(
+      t * static_cast<double>(positions) * (1 + terms * 0x1p-23) * (1 + 0x1p-10), out);
 }
 
 }  // namespace mantissa::kernels

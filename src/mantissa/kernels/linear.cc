@@ -9,7 +9,6 @@
 
 #include "mantissa/core/parallel.h"
 #include "mantissa/kernels/nn_internal.h"
-#include "mantissa/kernels/quantize.h"
 #include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels {
@@ -222,32 +221,20 @@ double linear_weight_grad_bound(const Tensor& g_in, const Tensor& x_in, DType ou
   const double largest = max_finite(out);
   if (largest == 0) return kInf;
   const Tensor g = g_in.contiguous(), x = x_in.contiguous();
-  const int64_t rows = g.size(0), outf = g.size(1), in = x.size(1);
-  // amax is +inf for a row holding an inf or NaN, and so is the sum then. The rows' products in
+  const int64_t rows = g.size(0);
+  // amax is +inf for a row holding an inf or NaN, and so is the sum then. The rows' amaxes in
   // parallel (x's rows are long: 12 x 41,772 for the tutorial CNN's fc1), added in row order.
-  std::vector<double> term(static_cast<size_t>(rows));
-  parallel_for(static_cast<size_t>(rows), 1, threads_for(rows * in), [&](size_t r0, size_t r1) {
-    for (size_t r = r0; r < r1; ++r) {
-      const int64_t i = static_cast<int64_t>(r);
-      term[r] = static_cast<double>(amax(bytes(g) + i * outf * esize(g.dtype()), g.dtype(),
-                                         static_cast<size_t>(outf))) *
-                static_cast<double>(
-                    amax(bytes(x) + i * in * esize(x.dtype()), x.dtype(), static_cast<size_t>(in)));
-    }
-  });
+  const auto [g_max, x_max] = slice_amaxes(g, x, rows);
   double t = 0;
-  for (const double v : term) t += v;
+  for (int64_t r = 0; r < rows; ++r)
+    t += g_max[static_cast<size_t>(r)] * x_max[static_cast<size_t>(r)];
   // Each of at most kPartsMaxRows FMAs grows |acc| by at most a factor (1 + 2^-24), and the
-  // double sum above is off by far less: 2^-10 covers both. A value at most `largest` rounds
-  // to at most `largest`, and by at most half a unit (bf16: a factor 1 + 2^-8) above itself.
-  t *= 1 + 0x1p-10;
-  if (!(t <= largest)) return kInf;
-  return std::min(t * (1 + 0x1p-7), largest);
+  // double sum above is off by far less: 2^-10 covers both.
+  return bound_rounded_into(t * (1 + 0x1p-10), out);
 }
 
 double linear_weight_grad_bound_sum(std::span<const GradFactors> terms, DType out) {
   constexpr double kInf = std::numeric_limits<double>::infinity();
-  const double largest = max_finite(out);
   double t = 0;
   for (const GradFactors& term : terms) {
     const double b = linear_weight_grad_bound(term.g, term.x, out);
@@ -256,12 +243,8 @@ double linear_weight_grad_bound_sum(std::span<const GradFactors> terms, DType ou
   }
   if (terms.size() == 1) return t;
   // The terms' values (each at most its bound, rounding into `out` included) are added in FP32
-  // (a relative 2^-24 per addition), and the sum is rounded into `out` once more: a value at most
-  // `largest` rounds to at most `largest`, and by at most half a unit (bf16: a factor 1 + 2^-8)
-  // above itself.
-  t *= 1 + static_cast<double>(terms.size() - 1) * 0x1p-24;
-  if (!(t <= largest)) return kInf;
-  return std::min(t * (1 + 0x1p-7), largest);
+  // (a relative 2^-24 per addition), and the sum is rounded into `out` once more.
+  return bound_rounded_into(t * (1 + static_cast<double>(terms.size() - 1) * 0x1p-24), out);
 }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in, DType out, Partials p, MemoryCategory cat,

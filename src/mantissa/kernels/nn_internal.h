@@ -3,14 +3,19 @@
 // public API; included by those files' .cc only.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mantissa/core/convert.h"
 #include "mantissa/core/error.h"
+#include "mantissa/core/parallel.h"
 #include "mantissa/core/tensor.h"
 #include "mantissa/kernels/elementwise.h"
+#include "mantissa/kernels/quantize.h"
 
 namespace mantissa::kernels {
 
@@ -73,6 +78,36 @@ inline Tensor from_vector(const std::vector<float>& v, const Shape& shape, DType
   Tensor out = Tensor::empty(shape, t, charged_to(cat));
   if (!v.empty()) convert(v.data(), DType::f32, out.data_ptr(), t, v.size());
   return out;
+}
+
+// What a weight gradient's bound (linear_weight_grad_bound, conv2d_weight_grad_bound) is made of:
+// a and b (contiguous) cut into `slices` equal slices (a linear layer's rows, a convolution's
+// images), the largest |value| of each slice of each, read in parallel; +inf for a slice holding
+// an inf or NaN.
+inline std::pair<std::vector<double>, std::vector<double>> slice_amaxes(const Tensor& a,
+                                                                        const Tensor& b,
+                                                                        int64_t slices) {
+  std::vector<double> am(static_cast<size_t>(slices)), bm(static_cast<size_t>(slices));
+  const int64_t na = a.numel() / std::max<int64_t>(slices, 1),
+                nb = b.numel() / std::max<int64_t>(slices, 1);
+  parallel_for(
+      static_cast<size_t>(slices), 1, threads_for(slices * (na + nb)), [&](size_t s0, size_t s1) {
+        for (size_t s = s0; s < s1; ++s) {
+          const int64_t i = static_cast<int64_t>(s);
+          am[s] = amax(bytes(a) + i * na * esize(a.dtype()), a.dtype(), static_cast<size_t>(na));
+          bm[s] = amax(bytes(b) + i * nb * esize(b.dtype()), b.dtype(), static_cast<size_t>(nb));
+        }
+      });
+  return {std::move(am), std::move(bm)};
+}
+
+// A bound t of a gradient's FP32 values, carried into their rounding into `out`: +infinity when
+// a value could round past out's largest finite value; otherwise t widened by half a unit (bf16:
+// a factor 1 + 2^-8), at most that largest value.
+inline double bound_rounded_into(double t, DType out) {
+  const double largest = max_finite(out);
+  if (!(t <= largest)) return std::numeric_limits<double>::infinity();
+  return std::min(t * (1 + 0x1p-7), largest);
 }
 
 }  // namespace mantissa::kernels
