@@ -311,6 +311,18 @@ RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib
   return m;
 }
 
+namespace {
+
+// Where a step's peak was reached: "reached in the backward of layer4.1.conv2, allocating 2.00 MiB
+// of workspace (kernel workspace)" (the text report's line and the HTML chart's caption).
+std::string peak_reached(const MemoryPoint& p) {
+  return "reached in the " + p.phase + (p.module.empty() ? "" : " of " + p.module) +
+         ", allocating " + format_bytes(static_cast<size_t>(p.delta)) + " of " +
+         std::string(memory_category_name(p.category)) + " (" + p.owner + ")";
+}
+
+}  // namespace
+
 std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers,
                         const std::vector<RankMemory>& ranks) {
   std::ostringstream out;
@@ -375,11 +387,7 @@ std::string memory_text(const std::vector<StepMemory>& runs, size_t top_layers,
     out << line;
   }
   for (const StepMemory& r : runs) {
-    if (r.peak.delta > 0)
-      out << "peak of " << r.precision << " reached in the " << r.peak.phase
-          << (r.peak.module.empty() ? "" : " of " + r.peak.module) << ", allocating "
-          << format_bytes(static_cast<size_t>(r.peak.delta)) << " of "
-          << memory_category_name(r.peak.category) << " (" << r.peak.owner << ")\n";
+    if (r.peak.delta > 0) out << "peak of " << r.precision << " " << peak_reached(r.peak) << "\n";
     out << "largest holders at the peak, " << r.precision << ":\n";
     for (size_t i = 0; i < r.layers.size() && i < top_layers; ++i) {
       const LayerMemory& l = r.layers[i];
@@ -480,12 +488,7 @@ std::string memory_html(const TrainConfig& c, const std::vector<StepMemory>& run
       return T + CH - CH * static_cast<double>(b) / static_cast<double>(top);
     };
     // What reached the peak, said under the title and marked on the chart.
-    std::string reached;
-    if (r.peak.delta > 0)
-      reached = "peak reached in the " + r.peak.phase +
-                (r.peak.module.empty() ? "" : " of " + r.peak.module) + ", allocating " +
-                format_bytes(static_cast<size_t>(r.peak.delta)) + " of " +
-                std::string(memory_category_name(r.peak.category)) + " (" + r.peak.owner + ")";
+    const std::string reached = r.peak.delta > 0 ? "peak " + peak_reached(r.peak) : "";
     h << "<h3>" << escape(r.precision) << " (" << r.events << " allocations and frees)</h3>\n";
     if (!reached.empty()) h << "<p>" << escape(reached) << "</p>\n";
     h << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << L + CW + 20 << "\" height=\""
