@@ -131,10 +131,9 @@ struct AutogradMeta {
   // (a linear layer's weight gradient; a convolution's, as one part) hands this function a
   // producer of those parts (holding the small operands it needs) instead of storing the
   // gradient, and an upper bound of |v| over every value v the producer gives (+infinity when
-  // none is known); the optimizer's step then
-  // computes the parts twice, once to check them and once to apply them, or only to apply them
-  // when the bound alone proves them finite. Cleared as consume_grad is: where the leaf would get
-  // more than one gradient or already has one.
+  // none is known); the optimizer's step then computes the parts twice, once to check them and
+  // once to apply them, or only to apply them when the bound alone proves them finite. Cleared as
+  // consume_grad is: where the leaf would get more than one gradient or already has one.
   GradPartDeferral defer_grad_parts;
   // Set on a leaf by code that needs the leaf's gradient as soon as a backward pass has finished
   // computing it (dist::Reducer starts the gradient's all-reduce from here, while the pass goes
