@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
@@ -130,6 +131,33 @@ std::vector<float> flat_parameters(nn::Module& model) {
     all.insert(all.end(), v.begin(), v.end());
   }
   return all;
+}
+
+// One scaled step whose only overflow is in the gradient of `overflowing`, stored or deferred:
+// `installed` deferrals installed and `deferred` gradients left deferred by the backward pass when
+// deferring; the step is skipped naming that gradient, every parameter keeps its bits, and the
+// scale halves to `halved`.
+void expect_skipped_for(optim::Optimizer& opt, double init_scale,
+                        const std::function<Tensor()>& loss_of,
+                        const std::function<std::vector<std::vector<float>>()>& params, bool defer,
+                        size_t installed, size_t deferred, const std::string& overflowing,
+                        double halved) {
+  amp::LossScalerOptions lo;
+  lo.init_scale = init_scale;
+  amp::LossScaler scaler(lo);
+  const std::vector<std::vector<float>> before = params();
+  amp::ScaledStep scaled(&scaler);
+  const Tensor loss = loss_of();
+  if (defer) {
+    EXPECT_EQ(opt.defer_gradients(), installed);
+  }
+  autograd::backward(scaled.scale_loss(loss));
+  EXPECT_EQ(opt.deferred_gradients(), defer ? deferred : 0u);
+  const optim::StepReport r = scaled.step(opt, {});
+  EXPECT_TRUE(r.skipped) << defer;
+  EXPECT_EQ(r.nonfinite, std::vector<std::string>{overflowing}) << defer;
+  EXPECT_EQ(params(), before) << defer;
+  EXPECT_EQ(scaler.scale(), halved) << defer;
 }
 
 TEST(DeferredGradients, StepAsTheStoredGradientsBitForBit) {
@@ -275,23 +303,13 @@ TEST(DeferredGradients, AnOverflowInTheDeferredGradientSkipsTheStep) {
            w = random({24, 2100}, 22, 1e-4f).to(DType::f16), b = random({24}, 23).to(DType::f16);
     for (Tensor* t : {&a, &w, &b}) t->set_requires_grad(true);
     optim::Sgd opt({{"a", &a}, {"w", &w}, {"b", &b}}, optim::SgdOptions{});
-    amp::LossScalerOptions lo;
-    lo.init_scale = 4096;
-    amp::LossScaler scaler(lo);
     const Tensor x = random({8, 2100}, 24, 20.0f).to(DType::f16);
-    const std::vector<std::vector<float>> before = values({&a, &w, &b});
-    amp::ScaledStep scaled(&scaler);
-    const Tensor loss = ops::sum(ops::linear(ops::mul(x, a), w, b));
-    if (defer) {
-      EXPECT_EQ(opt.defer_gradients(), 3u);
-    }
-    autograd::backward(scaled.scale_loss(loss));
-    EXPECT_EQ(opt.deferred_gradients(), defer ? 1u : 0u);
-    const optim::StepReport r = scaled.step(opt, {});
-    EXPECT_TRUE(r.skipped) << defer;
-    EXPECT_EQ(r.nonfinite, std::vector<std::string>{"w"}) << defer;
-    EXPECT_EQ(values({&a, &w, &b}), before) << defer;
-    EXPECT_EQ(scaler.scale(), 2048.0) << defer;
+    expect_skipped_for(
+        opt, 4096, [&] { return ops::sum(ops::linear(ops::mul(x, a), w, b)); },
+        [&] {
+          return values({&a, &w, &b});
+        },
+        defer, 3, 1, "w", 2048.0);
   }
 }
 
@@ -348,14 +366,14 @@ TEST(DeferredGradients, AFiniteBoundSkipsTheCheckPass) {
 
 // h = relu(conv(x * a, w1)), y = conv(h, w2, b2), loss = sum(y * y): w1's and w2's gradients are
 // kept as their producers (dy and x hold at most half the gradients' bytes), a's and b2's are
-// stored, and a's is the last one produced.
+// stored, and a's is the last one produced. w2's values have standard deviation w2_scale.
 struct ConvModel {
   Tensor a, w1, w2, b2;
   std::unique_ptr<optim::Optimizer> opt;
-  ConvModel(const std::string& kind, DType dtype) {
+  ConvModel(const std::string& kind, DType dtype, float w2_scale = 0.1f) {
     a = random({1, 16, 1, 1}, 31, 0.01f, 1.0f).to(dtype);
     w1 = random({32, 16, 3, 3}, 32).to(dtype);
-    w2 = random({32, 32, 3, 3}, 33).to(dtype);
+    w2 = random({32, 32, 3, 3}, 33, w2_scale).to(dtype);
     b2 = random({32}, 34).to(dtype);
     for (Tensor* t : {&a, &w1, &w2, &b2}) t->set_requires_grad(true);
     const optim::ParamList params{{"a", &a}, {"w1", &w1}, {"w2", &w2}, {"b2", &b2}};
@@ -370,11 +388,14 @@ struct ConvModel {
     }
   }
   ConvModel(const ConvModel&) = delete;
-  Tensor loss(const Tensor& x) const {
+  Tensor output(const Tensor& x) const {
     kernels::Conv2dParams same;
     same.pad_h = same.pad_w = 1;
     const Tensor h = ops::relu(ops::conv2d(ops::mul(x, a), w1, Tensor(), same));
-    const Tensor y = ops::conv2d(h, w2, b2, same);
+    return ops::conv2d(h, w2, b2, same);
+  }
+  Tensor loss(const Tensor& x) const {
+    const Tensor y = output(x);
     return ops::sum(ops::mul(y, y));
   }
   std::vector<std::vector<float>> params() const { return values({&a, &w1, &w2, &b2}); }
@@ -471,30 +492,11 @@ TEST(DeferredGradients, TheConvolutionWeightGradientBoundHoldsEveryValue) {
 // finite. With the bound the check pass cannot be skipped (the bound is infinite).
 TEST(DeferredGradients, AnOverflowInADeferredConvolutionGradientSkipsTheStep) {
   for (const bool defer : {false, true}) {
-    ConvModel m("sgd", DType::f16);
-    m.w2 = random({32, 32, 3, 3}, 41, 1e-5f).to(DType::f16);
-    m.w2.set_requires_grad(true);
-    optim::Sgd opt({{"a", &m.a}, {"w1", &m.w1}, {"w2", &m.w2}, {"b2", &m.b2}}, optim::SgdOptions{});
+    ConvModel m("sgd", DType::f16, 1e-5f);
     const Tensor x = random({2, 16, 4, 4}, 40, 30.0f).to(DType::f16);
-    amp::LossScalerOptions lo;
-    lo.init_scale = 1024;
-    amp::LossScaler scaler(lo);
-    const std::vector<std::vector<float>> before = m.params();
-    amp::ScaledStep scaled(&scaler);
-    kernels::Conv2dParams same;
-    same.pad_h = same.pad_w = 1;
-    const Tensor h = ops::relu(ops::conv2d(ops::mul(x, m.a), m.w1, Tensor(), same));
-    const Tensor loss = ops::sum(ops::conv2d(h, m.w2, m.b2, same));
-    if (defer) {
-      EXPECT_EQ(opt.defer_gradients(), 4u);
-    }
-    autograd::backward(scaled.scale_loss(loss));
-    EXPECT_EQ(opt.deferred_gradients(), defer ? 2u : 0u);
-    const optim::StepReport r = scaled.step(opt, {});
-    EXPECT_TRUE(r.skipped) << defer;
-    EXPECT_EQ(r.nonfinite, std::vector<std::string>{"w2"}) << defer;
-    EXPECT_EQ(m.params(), before) << defer;
-    EXPECT_EQ(scaler.scale(), 512.0) << defer;
+    expect_skipped_for(
+        *m.opt, 1024, [&] { return ops::sum(m.output(x)); }, [&] { return m.params(); }, defer, 4,
+        2, "w2", 512.0);
   }
 }
 
