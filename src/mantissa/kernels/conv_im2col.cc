@@ -200,7 +200,10 @@ Tensor im2col_weight_grad(const Tensor& dy, const Tensor& x, const Shape& w_shap
       const int64_t chunk = g.chunk();
       Tensor cols = byte_workspace(g.CKK * chunk * g.HW, x.dtype());
       Tensor dyg = byte_workspace(g.Og * chunk * g.HW, dy.dtype());
-      Tensor dw32 = f32_workspace({g.O * g.CKK});
+      // An FP32 gradient is the first part's accumulator; another type's is rounded from it.
+      Tensor dw32 = part == 0 && out == DType::f32
+                        ? Tensor::empty(w_shape, DType::f32, charged_to(MemoryCategory::gradients))
+                        : f32_workspace({g.O * g.CKK});
       for (int64_t n0 = i0; n0 < i1; n0 += chunk) {
         const int64_t nb = std::min(chunk, i1 - n0), L = nb * g.HW;
         for (int64_t grp = 0; grp < g.G; ++grp) {
@@ -219,6 +222,7 @@ Tensor im2col_weight_grad(const Tensor& dy, const Tensor& x, const Shape& w_shap
     const float* add = partial[part].data<float>();
     for (int64_t i = 0; i < g.O * g.CKK; ++i) total[i] += add[i];
   }
+  if (out == DType::f32) return partial[0];
   Tensor dw = Tensor::empty(w_shape, out, charged_to(MemoryCategory::gradients));
   convert(total, DType::f32, dw.data_ptr(), out, static_cast<size_t>(dw.numel()));
   return dw;
