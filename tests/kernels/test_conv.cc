@@ -349,6 +349,38 @@ TEST(Conv2d, WinogradOutputBlocksGiveTheSameBits) {
   }
 }
 
+// Winograd's two schedules give the same bits: the per-thread one (each thread runs every stage
+// on groups of images in buffers of its own; chosen for small layers on several threads) and the
+// per-stage one (the threads split each stage; a given output block forces it). Images split
+// into groups with a short last one, an image's tiles in two batches (576 tiles against batches
+// of 512), the flipped filters of a backward-input, every storage, 2 and 3 threads.
+TEST(Conv2d, WinogradPerThreadScheduleGivesTheSameBitsAsPerStage) {
+  struct Case {
+    Shape x;
+    int64_t O;
+  };
+  for (const Case& k : {Case{{7, 16, 8, 6}, 24}, Case{{5, 64, 48, 48}, 64}})
+    for (const int threads : {2, 3})
+      for (const DType t : {DType::f32, DType::bf16, DType::f16})
+        for (const bool flipped : {false, true}) {
+          set_num_threads(threads);
+          const int64_t C = k.x[1], n = k.x[0] * C * k.x[2] * k.x[3];
+          const detail::ImplicitConv g(k.x, k.O, 3, 3, 1, 1, 1, 1);
+          const Tensor x = stored(random_values(n, 7), k.x, t),
+                       w = stored(random_values(k.O * C * 9, 8), {k.O * C * 9}, t);
+          const std::vector<float> bias(static_cast<size_t>(k.O), -0.5f);
+          const Tensor per_thread = detail::winograd_forward(x, g, w.data_ptr(), t, flipped, bias,
+                                                             t, MemoryCategory::activations);
+          const Tensor per_stage = detail::winograd_forward(x, g, w.data_ptr(), t, flipped, bias, t,
+                                                            MemoryCategory::activations, k.O);
+          set_num_threads(0);
+          EXPECT_EQ(0, std::memcmp(per_thread.data_ptr(), per_stage.data_ptr(),
+                                   static_cast<size_t>(per_stage.numel()) * dtype_size(t)))
+              << dtype_name(t) << ", " << C << " channels, " << threads << " threads"
+              << (flipped ? ", flipped" : "");
+        }
+}
+
 // The Winograd transforms against their definitions (vector_kernels.h), bit for bit: eight tiles
 // side by side, eight anywhere, and fewer.
 TEST(Conv2d, WinogradTransformsMatchTheirDefinitionBitForBit) {

@@ -12,6 +12,7 @@
 //   A^T = [1 1 1 0; 0 1 -1 -1]
 // The input and output transforms are vector kernels (vector_kernels.h), 8 tiles at a time.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -23,6 +24,10 @@
 namespace mantissa::kernels::detail {
 
 namespace {
+
+// The per-thread schedule of winograd_forward: for layers whose whole transformed filters U
+// (16, O, C) take at most this many floats (1 MiB: within a core's cache beside its own buffers).
+constexpr int64_t kPerThreadFilterFloats = int64_t{1} << 18;
 
 // Filters [o, o + n) of the flipped filters of forward weights w (C, O, 3, 3), as stored, filter
 // l at dst + l * C * 9: dst[l][c, k] = w[c, o + l, 8 - k]. The n filters of one c lie side by
@@ -93,6 +98,17 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
                         MemoryCategory cat, int64_t out_block) {
   Tensor y = Tensor::empty({g.N, g.O, g.H, g.W}, out_dtype, charged_to(cat));
   const int64_t C = g.C, O = g.O, th = g.H / 2, tw = g.W / 2, P = th * tw;
+  // Two schedules, the same bits (each output is its tile's transforms of the same GEMM sums):
+  // - Per thread, where the whole U is small (ResNet's 64- and 128-channel layers: 256 KiB and
+  //   1 MiB): each thread takes groups of images and runs every stage on them alone (pad,
+  //   input transform, the 16 GEMMs, output transform) in buffers of its own that stay in its
+  //   cache, with no barrier between the stages. Splitting each stage across the threads costs
+  //   more there than the stage: 16 GEMMs of 64 x 64 x tiles per batch of tiles.
+  // - Per stage, elsewhere: the threads split each stage of one batch of tiles (the channels of
+  //   the transforms, the 16 GEMMs), the batch's V and M shared.
+  const int threads = default_num_threads();
+  const bool per_thread = out_block <= 0 && threads > 1 && g.N >= 2 * threads &&
+                          16 * static_cast<int64_t>(packed_floats(O, C)) <= kPerThreadFilterFloats;
   // Output channels in blocks whose transformed filters U (16, Ob, C) take at most twice the
   // weights' own bytes, or the column budget for small layers: U is 16/9 of the weights in FP32,
   // so an FP32 layer's U is made whole, while a 16-bit layer's (3.6 times its weights) is made in
@@ -101,102 +117,137 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
   // per block. A block's GEMMs are those of the whole layer restricted to its rows: the same bits.
   const int64_t u_floats =
       std::max(conv_settings().column_budget, 2 * O * C * 9 * esize(wt) / int64_t{4});
-  const int64_t Ob = std::clamp<int64_t>(
-      out_block > 0 ? out_block : u_floats / std::max<int64_t>(16 * C, 1), 1, O);
+  const int64_t Ob =
+      per_thread ? O
+                 : std::clamp<int64_t>(
+                       out_block > 0 ? out_block : u_floats / std::max<int64_t>(16 * C, 1), 1, O);
   Tensor u_t = f32_workspace({16 * static_cast<int64_t>(packed_floats(Ob, C))});
-  // Tiles per block: V (16, C, Tb) and M (16, Ob, Tb) within about 4 MiB, so the transforms and
-  // the GEMMs pass them through the caches; at least 64, at most a chunk's tiles, a multiple of
-  // the GEMM's 16-column slivers. A chunk holds the images of one batch of tiles (the padded
-  // input's FP32 staging no larger than what the batch reads), within the column budget.
-  int64_t nb_max = g.chunk();
-  int64_t Tb_max = std::min(std::max<int64_t>((int64_t{4} << 20) / (64 * (C + Ob)) / 16 * 16, 64),
+  // Tiles per batch: V (16, C, Tb) and M (16, Ob, Tb) within about 4 MiB (2 MiB a thread for
+  // the per-thread schedule, a core's cache), so the transforms and the GEMMs pass them through
+  // the caches; at least 64, at most a chunk's tiles, a multiple of the GEMM's 16-column slivers.
+  // A chunk holds the images of one batch of tiles (the padded input's FP32 staging no larger
+  // than what the batch reads), within the column budget; per thread, a group of images, at
+  // least twice as many groups as threads.
+  const int64_t vm_bytes = per_thread ? int64_t{2} << 20 : int64_t{4} << 20;
+  int64_t nb_max = per_thread ? std::max<int64_t>(g.N / (2 * threads), 1) : g.chunk();
+  int64_t Tb_max = std::min(std::max<int64_t>(vm_bytes / (64 * (C + Ob)) / 16 * 16, 64),
                             (nb_max * P + 15) / 16 * 16);
   nb_max = std::clamp<int64_t>(Tb_max / std::max<int64_t>(P, 1), 1, nb_max);
   Tb_max = std::min(Tb_max, (nb_max * P + 15) / 16 * 16);
-  Tensor xpad = f32_workspace({C * nb_max * g.plane});  // (C, nb, H+2, W+2)
-  Tensor v_t = f32_workspace({16, C, Tb_max}), m_t = f32_workspace({16, Ob, Tb_max});
-  float *V = v_t.data<float>(), *M = m_t.data<float>();
+  // Each thread's (or the one schedule's) buffers, made here so that they are charged to the
+  // running module: slot s's at s times a slot's size.
+  const int64_t slots = per_thread ? threads : 1;
+  const int64_t xpad_floats = C * nb_max * g.plane, v_floats = 16 * C * Tb_max,
+                m_floats = 16 * Ob * Tb_max;
+  Tensor xpad = f32_workspace({slots * xpad_floats});  // [slot] (C, nb, H+2, W+2)
+  Tensor v_t = f32_workspace({slots * v_floats});      // [slot] (16, C, Tb)
+  Tensor m_t = f32_workspace({slots * m_floats});      // [slot] (16, Ob, Tb)
   // f32, f16 and bf16 outputs are written by the output transform; other dtypes are staged.
   const bool direct =
       out_dtype == DType::f32 || out_dtype == DType::f16 || out_dtype == DType::bf16;
   const int64_t es = esize(out_dtype);
   GemmOptions go;
-  go.threads = 1;  // the 16 GEMMs of a block are the parallel tasks
-  std::vector<int64_t> v_rows(static_cast<size_t>(C));
-  std::vector<int64_t> tile_in(static_cast<size_t>(Tb_max)), tile_out(static_cast<size_t>(Tb_max));
+  go.threads = 1;  // the 16 GEMMs of a batch are the parallel tasks (or one thread's work)
+  // [slot] (C) rows of V, (Tb) where each tile starts in the padded input and its output in y.
+  std::vector<int64_t> v_rows(static_cast<size_t>(slots * C));
+  std::vector<int64_t> tile_in(static_cast<size_t>(slots * Tb_max)),
+      tile_out(static_cast<size_t>(slots * Tb_max));
+
+  // Images [n0, n0 + nb) through every stage for output channels [o0, o0 + nO), in slot s's
+  // buffers. Each stage splits across the threads (parallel_for, parallel_tasks) when called
+  // from the calling thread and runs on the one thread when called inside a task.
+  const auto run_chunk = [&](int64_t s, int64_t o0, int64_t nO, const PackedMatrix* u, int64_t n0,
+                             int64_t nb) {
+    float* xp = xpad.data<float>() + s * xpad_floats;
+    float* V = v_t.data<float>() + s * v_floats;
+    float* M = m_t.data<float>() + s * m_floats;
+    int64_t* t_in = tile_in.data() + s * Tb_max;
+    int64_t* t_out = tile_out.data() + s * Tb_max;
+    int64_t* rows = v_rows.data() + s * C;
+    const int64_t T = nb * P;
+    pad_images(x, g, n0, nb, xp);
+    for (int64_t t0 = 0; t0 < T; t0 += Tb_max) {
+      const int64_t Tb = std::min(Tb_max, T - t0);
+      // Where tile t0 + t of the chunk starts in a channel's padded planes (image, tile row,
+      // column), and where its first output is in y's channel 0: found once for the batch, not
+      // once per channel.
+      for (int64_t t = 0; t < Tb; ++t) {
+        const int64_t img = (t0 + t) / P, p = (t0 + t) % P;
+        t_in[t] = img * g.plane + (p / tw) * 2 * g.Wp + (p % tw) * 2;
+        t_out[t] = (n0 + img) * O * g.H * g.W + (p / tw) * 2 * g.W + (p % tw) * 2;
+      }
+      // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, kWinoTiles tiles at a time.
+      parallel_for(static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
+        const float* in[kWinoTiles];
+        for (size_t c = c0; c < c1; ++c) {
+          const float* plane = xp + static_cast<int64_t>(c) * nb * g.plane;
+          for (int64_t t = 0; t < Tb; t += kWinoTiles) {
+            const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
+            for (int l = 0; l < n; ++l) in[l] = plane + t_in[t + l];
+            winograd_input_f32(in, n, g.Wp, V + static_cast<int64_t>(c) * Tb + t, C * Tb);
+          }
+        }
+      });
+      // M[xi] (nO, Tb) = U[xi] (nO, C) V[xi] (C, Tb)
+      // V's rows are listed to the GEMM, which then reads its slivers in place when O is small
+      // (no copy of V for a single pass over it).
+      for (int64_t c = 0; c < C; ++c) rows[c] = c * Tb;
+      parallel_tasks(16, default_num_threads(), [&](size_t xi) {
+        const int64_t i = static_cast<int64_t>(xi);
+        OffsetMatrix Vx;
+        Vx.data = V + i * C * Tb;
+        Vx.row_offset = rows;
+        gemm(Tb, u[i], Vx, 0.0f, {M + i * nO * Tb, DType::f32, Tb, 1}, go);
+      });
+      // Y = A^T M A + bias for each tile, into y (rounded once into y's dtype from the
+      // registers; other dtypes staged in FP32).
+      parallel_for(static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16),
+                   [&](size_t b0, size_t b1) {
+                     void* out[kWinoTiles];
+                     float stage[kWinoTiles * 4];  // tile l's 2 x 2 at 4 l, rows 2 apart
+                     for (size_t ob = b0; ob < b1; ++ob) {
+                       const int64_t o = o0 + static_cast<int64_t>(ob);
+                       const float bo = bias.empty() ? 0.0f : bias[static_cast<size_t>(o)];
+                       for (int64_t t = 0; t < Tb; t += kWinoTiles) {
+                         const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
+                         int64_t at[kWinoTiles];  // where tile l's first output is in y
+                         for (int l = 0; l < n; ++l) {
+                           at[l] = t_out[t + l] + o * g.H * g.W;
+                           out[l] = direct ? static_cast<void*>(bytes(y) + at[l] * es)
+                                           : static_cast<void*>(stage + 4 * l);
+                         }
+                         winograd_output(M + static_cast<int64_t>(ob) * Tb + t, nO * Tb, n, bo, out,
+                                         direct ? g.W : 2, direct ? out_dtype : DType::f32);
+                         if (!direct)
+                           for (int l = 0; l < n; ++l)
+                             for (int r = 0; r < 2; ++r)
+                               store_f32(stage + 4 * l + 2 * r, 2,
+                                         bytes(y) + (at[l] + r * g.W) * es, out_dtype, 1);
+                       }
+                     }
+                   });
+    }
+  };
+
   for (int64_t o0 = 0; o0 < O; o0 += Ob) {
     const int64_t nO = std::min(Ob, O - o0);
     PackedMatrix u[16];  // U[xi] (nO, C), packed for the GEMM
     for (int64_t xi = 0; xi < 16; ++xi)
       u[xi] = {u_t.data<float>() + xi * static_cast<int64_t>(packed_floats(nO, C)), nO, C};
     transform_filters(w, wt, flipped, o0, nO, O, C, u);
-    for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
-      const int64_t nb = std::min(nb_max, g.N - n0), T = nb * P;
-      float* xp = xpad.data<float>();
-      pad_images(x, g, n0, nb, xp);
-      for (int64_t t0 = 0; t0 < T; t0 += Tb_max) {
-        const int64_t Tb = std::min(Tb_max, T - t0);
-        // Where tile t0 + t of the chunk starts in a channel's padded planes (image, tile row,
-        // column), and where its first output is in y's channel 0: found once for the block, not
-        // once per channel.
-        for (int64_t t = 0; t < Tb; ++t) {
-          const int64_t img = (t0 + t) / P, p = (t0 + t) % P;
-          tile_in[static_cast<size_t>(t)] = img * g.plane + (p / tw) * 2 * g.Wp + (p % tw) * 2;
-          tile_out[static_cast<size_t>(t)] =
-              (n0 + img) * O * g.H * g.W + (p / tw) * 2 * g.W + (p % tw) * 2;
-        }
-        // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, kWinoTiles tiles at a time.
-        parallel_for(
-            static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
-              const float* in[kWinoTiles];
-              for (size_t c = c0; c < c1; ++c) {
-                const float* plane = xp + static_cast<int64_t>(c) * nb * g.plane;
-                for (int64_t t = 0; t < Tb; t += kWinoTiles) {
-                  const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
-                  for (int l = 0; l < n; ++l) in[l] = plane + tile_in[static_cast<size_t>(t + l)];
-                  winograd_input_f32(in, n, g.Wp, V + static_cast<int64_t>(c) * Tb + t, C * Tb);
-                }
-              }
-            });
-        // M[xi] (nO, Tb) = U[xi] (nO, C) V[xi] (C, Tb)
-        // V's rows are listed to the GEMM, which then reads its slivers in place when O is small
-        // (no copy of V for a single pass over it).
-        for (int64_t c = 0; c < C; ++c) v_rows[static_cast<size_t>(c)] = c * Tb;
-        parallel_tasks(16, default_num_threads(), [&](size_t xi) {
-          const int64_t i = static_cast<int64_t>(xi);
-          OffsetMatrix Vx;
-          Vx.data = V + i * C * Tb;
-          Vx.row_offset = v_rows.data();
-          gemm(Tb, u[i], Vx, 0.0f, {M + i * nO * Tb, DType::f32, Tb, 1}, go);
-        });
-        // Y = A^T M A + bias for each tile, into y (rounded once into y's dtype from the
-        // registers; other dtypes staged in FP32).
-        parallel_for(static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16),
-                     [&](size_t b0, size_t b1) {
-                       void* out[kWinoTiles];
-                       float stage[kWinoTiles * 4];  // tile l's 2 x 2 at 4 l, rows 2 apart
-                       for (size_t ob = b0; ob < b1; ++ob) {
-                         const int64_t o = o0 + static_cast<int64_t>(ob);
-                         const float bo = bias.empty() ? 0.0f : bias[static_cast<size_t>(o)];
-                         for (int64_t t = 0; t < Tb; t += kWinoTiles) {
-                           const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
-                           int64_t at[kWinoTiles];  // where tile l's first output is in y
-                           for (int l = 0; l < n; ++l) {
-                             at[l] = tile_out[static_cast<size_t>(t + l)] + o * g.H * g.W;
-                             out[l] = direct ? static_cast<void*>(bytes(y) + at[l] * es)
-                                             : static_cast<void*>(stage + 4 * l);
-                           }
-                           winograd_output(M + static_cast<int64_t>(ob) * Tb + t, nO * Tb, n, bo,
-                                           out, direct ? g.W : 2, direct ? out_dtype : DType::f32);
-                           if (!direct)
-                             for (int l = 0; l < n; ++l)
-                               for (int r = 0; r < 2; ++r)
-                                 store_f32(stage + 4 * l + 2 * r, 2,
-                                           bytes(y) + (at[l] + r * g.W) * es, out_dtype, 1);
-                         }
-                       }
-                     });
-      }
+    if (per_thread) {
+      // Groups of nb_max images, taken in turn by the threads (a thread slowed by a busy machine
+      // takes fewer); task s is slot s.
+      const int64_t groups = (g.N + nb_max - 1) / nb_max;
+      std::atomic<int64_t> next{0};
+      parallel_tasks(static_cast<size_t>(slots), threads, [&](size_t s) {
+        for (int64_t k; (k = next.fetch_add(1)) < groups;)
+          run_chunk(static_cast<int64_t>(s), o0, nO, u, k * nb_max,
+                    std::min(nb_max, g.N - k * nb_max));
+      });
+    } else {
+      for (int64_t n0 = 0; n0 < g.N; n0 += nb_max)
+        run_chunk(0, o0, nO, u, n0, std::min(nb_max, g.N - n0));
     }
   }
   return y;
