@@ -226,8 +226,9 @@ TEST(Conv2d, SuiteTakesEveryPath) {
                                 ConvPath::kImplicitGemm, ConvPath::kIm2col}));
   EXPECT_EQ(input, (std::set<ConvPath>{ConvPath::kWinograd, ConvPath::kImplicitRows,
                                        ConvPath::kImplicitGemm, ConvPath::kIm2col}));
-  EXPECT_EQ(weight, (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kImplicitDots,
-                                        ConvPath::kImplicitGemm, ConvPath::kIm2col}));
+  EXPECT_EQ(weight,
+            (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kWinograd, ConvPath::kImplicitDots,
+                                ConvPath::kImplicitGemm, ConvPath::kIm2col}));
 }
 
 TEST(Conv2d, Fp32MatchesFp64Loops) {
@@ -290,8 +291,9 @@ TEST(Conv2d, Fp32InputReadAsSixteenBitIsItsCopyBitForBit) {
   EXPECT_EQ(forward,
             (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kWinograd, ConvPath::kImplicitRows,
                                 ConvPath::kImplicitGemm, ConvPath::kIm2col}));
-  EXPECT_EQ(weight, (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kImplicitDots,
-                                        ConvPath::kImplicitGemm, ConvPath::kIm2col}));
+  EXPECT_EQ(weight,
+            (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kWinograd, ConvPath::kImplicitDots,
+                                ConvPath::kImplicitGemm, ConvPath::kIm2col}));
   // Only an FP32 input is read as another type.
   EXPECT_THROW(
       conv2d(Tensor::zeros({1, 1, 4, 4}, DType::f16), Tensor::zeros({1, 1, 3, 3}, DType::f32), {},
@@ -443,6 +445,94 @@ TEST(Conv2d, WinogradTransformsMatchTheirDefinitionBitForBit) {
           }
         }
         EXPECT_EQ(0, std::memcmp(y.data(), want_y.data(), y.size())) << at << ", " << dtype_name(t);
+      }
+    }
+}
+
+// The weight gradient's transforms: the output-gradient transform against its definition
+// (vector_kernels.h) bit for bit, eight tiles side by side, eight anywhere, and fewer; the
+// filter-gradient transform G^T u G as the adjoint of the filter transform G g G^T, in FP64:
+// sum(G^T u G . g) = sum(u . G g G^T) for any u and g.
+TEST(Conv2d, WinogradWeightGradientTransformsMatchTheirDefinitions) {
+  std::mt19937 gen(12);
+  std::uniform_real_distribution<float> d(-2.0f, 2.0f);
+  const int64_t ld = 29, vs = 11;
+  std::vector<float> src(static_cast<size_t>(ld * 2));
+  for (float& v : src) v = d(gen);
+  const int64_t spread[8] = {0, 6, 20, 2, 26, 14, 10, 22};
+  for (bool side_by_side : {true, false})
+    for (int n : {8, 5, 1}) {
+      const float* in[8];
+      for (int l = 0; l < 8; ++l) in[l] = src.data() + (side_by_side ? 2 * l : spread[l]);
+      std::vector<float> v(static_cast<size_t>(16 * vs), 0.0f), want = v;
+      detail::winograd_dy_f32(in, n, ld, v.data(), vs);
+      for (int l = 0; l < n; ++l) {
+        const float e[2][2] = {{in[l][0], in[l][1]}, {in[l][ld], in[l][ld + 1]}};
+        float r[4][2];
+        for (int b = 0; b < 2; ++b) {
+          r[0][b] = e[0][b];
+          r[1][b] = e[0][b] + e[1][b];
+          r[2][b] = e[0][b] - e[1][b];
+          r[3][b] = -e[1][b];
+        }
+        for (int a = 0; a < 4; ++a) {
+          want[static_cast<size_t>((a * 4 + 0) * vs + l)] = r[a][0];
+          want[static_cast<size_t>((a * 4 + 1) * vs + l)] = r[a][0] + r[a][1];
+          want[static_cast<size_t>((a * 4 + 2) * vs + l)] = r[a][0] - r[a][1];
+          want[static_cast<size_t>((a * 4 + 3) * vs + l)] = -r[a][1];
+        }
+      }
+      EXPECT_EQ(0, std::memcmp(v.data(), want.data(), v.size() * sizeof(float)))
+          << (side_by_side ? "side by side, n " : "gathered, n ") << n;
+    }
+  for (const int64_t n : {1, 7, 16}) {
+    const int64_t us = n + 2;
+    std::vector<float> u(static_cast<size_t>(16 * us)), g(static_cast<size_t>(9 * n)),
+        f(static_cast<size_t>(9 * n)), ug(static_cast<size_t>(16 * us));
+    for (float& v : u) v = d(gen);
+    for (float& v : g) v = d(gen);
+    detail::winograd_filter_grad_f32(u.data(), us, n, f.data());
+    detail::winograd_filter_f32(g.data(), n, ug.data(), us);
+    for (int64_t c = 0; c < n; ++c) {
+      double lhs = 0, rhs = 0, scale = 0;
+      for (int k = 0; k < 9; ++k) {
+        lhs += static_cast<double>(f[static_cast<size_t>(9 * c + k)]) *
+               g[static_cast<size_t>(9 * c + k)];
+        scale += std::fabs(static_cast<double>(g[static_cast<size_t>(9 * c + k)]));
+      }
+      for (int xi = 0; xi < 16; ++xi)
+        rhs += static_cast<double>(u[static_cast<size_t>(xi * us + c)]) *
+               ug[static_cast<size_t>(xi * us + c)];
+      EXPECT_NEAR(lhs, rhs, 1e-5 * scale * 16) << "filter " << c << " of " << n;
+    }
+  }
+}
+
+// Winograd's weight gradient gives the same bits whatever its blocks of output channels and its
+// batches of tiles (each value one FMA chain over every tile in order): batches that end inside
+// a row of tiles and inside an image, tiles gathered from rows that hold fewer than eight,
+// 16-bit operands (dy widened a chunk at a time, x while it is padded) and a 16-bit output.
+TEST(Conv2d, WinogradWeightGradientBlocksAndBatchesGiveTheSameBits) {
+  struct Case {
+    Shape x;
+    int64_t O;
+  };
+  for (const Case& k : {Case{{3, 16, 12, 10}, 20}, Case{{2, 24, 8, 36}, 17}})
+    for (const DType t : {DType::f32, DType::bf16, DType::f16}) {
+      const int64_t C = k.x[1], n = k.x[0] * C * k.x[2] * k.x[3],
+                    m = k.x[0] * k.O * k.x[2] * k.x[3];
+      const detail::ImplicitConv g(k.x, k.O, 3, 3, 1, 1, 1, 1);
+      const Tensor x = stored(random_values(n, 13), k.x, t),
+                   dy = stored(random_values(m, 14), {k.x[0], k.O, k.x[2], k.x[3]}, t);
+      for (const DType out : {DType::f32, t}) {
+        const Tensor whole = detail::winograd_weight_grad(dy, x, g, out, k.O, 0);
+        for (const int64_t block : {int64_t{1}, int64_t{6}, k.O - 1})
+          for (const int64_t batch : {int64_t{16}, int64_t{48}, int64_t{0}}) {
+            const Tensor dw = detail::winograd_weight_grad(dy, x, g, out, block, batch);
+            EXPECT_EQ(0, std::memcmp(dw.data_ptr(), whole.data_ptr(), whole.nbytes()))
+                << dtype_name(t) << " into " << dtype_name(out) << ", blocks of " << block
+                << ", batches of " << batch << " tiles, " << C << " channels";
+          }
       }
     }
 }

@@ -71,11 +71,11 @@ TEST(ConvPaths, DirectForTinyFilterBanks) {
 }
 
 // kWinograd: FP32 partials, 3x3 stride 1 pad 1 dilation 1, even H and W, 16 or more channels each
-// way; forward and backward-input. The operands' storage does not choose the path (16-bit values
-// widen exactly while the input is padded and the filters transformed).
+// way; forward, backward-input and weight gradient. The operands' storage does not choose the path
+// (16-bit values widen exactly while the input is padded and the filters transformed).
 TEST(ConvPaths, WinogradForThreeByThreeLayers) {
   const Shape x{2, 16, 8, 8}, w{16, 16, 3, 3};
-  EXPECT_PATHS(paths(x, w, params(1, 1), p32), kWinograd, kWinograd, kImplicitDots);
+  EXPECT_PATHS(paths(x, w, params(1, 1), p32), kWinograd, kWinograd, kWinograd);
   // FP16 partials keep the implicit GEMM's arithmetic (the 16-product roundings).
   EXPECT_PATHS(paths(x, w, params(1, 1), p16), kImplicitGemm, kImplicitGemm, kImplicitGemm);
   // 15 input or output channels, an odd size, stride 2, pad 0, dilation 2, 5x5: not Winograd.
@@ -89,11 +89,13 @@ TEST(ConvPaths, WinogradForThreeByThreeLayers) {
   EXPECT_EQ(paths({2, 16, 8, 8}, w, params(1, 2, 2), p32).forward, ConvPath::kImplicitGemm);
   EXPECT_EQ(paths({2, 16, 8, 8}, {16, 16, 5, 5}, params(1, 2), p32).forward,
             ConvPath::kImplicitGemm);
-  // The switches: Winograd off gives the implicit GEMM; implicit off also takes the
-  // backward-input off Winograd (it enters through the flipped convolution), not the forward.
+  // The switches: Winograd off gives the implicit paths; implicit off also takes the
+  // backward-input off Winograd (it enters through the flipped convolution), not the forward or
+  // the weight gradient.
   EXPECT_PATHS(paths(x, w, params(1, 1), p32, switches(false, true)), kImplicitGemm, kImplicitGemm,
                kImplicitDots);
-  EXPECT_PATHS(paths(x, w, params(1, 1), p32, switches(true, false)), kWinograd, kIm2col, kIm2col);
+  EXPECT_PATHS(paths(x, w, params(1, 1), p32, switches(true, false)), kWinograd, kIm2col,
+               kWinograd);
   EXPECT_PATHS(paths(x, w, params(1, 1), p32, switches(false, false)), kIm2col, kIm2col, kIm2col);
 }
 
@@ -160,15 +162,17 @@ TEST(ConvPaths, BackwardInputNeedsStrideOneAndPaddingWithinTheKernel) {
   EXPECT_EQ(paths(x, w, params(2, 1), p32).input, ConvPath::kIm2col);
 }
 
-// kImplicitDots: stride 1, FP32 partials, O <= 16; otherwise the implicit GEMM.
+// kImplicitDots: stride 1, FP32 partials, O <= 16; otherwise the implicit GEMM (Winograd first
+// where it fits: 16 input channels make these layers Winograd's).
 TEST(ConvPaths, WeightGradientDotsForFewOutputChannels) {
-  const Shape x{2, 16, 32, 32};
-  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(1, 1), p32).weight, ConvPath::kImplicitDots);
-  EXPECT_EQ(paths(x, {17, 16, 3, 3}, params(1, 1), p32).weight, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(1, 1), p16).weight, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(2, 1), p32).weight, ConvPath::kImplicitGemm);
-  EXPECT_EQ(paths(x, {16, 16, 3, 3}, params(1, 1), p32, switches(true, false)).weight,
+  const Shape x{2, 15, 32, 32};
+  EXPECT_EQ(paths(x, {16, 15, 3, 3}, params(1, 1), p32).weight, ConvPath::kImplicitDots);
+  EXPECT_EQ(paths(x, {17, 15, 3, 3}, params(1, 1), p32).weight, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths(x, {16, 15, 3, 3}, params(1, 1), p16).weight, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths(x, {16, 15, 3, 3}, params(2, 1), p32).weight, ConvPath::kImplicitGemm);
+  EXPECT_EQ(paths(x, {16, 15, 3, 3}, params(1, 1), p32, switches(true, false)).weight,
             ConvPath::kIm2col);
+  EXPECT_EQ(paths({2, 16, 32, 32}, {16, 16, 3, 3}, params(1, 1), p32).weight, ConvPath::kWinograd);
 }
 
 bool env_is(const char* name, const char* value) {
@@ -192,7 +196,8 @@ TEST(ConvPaths, EnvironmentSwitchesReachTheChoosers) {
                  : winograd_off ? ConvPath::kImplicitGemm
                                 : ConvPath::kWinograd));
   EXPECT_EQ(name(conv_weight_grad_path(resnet, p32)),
-            name(implicit_off ? ConvPath::kIm2col : ConvPath::kImplicitDots));
+            name(winograd_off ? (implicit_off ? ConvPath::kIm2col : ConvPath::kImplicitDots)
+                              : ConvPath::kWinograd));
   // The column budget: 2^20 elements, or MANTISSA_CONV_COLUMNS (4096 in CTest: one image a chunk).
   const char* columns = std::getenv("MANTISSA_CONV_COLUMNS");
   if (!columns || std::string(columns) == "4096") {

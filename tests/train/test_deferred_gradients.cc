@@ -469,6 +469,24 @@ TEST(DeferredGradients, TheConvolutionWeightGradientBoundHoldsEveryValue) {
         EXPECT_LE(bound, 3 * 50 * 25.0 * magnitude * magnitude) << at;
       }
     }
+  // A 3x3 stride-1 layer of 16 channels each way (Winograd's weight gradient), where the bound
+  // is tight: x and dy one value everywhere (1 - 3 2^-24: each sum of its products rounds up), so
+  // that the center tap's exact sum is the bound's product and only the widening covers the
+  // roundings; and random values.
+  kernels::Conv2dParams w3;
+  w3.pad_h = w3.pad_w = 1;
+  for (const float spread : {0.0f, 0.5f})
+    for (const DType out : {DType::f32, DType::bf16}) {
+      const Tensor x = random({5, 16, 12, 16}, 40, spread, 1.0f - 0x3p-24f);
+      const Tensor dy = random({5, 16, 12, 16}, 41, spread, 1.0f - 0x3p-24f);
+      const double bound = kernels::conv2d_weight_grad_bound(dy, x, out);
+      const Tensor dw = kernels::conv2d_backward_weight(dy, x, {16, 16, 3, 3}, w3, out);
+      double largest = 0;
+      for (const float v : dw.to_float_vector())
+        largest = std::max(largest, static_cast<double>(std::fabs(v)));
+      EXPECT_GE(bound, largest) << "winograd, spread " << spread << ", " << dtype_name(out);
+      EXPECT_LE(bound, 1.01 * 5 * 192 * (1 + 6 * spread) * (1 + 6 * spread));
+    }
   const Tensor x = random({2, 4, 6, 6}, 38), dy = random({2, 5, 6, 6}, 39);
   for (const float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
     std::vector<float> xv = x.to_float_vector(), gv = dy.to_float_vector();

@@ -148,6 +148,7 @@ ConvPath conv_backward_input_path(const ConvGeometry& g, Partials partials, cons
 
 ConvPath conv_weight_grad_path(const ConvGeometry& g, Partials partials, const ConvSettings& s) {
   if (direct_fits(g, partials)) return ConvPath::kDirect;
+  if (g.G == 1 && winograd_fits(ImplicitConv(g), partials, s)) return ConvPath::kWinograd;
   // Few output channels: lane-split dot products over the padded chunks. With more, the GEMM's
   // register tiles reuse each loaded value more (docs/numerics.md).
   if (implicit_fits(g, s))
@@ -274,6 +275,8 @@ Tensor conv2d_backward_weight(const Tensor& dy_in, const Tensor& x_in, const Sha
       return detail::implicit_weight_grad_dots(dy, x, w_shape, g, out);
     case ConvPath::kImplicitGemm:
       return detail::implicit_weight_grad_gemm(dy, x, w_shape, g, out, partials);
+    case ConvPath::kWinograd:
+      return detail::winograd_weight_grad(dy, x, detail::ImplicitConv(g), out);
     default:
       break;
   }
@@ -290,9 +293,13 @@ double conv2d_weight_grad_bound(const Tensor& dy_in, const Tensor& x_in, DType o
   const Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
   const int64_t N = x.size(0), positions = dy.size(2) * dy.size(3);
   // Products summed into each value, in FP32 chains (the paths add a few more sums of parts):
-  // (1 + 2^-24)^terms <= 1 + terms * 2^-23 while terms * 2^-24 stays below one.
+  // (1 + 2^-24)^terms <= 1 + terms * 2^-23 while terms * 2^-24 stays below one. Winograd's sums
+  // run over the tiles' transforms (values up to 4 max|dy| and 4 max|x|, a quarter as many
+  // terms), and G^T dU G adds up to 9 of them with weights whose magnitudes sum to 4: its error
+  // stays within 16 (tiles + 6) 2^-24 of positions * sum(max|dy| max|x|) = (terms + 24) 2^-22,
+  // which a widening by terms * 2^-21 covers twice over.
   const double terms = static_cast<double>(N * positions) + 64;
-  if (terms > 0x1p23) return kInf;
+  if (terms > 0x1p21) return kInf;
   // Per image, in parallel; amax is +inf for values holding an inf or NaN, and so is the sum then.
   const auto [dy_max, x_max] = slice_amaxes(dy, x, N);
   double t = 0;
@@ -308,7 +315,7 @@ double conv2d_weight_grad_bound(const Tensor& dy_in, const Tensor& x_in, DType o
   }
   // The double sums are off by far less than 2^-10.
   return bound_rounded_into(
-      t * static_cast<double>(positions) * (1 + terms * 0x1p-23) * (1 + 0x1p-10), out);
+      t * static_cast<double>(positions) * (1 + terms * 0x1p-21) * (1 + 0x1p-10), out);
 }
 
 }  // namespace mantissa::kernels

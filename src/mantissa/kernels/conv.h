@@ -37,9 +37,10 @@ Tensor conv2d_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_
 // An upper bound of |v| over every value conv2d_backward_weight(dy, x, w_shape, p, out,
 // Partials::kF32, read_x) gives: each is a sum over the images of at most Ho x Wo products of a dy
 // value by an x value (as read) of the same image, so the images' Ho * Wo * max|dy| * max|x|
-// summed bound the exact sums; widened for the FP32 sums' roundings and the one rounding into
-// `out`. +infinity when dy or x holds an inf or NaN, when x read as read_x could overflow, or when
-// a value could round past out's largest finite value. It reads dy and x once (no product): a
+// summed bound the exact sums; widened for the FP32 sums' roundings (Winograd's transforms
+// included) and the one rounding into `out`. +infinity when dy or x holds an inf or NaN, when x
+// read as read_x could overflow, when a value sums more than 2^21 products, or when a value could
+// round past out's largest finite value. It reads dy and x once (no product): a
 // finite bound proves every value finite without computing it (the optimizer's check of a
 // gradient kept as its producer, optim::Optimizer::defer_gradients).
 double conv2d_weight_grad_bound(const Tensor& dy, const Tensor& x, DType out,

@@ -32,6 +32,7 @@
 //
 // Weight gradient (conv2d_backward_weight; conv_weight_grad_path):
 //   kDirect        as the forward's kDirect
+//   kWinograd      as the forward's kWinograd
 //   kImplicitDots  implicit on; groups 1; implicit fits; stride 1; FP32 partials; O <= 16
 //   kImplicitGemm  implicit on; groups 1; implicit fits
 //   kIm2col        otherwise (the images in min(4, N) parts, each with its own FP32
@@ -213,6 +214,15 @@ Tensor direct_weight_grad(const Tensor& dy, const Tensor& x, const Shape& w_shap
 Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, DType wt,
                         bool flipped, const std::vector<float>& bias, DType out, MemoryCategory cat,
                         int64_t out_block = 0);
+
+// Winograd's weight gradient (conv_winograd.cc): dw (O, C, 3, 3) in `out` from dy (N, O, H, W) and
+// x (N, C, H, W), any float dtypes, of a convolution that winograd_forward computes: the gradient
+// of the transformed filters, dU[xi] (O, C) = sum over tiles of (A dy A^T)[xi] (B^T d B)[xi]
+// (16 GEMMs over the tiles, one FP32 FMA chain per value), then G^T dU G, rounded once into out.
+// out_block: output channels per block of dU (0: as many as the column budget holds);
+// tile_batch: tiles per batch (0: about 4 MiB of transforms); neither changes a bit.
+Tensor winograd_weight_grad(const Tensor& dy, const Tensor& x, const ImplicitConv& g, DType out,
+                            int64_t out_block = 0, int64_t tile_batch = 0);
 
 // Implicit GEMM (conv_implicit.cc): y (N, O, Ho, Wo) = x (N, C, H, W) * w + bias, w given as an
 // (O, C*KH*KW) matrix in any float dtype, x in any float dtype (converted while padding); y

@@ -253,4 +253,113 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
   return y;
 }
 
+Tensor winograd_weight_grad(const Tensor& dy, const Tensor& x, const ImplicitConv& g, DType out,
+                            int64_t out_block, int64_t tile_batch) {
+  const int64_t C = g.C, O = g.O, th = g.H / 2, tw = g.W / 2, P = th * tw, HW = g.H * g.W;
+  // Output channels in blocks whose dU (16, Ob, C) fits the column budget (ResNet's
+  // 512-channel layers: four blocks); the tiles are transformed again for each block. dU[xi]
+  // (Ob, C), FP32: each value one FMA chain over every tile in order (a batch's GEMM with beta 1
+  // goes on from the batch before), so neither blocks nor batches change a bit.
+  const int64_t Ob = std::clamp<int64_t>(
+      out_block > 0 ? out_block : conv_settings().column_budget / std::max<int64_t>(16 * C, 1), 1,
+      O);
+  Tensor du = f32_workspace({16 * Ob * C});
+  // Tiles per batch (the GEMMs' depth) as the forward's: V (16, C, Tb) and the output gradients'
+  // transforms E (16, Ob, Tb) within about 4 MiB, whole images within the column budget.
+  int64_t nb_max = g.chunk();
+  int64_t Tb_max =
+      tile_batch > 0
+          ? tile_batch
+          : std::min(std::max<int64_t>((int64_t{4} << 20) / (64 * (C + Ob)) / 16 * 16, 64),
+                     (nb_max * P + 15) / 16 * 16);
+  nb_max = std::clamp<int64_t>(Tb_max / std::max<int64_t>(P, 1), 1, nb_max);
+  Tb_max = std::min(Tb_max, (nb_max * P + 15) / 16 * 16);
+  Tensor xpad = f32_workspace({C * nb_max * g.plane});  // (C, nb, H+2, W+2)
+  Tensor v_t = f32_workspace({16, C, Tb_max}), e_t = f32_workspace({16, Ob, Tb_max});
+  // A 16-bit dy widened a chunk at a time into (Ob, nb, H, W); an FP32 one read in place.
+  const bool dy32 = dy.dtype() == DType::f32;
+  Tensor dy_t = dy32 ? Tensor() : f32_workspace({Ob * nb_max * HW});
+  float *V = v_t.data<float>(), *E = e_t.data<float>(), *dU = du.data<float>();
+  Tensor dw = Tensor::empty({O, C, 3, 3}, out, charged_to(MemoryCategory::gradients));
+  GemmOptions go;
+  go.threads = 1;  // the 16 GEMMs of a batch are the parallel tasks
+  std::vector<int64_t> tile_in(static_cast<size_t>(Tb_max)), tile_dy(static_cast<size_t>(Tb_max));
+  for (int64_t o0 = 0; o0 < O; o0 += Ob) {
+    const int64_t nO = std::min(Ob, O - o0);
+    bool first = true;
+    for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
+      const int64_t nb = std::min(nb_max, g.N - n0), T = nb * P;
+      float* xp = xpad.data<float>();
+      pad_images(x, g, n0, nb, xp);
+      // Output channel o0 + o of the chunk's image i at dyp + o * o_stride + i * i_stride.
+      const float* dyp = dy32 ? dy.data<float>() + (n0 * O + o0) * HW : dy_t.data<float>();
+      const int64_t o_stride = dy32 ? HW : nb * HW, i_stride = dy32 ? O * HW : HW;
+      if (!dy32)
+        parallel_for(
+            static_cast<size_t>(nO * nb), 1, threads_for(nO * nb * HW), [&](size_t p0, size_t p1) {
+              for (size_t q = p0; q < p1; ++q) {
+                const int64_t o = static_cast<int64_t>(q) / nb, i = static_cast<int64_t>(q) % nb;
+                load_f32(bytes(dy) + ((n0 + i) * O + o0 + o) * HW * esize(dy.dtype()), dy.dtype(),
+                         1, HW, dy_t.data<float>() + o * o_stride + i * HW);
+              }
+            });
+      for (int64_t t0 = 0; t0 < T; t0 += Tb_max) {
+        const int64_t Tb = std::min(Tb_max, T - t0);
+        // Where tile t0 + t of the chunk starts in a channel's padded planes and in a channel's
+        // output gradients.
+        for (int64_t t = 0; t < Tb; ++t) {
+          const int64_t img = (t0 + t) / P, p = (t0 + t) % P;
+          tile_in[static_cast<size_t>(t)] = img * g.plane + (p / tw) * 2 * g.Wp + (p % tw) * 2;
+          tile_dy[static_cast<size_t>(t)] = img * i_stride + (p / tw) * 2 * g.W + (p % tw) * 2;
+        }
+        // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, as the forward makes it.
+        parallel_for(
+            static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
+              const float* in[kWinoTiles];
+              for (size_t c = c0; c < c1; ++c) {
+                const float* plane = xp + static_cast<int64_t>(c) * nb * g.plane;
+                for (int64_t t = 0; t < Tb; t += kWinoTiles) {
+                  const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
+                  for (int l = 0; l < n; ++l) in[l] = plane + tile_in[static_cast<size_t>(t + l)];
+                  winograd_input_f32(in, n, g.Wp, V + static_cast<int64_t>(c) * Tb + t, C * Tb);
+                }
+              }
+            });
+        // E[xi][o][t] = (A e A^T)[xi] of tile t's 2x2 output gradient e.
+        parallel_for(
+            static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16), [&](size_t b0, size_t b1) {
+              const float* in[kWinoTiles];
+              for (size_t o = b0; o < b1; ++o) {
+                const float* plane = dyp + static_cast<int64_t>(o) * o_stride;
+                for (int64_t t = 0; t < Tb; t += kWinoTiles) {
+                  const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
+                  for (int l = 0; l < n; ++l) in[l] = plane + tile_dy[static_cast<size_t>(t + l)];
+                  winograd_dy_f32(in, n, g.W, E + static_cast<int64_t>(o) * Tb + t, nO * Tb);
+                }
+              }
+            });
+        // dU[xi] (nO, C) += E[xi] (nO, Tb) V[xi]^T (Tb, C)
+        const float beta = first ? 0.0f : 1.0f;
+        parallel_tasks(16, default_num_threads(), [&](size_t xi) {
+          const int64_t i = static_cast<int64_t>(xi);
+          gemm(nO, C, Tb, 1.0f, {E + i * nO * Tb, DType::f32, Tb, 1},
+               {V + i * C * Tb, DType::f32, 1, Tb}, beta, {dU + i * nO * C, DType::f32, C, 1}, go);
+        });
+        first = false;
+      }
+    }
+    // dw[o0 + o, c] = G^T dU[o, c] G, rounded once into out.
+    parallel_for(static_cast<size_t>(nO), 1, threads_for(nO * C * 16), [&](size_t b0, size_t b1) {
+      std::vector<float> row(out == DType::f32 ? 0 : static_cast<size_t>(C * 9));
+      for (size_t o = b0; o < b1; ++o) {
+        const int64_t ob = static_cast<int64_t>(o), at = (o0 + ob) * C * 9;
+        float* f = out == DType::f32 ? dw.data<float>() + at : row.data();
+        winograd_filter_grad_f32(dU + ob * C, nO * C, C, f);
+        if (out != DType::f32) store_f32(f, C * 9, bytes(dw) + at * esize(out), out, 1);
+      }
+    });
+  }
+  return dw;
+}
+
 }  // namespace mantissa::kernels::detail

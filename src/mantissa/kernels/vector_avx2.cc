@@ -108,6 +108,56 @@ __attribute__((target("avx2"))) void winograd_input_row8_avx2(const float* in, i
   winograd_input_lanes(d, v, vs);
 }
 
+namespace {
+// (A e A^T) of eight tiles, e[a][b] holding row a, column b of tile l's output gradient in lane l;
+// stored at v[xi * vs]. Negation flips the sign bit, as the scalar -x does.
+__attribute__((target("avx2"))) inline void winograd_dy_lanes(const __m256 (&e)[2][2], float* v,
+                                                              int64_t vs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 r[4][2];
+  for (int b = 0; b < 2; ++b) {
+    r[0][b] = e[0][b];
+    r[1][b] = _mm256_add_ps(e[0][b], e[1][b]);
+    r[2][b] = _mm256_sub_ps(e[0][b], e[1][b]);
+    r[3][b] = _mm256_xor_ps(e[1][b], sign);
+  }
+  for (int a = 0; a < 4; ++a) {
+    _mm256_storeu_ps(v + (a * 4 + 0) * vs, r[a][0]);
+    _mm256_storeu_ps(v + (a * 4 + 1) * vs, _mm256_add_ps(r[a][0], r[a][1]));
+    _mm256_storeu_ps(v + (a * 4 + 2) * vs, _mm256_sub_ps(r[a][0], r[a][1]));
+    _mm256_storeu_ps(v + (a * 4 + 3) * vs, _mm256_xor_ps(r[a][1], sign));
+  }
+}
+}  // namespace
+
+__attribute__((target("avx2"))) void winograd_dy_row8_avx2(const float* in, int64_t ld, float* v,
+                                                           int64_t vs) {
+  __m256 e[2][2];  // e[a][b], lane l: row a, column b of tile l (columns 2 l + b)
+  for (int a = 0; a < 2; ++a) {
+    const __m256 lo = _mm256_loadu_ps(in + a * ld), hi = _mm256_loadu_ps(in + a * ld + 8);
+    e[a][0] = even_lanes(lo, hi);
+    e[a][1] = odd_lanes(lo, hi);
+  }
+  winograd_dy_lanes(e, v, vs);
+}
+
+__attribute__((target("avx2"))) void winograd_dy_gather8_avx2(const float* const* in, int64_t ld,
+                                                              float* v, int64_t vs) {
+  __m256 e[2][2];
+  for (int a = 0; a < 2; ++a) {
+    __m128 q[4];  // q[k]: row a of tiles 2 k and 2 k + 1, each tile's two values side by side
+    for (int k = 0; k < 4; ++k)
+      q[k] = _mm_loadh_pi(
+          _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(in[2 * k] + a * ld)),
+          reinterpret_cast<const __m64*>(in[2 * k + 1] + a * ld));
+    const __m256 lo = _mm256_insertf128_ps(_mm256_castps128_ps256(q[0]), q[1], 1),
+                 hi = _mm256_insertf128_ps(_mm256_castps128_ps256(q[2]), q[3], 1);
+    e[a][0] = even_lanes(lo, hi);
+    e[a][1] = odd_lanes(lo, hi);
+  }
+  winograd_dy_lanes(e, v, vs);
+}
+
 __attribute__((target("avx2"))) void winograd_input_gather8_avx2(const float* const* in, int64_t ld,
                                                                  float* v, int64_t vs) {
   __m256 d[4][4];

@@ -62,6 +62,48 @@ void winograd_input_f32(const float* const* in, int n, int64_t ld, float* v, int
   }
 }
 
+void winograd_dy_f32(const float* const* in, int n, int64_t ld, float* v, int64_t vs) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors() && n == kWinoTiles)
+    return side_by_side(in) ? winograd_dy_row8_avx2(in[0], ld, v, vs)
+                            : winograd_dy_gather8_avx2(in, ld, v, vs);
+#endif
+  for (int l = 0; l < n; ++l) {
+    const float e[2][2] = {{in[l][0], in[l][1]}, {in[l][ld], in[l][ld + 1]}};
+    float r[4][2];
+    for (int b = 0; b < 2; ++b) {
+      r[0][b] = e[0][b];
+      r[1][b] = e[0][b] + e[1][b];
+      r[2][b] = e[0][b] - e[1][b];
+      r[3][b] = -e[1][b];
+    }
+    for (int a = 0; a < 4; ++a) {
+      v[(a * 4 + 0) * vs + l] = r[a][0];
+      v[(a * 4 + 1) * vs + l] = r[a][0] + r[a][1];
+      v[(a * 4 + 2) * vs + l] = r[a][0] - r[a][1];
+      v[(a * 4 + 3) * vs + l] = -r[a][1];
+    }
+  }
+}
+
+void winograd_filter_grad_f32(const float* u, int64_t us, int64_t n, float* f) {
+  for (int64_t c = 0; c < n; ++c) {
+    float t[3][4];  // G^T u
+    for (int j = 0; j < 4; ++j) {
+      const float s = 0.5f * (u[(4 + j) * us + c] + u[(8 + j) * us + c]);
+      t[0][j] = u[j * us + c] + s;
+      t[1][j] = 0.5f * (u[(4 + j) * us + c] - u[(8 + j) * us + c]);
+      t[2][j] = s + u[(12 + j) * us + c];
+    }
+    for (int a = 0; a < 3; ++a) {  // (G^T u) G
+      const float s = 0.5f * (t[a][1] + t[a][2]);
+      f[9 * c + 3 * a + 0] = t[a][0] + s;
+      f[9 * c + 3 * a + 1] = 0.5f * (t[a][1] - t[a][2]);
+      f[9 * c + 3 * a + 2] = s + t[a][3];
+    }
+  }
+}
+
 void winograd_filter_f32(const float* f, int64_t n, float* u, int64_t us) {
   int64_t c = 0;
 #if MANTISSA_HAVE_X86_SIMD

@@ -126,13 +126,25 @@ void winograd_input_f32(const float* const* in, int n, int64_t ld, float* v, int
 void winograd_filter_f32(const float* f, int64_t n, float* u, int64_t us);
 void winograd_output(const float* m, int64_t ms, int n, float bias, void* const* out, int64_t ld,
                      DType t);
+// The weight gradient's transforms (the forward's transposed). Output gradients: tile l's 2x2
+// output gradient e starts at in[l], rows ld apart; v[xi * vs + l] = (A e A^T)[xi], computed as
+//   r[0][b] = e[0][b], r[1][b] = e[0][b] + e[1][b], r[2][b] = e[0][b] - e[1][b],
+//   r[3][b] = -e[1][b]; then the same along each row of r.
+void winograd_dy_f32(const float* const* in, int n, int64_t ld, float* v, int64_t vs);
+// Filter gradients: n gradients of transformed filters (gradient c's 4x4 at u[xi * us + c]) to
+// the 3x3 filter gradients G^T u G, at f + 9 c (row-major), computed as
+//   s[j] = 0.5 * (u[1][j] + u[2][j]), t[0][j] = u[0][j] + s[j], t[1][j] = 0.5 * (u[1][j] -
+//   u[2][j]), t[2][j] = s[j] + u[3][j]; then the same along each row of t.
+void winograd_filter_grad_f32(const float* u, int64_t us, int64_t n, float* f);
 
 #if MANTISSA_HAVE_X86_SIMD
 // Eight tiles side by side in a row (tile l at in[0] + 2 l, out[0] + 2 l).
 void winograd_input_row8_avx2(const float* in, int64_t ld, float* v, int64_t vs);
 void winograd_output_row8_avx2(const float* m, int64_t ms, float bias, void* out, int64_t ld,
                                DType t);
+void winograd_dy_row8_avx2(const float* in, int64_t ld, float* v, int64_t vs);
 // Eight tiles anywhere (tile l at in[l], out[l]).
+void winograd_dy_gather8_avx2(const float* const* in, int64_t ld, float* v, int64_t vs);
 void winograd_input_gather8_avx2(const float* const* in, int64_t ld, float* v, int64_t vs);
 // Eight filters (filter l at f + 9 l) to u[xi * us + l].
 void winograd_filter8_avx2(const float* f, float* u, int64_t us);
