@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "mantissa/mantissa.h"
@@ -30,13 +31,25 @@ TEST(Parallel, RethrowsAWorkerException) {
                std::runtime_error);
 }
 
+// A parallel_for or parallel_tasks inside a task runs on that task's thread, the calling thread's
+// tasks (which hold the pool's job lock) as the workers'.
 TEST(Parallel, NestedCallsRunInline) {
-  std::atomic<int> total{0};
+  std::atomic<int> total{0}, elsewhere{0};
   parallel_for(8, 1, 4, [&](size_t b, size_t e) {
-    for (size_t i = b; i < e; ++i)
-      parallel_for(100, 10, 4, [&](size_t b2, size_t e2) { total += static_cast<int>(e2 - b2); });
+    const std::thread::id outer = std::this_thread::get_id();
+    for (size_t i = b; i < e; ++i) {
+      parallel_for(100, 10, 4, [&](size_t b2, size_t e2) {
+        total += static_cast<int>(e2 - b2);
+        if (std::this_thread::get_id() != outer) ++elsewhere;
+      });
+      parallel_tasks(5, 4, [&](size_t) {
+        ++total;
+        if (std::this_thread::get_id() != outer) ++elsewhere;
+      });
+    }
   });
-  EXPECT_EQ(total.load(), 800);
+  EXPECT_EQ(total.load(), 840);
+  EXPECT_EQ(elsewhere.load(), 0);
 }
 
 TEST(Parallel, ManyShortJobs) {

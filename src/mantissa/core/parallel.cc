@@ -48,8 +48,14 @@ class ThreadPool {
   }
 
   void run(size_t tasks, int threads, const std::function<void(size_t)>& task) {
+    // Nested (this thread is running a task of a job, the calling thread included, which holds
+    // job_mu_: it must not lock it again) or concurrent (another thread's job runs): inline.
+    if (t_in_task) {
+      for (size_t t = 0; t < tasks; ++t) task(t);
+      return;
+    }
     std::unique_lock<std::mutex> job_lock(job_mu_, std::try_to_lock);
-    if (!job_lock.owns_lock() || in_job_) {  // nested or concurrent: run inline
+    if (!job_lock.owns_lock() || in_job_) {
       for (size_t t = 0; t < tasks; ++t) task(t);
       return;
     }
@@ -101,8 +107,11 @@ class ThreadPool {
       const size_t t = next_.fetch_add(1);
       if (t >= tasks_) return;
       try {
+        t_in_task = true;
         (*task_)(t);
+        t_in_task = false;
       } catch (...) {
+        t_in_task = false;
         std::lock_guard<std::mutex> lock(mu_);
         if (!error_) error_ = std::current_exception();
       }
@@ -127,7 +136,8 @@ class ThreadPool {
     }
   }
 
-  std::mutex job_mu_;  // one job at a time
+  static thread_local bool t_in_task;  // this thread is inside a task of a job
+  std::mutex job_mu_;                  // one job at a time
   std::mutex mu_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
@@ -141,6 +151,8 @@ class ThreadPool {
   bool in_job_ = false, stop_ = false;
   std::exception_ptr error_;
 };
+
+thread_local bool ThreadPool::t_in_task = false;
 
 }  // namespace
 
