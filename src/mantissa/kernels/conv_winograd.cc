@@ -3,14 +3,16 @@
 // weights while they are transformed). Each 4x4 input tile d gives a 2x2 output tile
 // Y = A^T [(G g G^T) . (B^T d B)] A (Lavin and Gray, 2015), so the 16 products per tile, per
 // channel pair, replace 36 multiply-adds: 2.25x fewer. The elementwise products over channels are
-// 16 GEMMs, M[xi] (O, tiles) = U[xi] (O, C) V[xi] (C, tiles). The transforms add a few roundings:
+// 16 GEMMs, M[xi] (O, tiles) = U[xi] (O, C) V[xi] (C, tiles). The weight gradient is the same
+// factorization transposed: dU[xi] (O, C) = E[xi] (O, tiles) V[xi]^T with E = A e A^T of each
+// tile's 2x2 output gradient e, then dw = G^T dU G. The transforms add a few roundings:
 // the result differs from the direct sum by a few FP32 ulps of the inputs' magnitudes
 // (tests/kernels bound it against the FP64 reference); it is deterministic and does not depend
 // on the thread count.
 //   G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]
 //   B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]
 //   A^T = [1 1 1 0; 0 1 -1 -1]
-// The input and output transforms are vector kernels (vector_kernels.h), 8 tiles at a time.
+// The transforms are vector kernels (vector_kernels.h), 8 tiles (or filters) at a time.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
