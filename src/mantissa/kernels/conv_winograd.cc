@@ -12,7 +12,8 @@
 //   G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]
 //   B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]
 //   A^T = [1 1 1 0; 0 1 -1 -1]
-// The transforms are vector kernels (vector_kernels.h), 8 tiles (or filters) at a time.
+// The transforms are vector kernels (vector_kernels.h), 8 tiles or filters a vector on AVX2 (the
+// filter gradients, O x C of them a call, in scalar code).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
