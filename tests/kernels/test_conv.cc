@@ -508,6 +508,56 @@ TEST(Conv2d, WinogradWeightGradientTransformsMatchTheirDefinitions) {
   }
 }
 
+// The transforms over a run of tiles (one call a channel) give the bits of the per-group entry
+// points: runs of 29 tiles whose groups of eight sit side by side, scattered, or partly both,
+// and a last group of five; every output dtype.
+TEST(Conv2d, WinogradTransformRunsGiveTheBitsOfTheirGroups) {
+  std::mt19937 gen(13);
+  std::uniform_real_distribution<float> d(-2.0f, 2.0f);
+  const int64_t ld = 70, n = 29, vs = 31;
+  std::vector<float> plane(static_cast<size_t>(ld * 6));
+  for (float& v : plane) v = d(gen);
+  std::vector<int64_t> at(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t)  // side by side in the first and third groups, else spread
+    at[static_cast<size_t>(t)] = (t / 8) % 2 == 0 ? 2 * t : (t * 37) % 60;
+  auto per_group = [&](auto group) {
+    for (int64_t t = 0; t < n; t += 8) {
+      const int k = static_cast<int>(std::min<int64_t>(8, n - t));
+      group(t, k);
+    }
+  };
+  std::vector<float> v(static_cast<size_t>(16 * vs), 0.0f), want = v;
+  detail::winograd_input_run(plane.data(), at.data(), n, ld, v.data(), vs);
+  per_group([&](int64_t t, int k) {
+    const float* in[8];
+    for (int l = 0; l < k; ++l) in[l] = plane.data() + at[static_cast<size_t>(t + l)];
+    detail::winograd_input_f32(in, k, ld, want.data() + t, vs);
+  });
+  EXPECT_EQ(0, std::memcmp(v.data(), want.data(), v.size() * sizeof(float))) << "input";
+  std::fill(v.begin(), v.end(), 0.0f);
+  std::fill(want.begin(), want.end(), 0.0f);
+  detail::winograd_dy_run(plane.data(), at.data(), n, ld, v.data(), vs);
+  per_group([&](int64_t t, int k) {
+    const float* in[8];
+    for (int l = 0; l < k; ++l) in[l] = plane.data() + at[static_cast<size_t>(t + l)];
+    detail::winograd_dy_f32(in, k, ld, want.data() + t, vs);
+  });
+  EXPECT_EQ(0, std::memcmp(v.data(), want.data(), v.size() * sizeof(float))) << "output gradient";
+  std::vector<float> m(static_cast<size_t>(16 * vs));
+  for (float& e : m) e = d(gen);
+  for (const DType t : {DType::f32, DType::f16, DType::bf16}) {
+    const size_t es = dtype_size(t);
+    std::vector<char> y(plane.size() * es, 0), want_y = y;
+    detail::winograd_output_run(m.data(), vs, n, 0.25f, y.data(), at.data(), ld, t);
+    per_group([&](int64_t t0, int k) {
+      void* out[8];
+      for (int l = 0; l < k; ++l) out[l] = want_y.data() + at[static_cast<size_t>(t0 + l)] * es;
+      detail::winograd_output(m.data() + t0, vs, k, 0.25f, out, ld, t);
+    });
+    EXPECT_EQ(0, std::memcmp(y.data(), want_y.data(), y.size())) << "output " << dtype_name(t);
+  }
+}
+
 // Winograd's weight gradient gives the same bits whatever its blocks of output channels and its
 // batches of tiles (each value one FMA chain over every tile in order): batches that end inside
 // a row of tiles and inside an image, tiles gathered from rows that hold fewer than eight,

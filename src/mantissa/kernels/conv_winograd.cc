@@ -181,15 +181,9 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
       }
       // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, kWinoTiles tiles at a time.
       parallel_for(static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
-        const float* in[kWinoTiles];
-        for (size_t c = c0; c < c1; ++c) {
-          const float* plane = xp + static_cast<int64_t>(c) * nb * g.plane;
-          for (int64_t t = 0; t < Tb; t += kWinoTiles) {
-            const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
-            for (int l = 0; l < n; ++l) in[l] = plane + t_in[t + l];
-            winograd_input_f32(in, n, g.Wp, V + static_cast<int64_t>(c) * Tb + t, C * Tb);
-          }
-        }
+        for (size_t c = c0; c < c1; ++c)
+          winograd_input_run(xp + static_cast<int64_t>(c) * nb * g.plane, t_in, Tb, g.Wp,
+                             V + static_cast<int64_t>(c) * Tb, C * Tb);
       });
       // M[xi] (nO, Tb) = U[xi] (nO, C) V[xi] (C, Tb)
       // V's rows are listed to the GEMM, which then reads its slivers in place when O is small
@@ -211,21 +205,24 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
                      for (size_t ob = b0; ob < b1; ++ob) {
                        const int64_t o = o0 + static_cast<int64_t>(ob);
                        const float bo = bias.empty() ? 0.0f : bias[static_cast<size_t>(o)];
+                       if (direct) {  // the whole batch of tiles in one call
+                         winograd_output_run(M + static_cast<int64_t>(ob) * Tb, nO * Tb, Tb, bo,
+                                             bytes(y) + o * g.H * g.W * es, t_out, g.W, out_dtype);
+                         continue;
+                       }
                        for (int64_t t = 0; t < Tb; t += kWinoTiles) {
                          const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
                          int64_t at[kWinoTiles];  // where tile l's first output is in y
                          for (int l = 0; l < n; ++l) {
                            at[l] = t_out[t + l] + o * g.H * g.W;
-                           out[l] = direct ? static_cast<void*>(bytes(y) + at[l] * es)
-                                           : static_cast<void*>(stage + 4 * l);
+                           out[l] = static_cast<void*>(stage + 4 * l);
                          }
                          winograd_output(M + static_cast<int64_t>(ob) * Tb + t, nO * Tb, n, bo, out,
-                                         direct ? g.W : 2, direct ? out_dtype : DType::f32);
-                         if (!direct)
-                           for (int l = 0; l < n; ++l)
-                             for (int r = 0; r < 2; ++r)
-                               store_f32(stage + 4 * l + 2 * r, 2,
-                                         bytes(y) + (at[l] + r * g.W) * es, out_dtype, 1);
+                                         2, DType::f32);
+                         for (int l = 0; l < n; ++l)
+                           for (int r = 0; r < 2; ++r)
+                             store_f32(stage + 4 * l + 2 * r, 2, bytes(y) + (at[l] + r * g.W) * es,
+                                       out_dtype, 1);
                        }
                      }
                    });
@@ -318,29 +315,17 @@ Tensor winograd_weight_grad(const Tensor& dy, const Tensor& x, const ImplicitCon
         // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, as the forward makes it.
         parallel_for(
             static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
-              const float* in[kWinoTiles];
-              for (size_t c = c0; c < c1; ++c) {
-                const float* plane = xp + static_cast<int64_t>(c) * nb * g.plane;
-                for (int64_t t = 0; t < Tb; t += kWinoTiles) {
-                  const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
-                  for (int l = 0; l < n; ++l) in[l] = plane + tile_in[static_cast<size_t>(t + l)];
-                  winograd_input_f32(in, n, g.Wp, V + static_cast<int64_t>(c) * Tb + t, C * Tb);
-                }
-              }
+              for (size_t c = c0; c < c1; ++c)
+                winograd_input_run(xp + static_cast<int64_t>(c) * nb * g.plane, tile_in.data(), Tb,
+                                   g.Wp, V + static_cast<int64_t>(c) * Tb, C * Tb);
             });
         // E[xi][o][t] = (A e A^T)[xi] of tile t's 2x2 output gradient e.
-        parallel_for(
-            static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16), [&](size_t b0, size_t b1) {
-              const float* in[kWinoTiles];
-              for (size_t o = b0; o < b1; ++o) {
-                const float* plane = dyp + static_cast<int64_t>(o) * o_stride;
-                for (int64_t t = 0; t < Tb; t += kWinoTiles) {
-                  const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
-                  for (int l = 0; l < n; ++l) in[l] = plane + tile_dy[static_cast<size_t>(t + l)];
-                  winograd_dy_f32(in, n, g.W, E + static_cast<int64_t>(o) * Tb + t, nO * Tb);
-                }
-              }
-            });
+        parallel_for(static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16),
+                     [&](size_t b0, size_t b1) {
+                       for (size_t o = b0; o < b1; ++o)
+                         winograd_dy_run(dyp + static_cast<int64_t>(o) * o_stride, tile_dy.data(),
+                                         Tb, g.W, E + static_cast<int64_t>(o) * Tb, nO * Tb);
+                     });
         // dU[xi] (nO, C) += E[xi] (nO, Tb) V[xi]^T (Tb, C)
         const float beta = first ? 0.0f : 1.0f;
         parallel_tasks(16, default_num_threads(), [&](size_t xi) {

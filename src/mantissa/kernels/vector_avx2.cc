@@ -176,6 +176,47 @@ __attribute__((target("avx2"))) void winograd_input_gather8_avx2(const float* co
   winograd_input_lanes(d, v, vs);
 }
 
+namespace {
+// Whether the eight tiles at at[0..8) sit side by side in a row: tile l at at[0] + 2 l.
+inline bool row_of_eight(const int64_t* at) {
+  for (int l = 1; l < 8; ++l)
+    if (at[l] != at[0] + 2 * l) return false;
+  return true;
+}
+}  // namespace
+
+__attribute__((target("avx2"))) int64_t winograd_input_run_avx2(const float* plane,
+                                                                const int64_t* at, int64_t n,
+                                                                int64_t ld, float* v, int64_t vs) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    if (row_of_eight(at + t)) {
+      winograd_input_row8_avx2(plane + at[t], ld, v + t, vs);
+    } else {
+      const float* in[8];
+      for (int l = 0; l < 8; ++l) in[l] = plane + at[t + l];
+      winograd_input_gather8_avx2(in, ld, v + t, vs);
+    }
+  }
+  return t;
+}
+
+__attribute__((target("avx2"))) int64_t winograd_dy_run_avx2(const float* plane, const int64_t* at,
+                                                             int64_t n, int64_t ld, float* v,
+                                                             int64_t vs) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    if (row_of_eight(at + t)) {
+      winograd_dy_row8_avx2(plane + at[t], ld, v + t, vs);
+    } else {
+      const float* in[8];
+      for (int l = 0; l < 8; ++l) in[l] = plane + at[t + l];
+      winograd_dy_gather8_avx2(in, ld, v + t, vs);
+    }
+  }
+  return t;
+}
+
 // Eight 3x3 filters, filter l's nine values at f + 9 l: value k of every filter gathered into
 // one vector (lane l), then the transform of vector_kernels.h lane by lane.
 __attribute__((target("avx2"))) void winograd_filter8_avx2(const float* f, float* u, int64_t us) {
@@ -245,6 +286,26 @@ __attribute__((target("avx2,f16c,fma"))) void winograd_output_gather8_avx2(const
                     part[k]);
     }
   }
+}
+
+__attribute__((target("avx2,f16c,fma"))) int64_t winograd_output_run_avx2(const float* m,
+                                                                          int64_t ms, int64_t n,
+                                                                          float bias, void* y,
+                                                                          const int64_t* at,
+                                                                          int64_t ld, DType t) {
+  const int64_t es = t == DType::f32 ? 4 : 2;
+  char* base = static_cast<char*>(y);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    if (row_of_eight(at + k)) {
+      winograd_output_row8_avx2(m + k, ms, bias, base + at[k] * es, ld, t);
+    } else {
+      void* out[8];
+      for (int l = 0; l < 8; ++l) out[l] = base + at[k + l] * es;
+      winograd_output_gather8_avx2(m + k, ms, bias, out, ld, t);
+    }
+  }
+  return k;
 }
 
 __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, float w, int64_t n) {

@@ -86,6 +86,58 @@ void winograd_dy_f32(const float* const* in, int n, int64_t ld, float* v, int64_
   }
 }
 
+namespace {
+// A run's tiles from t on, kWinoTiles at a time, by the per-group entry point `group`.
+template <class Group>
+void tiles_by_group(const float* plane, const int64_t* at, int64_t t, int64_t n, Group group) {
+  const float* in[kWinoTiles];
+  for (; t < n; t += kWinoTiles) {
+    const int k = static_cast<int>(std::min<int64_t>(kWinoTiles, n - t));
+    for (int l = 0; l < k; ++l) in[l] = plane + at[t + l];
+    group(in, k, t);
+  }
+}
+}  // namespace
+
+void winograd_input_run(const float* plane, const int64_t* at, int64_t n, int64_t ld, float* v,
+                        int64_t vs) {
+  int64_t t = 0;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) t = winograd_input_run_avx2(plane, at, n, ld, v, vs);
+#endif
+  tiles_by_group(plane, at, t, n, [&](const float* const* in, int k, int64_t t0) {
+    winograd_input_f32(in, k, ld, v + t0, vs);
+  });
+}
+
+void winograd_dy_run(const float* plane, const int64_t* at, int64_t n, int64_t ld, float* v,
+                     int64_t vs) {
+  int64_t t = 0;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) t = winograd_dy_run_avx2(plane, at, n, ld, v, vs);
+#endif
+  tiles_by_group(plane, at, t, n, [&](const float* const* in, int k, int64_t t0) {
+    winograd_dy_f32(in, k, ld, v + t0, vs);
+  });
+}
+
+void winograd_output_run(const float* m, int64_t ms, int64_t n, float bias, void* y,
+                         const int64_t* at, int64_t ld, DType t) {
+  MANTISSA_ASSERT(t == DType::f32 || t == DType::f16 || t == DType::bf16,
+                  "winograd_output_run: f32, f16 or bf16 output");
+  int64_t k = 0;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) k = winograd_output_run_avx2(m, ms, n, bias, y, at, ld, t);
+#endif
+  const int64_t es = static_cast<int64_t>(dtype_size(t));
+  void* out[kWinoTiles];
+  for (; k < n; k += kWinoTiles) {
+    const int g = static_cast<int>(std::min<int64_t>(kWinoTiles, n - k));
+    for (int l = 0; l < g; ++l) out[l] = static_cast<char*>(y) + at[k + l] * es;
+    winograd_output(m + k, ms, g, bias, out, ld, t);
+  }
+}
+
 void winograd_filter_grad_f32(const float* u, int64_t us, int64_t n, float* f) {
   for (int64_t c = 0; c < n; ++c) {
     float t[3][4];  // G^T u

@@ -136,6 +136,18 @@ void winograd_dy_f32(const float* const* in, int n, int64_t ld, float* v, int64_
 //   s[j] = 0.5 * (u[1][j] + u[2][j]), t[0][j] = u[0][j] + s[j], t[1][j] = 0.5 * (u[1][j] -
 //   u[2][j]), t[2][j] = s[j] + u[3][j]; then the same along each row of t.
 void winograd_filter_grad_f32(const float* u, int64_t us, int64_t n, float* f);
+// The input and output-gradient transforms over a run of n tiles of one plane (one call a channel
+// and batch of tiles, the dispatch per group of kWinoTiles inside): tile t's values start at
+// plane + at[t], rows ld apart; its transform goes to v[xi * vs + t]. The same arithmetic as
+// winograd_input_f32 and winograd_dy_f32 on each group.
+void winograd_input_run(const float* plane, const int64_t* at, int64_t n, int64_t ld, float* v,
+                        int64_t vs);
+void winograd_dy_run(const float* plane, const int64_t* at, int64_t n, int64_t ld, float* v,
+                     int64_t vs);
+// The output transform over a run of n tiles: tile t's products at m[xi * ms + t], its 2x2 result
+// to y + at[t] elements of dtype t (f32, f16 or bf16), rows ld apart; as winograd_output.
+void winograd_output_run(const float* m, int64_t ms, int64_t n, float bias, void* y,
+                         const int64_t* at, int64_t ld, DType t);
 
 #if MANTISSA_HAVE_X86_SIMD
 // Eight tiles side by side in a row (tile l at in[0] + 2 l, out[0] + 2 l).
@@ -143,6 +155,14 @@ void winograd_input_row8_avx2(const float* in, int64_t ld, float* v, int64_t vs)
 void winograd_output_row8_avx2(const float* m, int64_t ms, float bias, void* out, int64_t ld,
                                DType t);
 void winograd_dy_row8_avx2(const float* in, int64_t ld, float* v, int64_t vs);
+// Runs of tiles (winograd_input_run and its kin): groups of eight by the kernels above, a last
+// group of fewer left to the caller (the count done is returned).
+int64_t winograd_input_run_avx2(const float* plane, const int64_t* at, int64_t n, int64_t ld,
+                                float* v, int64_t vs);
+int64_t winograd_dy_run_avx2(const float* plane, const int64_t* at, int64_t n, int64_t ld, float* v,
+                             int64_t vs);
+int64_t winograd_output_run_avx2(const float* m, int64_t ms, int64_t n, float bias, void* y,
+                                 const int64_t* at, int64_t ld, DType t);
 // Eight tiles anywhere (tile l at in[l], out[l]).
 void winograd_dy_gather8_avx2(const float* const* in, int64_t ld, float* v, int64_t vs);
 void winograd_input_gather8_avx2(const float* const* in, int64_t ld, float* v, int64_t vs);
