@@ -94,13 +94,56 @@ void transform_filters(const void* w, DType wt, bool flipped, int64_t o0, int64_
                });
 }
 
+// Tiles a batch and images a chunk: the batch's transforms, V (16, C, Tb) and (16, rows, Tb),
+// within about `bytes` (or `tiles` a batch when given), at least 64 tiles, at most the chunk's,
+// a multiple of the GEMM's 16-column slivers; a chunk holds the images of one batch of tiles
+// (the padded input's FP32 staging no larger than what the batch reads), at most `images`.
+struct TileBatches {
+  int64_t images, tiles;
+};
+TileBatches tile_batches(const ImplicitConv& g, int64_t rows, int64_t bytes, int64_t images,
+                         int64_t tiles = 0) {
+  const int64_t P = (g.H / 2) * (g.W / 2);
+  auto whole = [&](int64_t nb) { return (nb * P + 15) / 16 * 16; };
+  int64_t Tb = tiles > 0 ? tiles
+                         : std::min(std::max<int64_t>(bytes / (64 * (g.C + rows)) / 16 * 16, 64),
+                                    whole(images));
+  const int64_t nb = std::clamp<int64_t>(Tb / std::max<int64_t>(P, 1), 1, images);
+  return {nb, std::min(Tb, whole(nb))};
+}
+
+// Tiles [t0, t0 + Tb) of a chunk (tile t: image t / P, tile row, tile column): where each starts
+// in a channel's padded planes (C, nb, H+2, W+2), at in[t], and where its first output value is
+// in an (.., H, W) tensor whose images lie image_stride apart, at out[t] (relative to the
+// chunk's first image and channel). Found once a batch, not once a channel.
+void tile_offsets(const ImplicitConv& g, int64_t t0, int64_t Tb, int64_t image_stride, int64_t* in,
+                  int64_t* out) {
+  const int64_t tw = g.W / 2, P = (g.H / 2) * tw;
+  for (int64_t t = 0; t < Tb; ++t) {
+    const int64_t img = (t0 + t) / P, p = (t0 + t) % P, row = p / tw * 2, col = p % tw * 2;
+    in[t] = img * g.plane + row * g.Wp + col;
+    out[t] = img * image_stride + row * g.W + col;
+  }
+}
+
+// V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, for the Tb tiles at `at` of each channel's
+// padded planes (xp: (C, nb, H+2, W+2)), V (16, C, Tb).
+void input_transforms(const ImplicitConv& g, const float* xp, int64_t nb, const int64_t* at,
+                      int64_t Tb, float* V) {
+  parallel_for(static_cast<size_t>(g.C), 1, threads_for(g.C * Tb * 16), [&](size_t c0, size_t c1) {
+    for (size_t c = c0; c < c1; ++c)
+      winograd_input_run(xp + static_cast<int64_t>(c) * nb * g.plane, at, Tb, g.Wp,
+                         V + static_cast<int64_t>(c) * Tb, g.C * Tb);
+  });
+}
+
 }  // namespace
 
 Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, DType wt,
                         bool flipped, const std::vector<float>& bias, DType out_dtype,
                         MemoryCategory cat, int64_t out_block) {
   Tensor y = Tensor::empty({g.N, g.O, g.H, g.W}, out_dtype, charged_to(cat));
-  const int64_t C = g.C, O = g.O, th = g.H / 2, tw = g.W / 2, P = th * tw;
+  const int64_t C = g.C, O = g.O, P = (g.H / 2) * (g.W / 2);
   // Two schedules, the same bits (each output is its tile's transforms of the same GEMM sums):
   // - Per thread, where the whole U is small (ResNet's 64- and 128-channel layers: 256 KiB and
   //   1 MiB): each thread takes groups of images and runs every stage on them alone (pad,
@@ -127,16 +170,12 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
   Tensor u_t = f32_workspace({16 * static_cast<int64_t>(packed_floats(Ob, C))});
   // Tiles per batch: V (16, C, Tb) and M (16, Ob, Tb) within about 4 MiB (2 MiB a thread for
   // the per-thread schedule, a core's cache), so the transforms and the GEMMs pass them through
-  // the caches; at least 64, at most a chunk's tiles, a multiple of the GEMM's 16-column slivers.
-  // A chunk holds the images of one batch of tiles (the padded input's FP32 staging no larger
-  // than what the batch reads), within the column budget; per thread, a group of images, at
+  // the caches. A chunk's images within the column budget; per thread, a group of images, at
   // least twice as many groups as threads.
-  const int64_t vm_bytes = per_thread ? int64_t{2} << 20 : int64_t{4} << 20;
-  int64_t nb_max = per_thread ? std::max<int64_t>(g.N / (2 * threads), 1) : g.chunk();
-  int64_t Tb_max = std::min(std::max<int64_t>(vm_bytes / (64 * (C + Ob)) / 16 * 16, 64),
-                            (nb_max * P + 15) / 16 * 16);
-  nb_max = std::clamp<int64_t>(Tb_max / std::max<int64_t>(P, 1), 1, nb_max);
-  Tb_max = std::min(Tb_max, (nb_max * P + 15) / 16 * 16);
+  const TileBatches batches =
+      per_thread ? tile_batches(g, Ob, int64_t{2} << 20, std::max<int64_t>(g.N / (2 * threads), 1))
+                 : tile_batches(g, Ob, int64_t{4} << 20, g.chunk());
+  const int64_t nb_max = batches.images, Tb_max = batches.tiles;
   // Each thread's (or the one schedule's) buffers, made here so that they are charged to the
   // running module: slot s's at s times a slot's size.
   const int64_t slots = per_thread ? threads : 1;
@@ -171,20 +210,10 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
     pad_images(x, g, n0, nb, xp);
     for (int64_t t0 = 0; t0 < T; t0 += Tb_max) {
       const int64_t Tb = std::min(Tb_max, T - t0);
-      // Where tile t0 + t of the chunk starts in a channel's padded planes (image, tile row,
-      // column), and where its first output is in y's channel 0: found once for the batch, not
-      // once per channel.
-      for (int64_t t = 0; t < Tb; ++t) {
-        const int64_t img = (t0 + t) / P, p = (t0 + t) % P;
-        t_in[t] = img * g.plane + (p / tw) * 2 * g.Wp + (p % tw) * 2;
-        t_out[t] = (n0 + img) * O * g.H * g.W + (p / tw) * 2 * g.W + (p % tw) * 2;
-      }
-      // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, kWinoTiles tiles at a time.
-      parallel_for(static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
-        for (size_t c = c0; c < c1; ++c)
-          winograd_input_run(xp + static_cast<int64_t>(c) * nb * g.plane, t_in, Tb, g.Wp,
-                             V + static_cast<int64_t>(c) * Tb, C * Tb);
-      });
+      // Where each tile starts in the padded planes, and its first output in y's image n0 and
+      // channel 0.
+      tile_offsets(g, t0, Tb, O * g.H * g.W, t_in, t_out);
+      input_transforms(g, xp, nb, t_in, Tb, V);
       // M[xi] (nO, Tb) = U[xi] (nO, C) V[xi] (C, Tb)
       // V's rows are listed to the GEMM, which then reads its slivers in place when O is small
       // (no copy of V for a single pass over it).
@@ -207,14 +236,15 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
                        const float bo = bias.empty() ? 0.0f : bias[static_cast<size_t>(o)];
                        if (direct) {  // the whole batch of tiles in one call
                          winograd_output_run(M + static_cast<int64_t>(ob) * Tb, nO * Tb, Tb, bo,
-                                             bytes(y) + o * g.H * g.W * es, t_out, g.W, out_dtype);
+                                             bytes(y) + (n0 * O + o) * g.H * g.W * es, t_out, g.W,
+                                             out_dtype);
                          continue;
                        }
                        for (int64_t t = 0; t < Tb; t += kWinoTiles) {
                          const int n = static_cast<int>(std::min<int64_t>(kWinoTiles, Tb - t));
                          int64_t at[kWinoTiles];  // where tile l's first output is in y
                          for (int l = 0; l < n; ++l) {
-                           at[l] = t_out[t + l] + o * g.H * g.W;
+                           at[l] = t_out[t + l] + (n0 * O + o) * g.H * g.W;
                            out[l] = static_cast<void*>(stage + 4 * l);
                          }
                          winograd_output(M + static_cast<int64_t>(ob) * Tb + t, nO * Tb, n, bo, out,
@@ -255,7 +285,7 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
 
 Tensor winograd_weight_grad(const Tensor& dy, const Tensor& x, const ImplicitConv& g, DType out,
                             int64_t out_block, int64_t tile_batch) {
-  const int64_t C = g.C, O = g.O, th = g.H / 2, tw = g.W / 2, P = th * tw, HW = g.H * g.W;
+  const int64_t C = g.C, O = g.O, P = (g.H / 2) * (g.W / 2), HW = g.H * g.W;
   // Output channels in blocks whose dU (16, Ob, C) fits the column budget (ResNet's
   // 512-channel layers: four blocks); the tiles are transformed again for each block. dU[xi]
   // (Ob, C), FP32: each value one FMA chain over every tile in order (a batch's GEMM with beta 1
@@ -266,14 +296,8 @@ Tensor winograd_weight_grad(const Tensor& dy, const Tensor& x, const ImplicitCon
   Tensor du = f32_workspace({16 * Ob * C});
   // Tiles per batch (the GEMMs' depth) as the forward's: V (16, C, Tb) and the output gradients'
   // transforms E (16, Ob, Tb) within about 4 MiB, whole images within the column budget.
-  int64_t nb_max = g.chunk();
-  int64_t Tb_max =
-      tile_batch > 0
-          ? tile_batch
-          : std::min(std::max<int64_t>((int64_t{4} << 20) / (64 * (C + Ob)) / 16 * 16, 64),
-                     (nb_max * P + 15) / 16 * 16);
-  nb_max = std::clamp<int64_t>(Tb_max / std::max<int64_t>(P, 1), 1, nb_max);
-  Tb_max = std::min(Tb_max, (nb_max * P + 15) / 16 * 16);
+  const TileBatches batches = tile_batches(g, Ob, int64_t{4} << 20, g.chunk(), tile_batch);
+  const int64_t nb_max = batches.images, Tb_max = batches.tiles;
   Tensor xpad = f32_workspace({C * nb_max * g.plane});  // (C, nb, H+2, W+2)
   Tensor v_t = f32_workspace({16, C, Tb_max}), e_t = f32_workspace({16, Ob, Tb_max});
   // A 16-bit dy widened a chunk at a time into (Ob, nb, H, W); an FP32 one read in place.
@@ -286,7 +310,6 @@ Tensor winograd_weight_grad(const Tensor& dy, const Tensor& x, const ImplicitCon
   std::vector<int64_t> tile_in(static_cast<size_t>(Tb_max)), tile_dy(static_cast<size_t>(Tb_max));
   for (int64_t o0 = 0; o0 < O; o0 += Ob) {
     const int64_t nO = std::min(Ob, O - o0);
-    bool first = true;
     for (int64_t n0 = 0; n0 < g.N; n0 += nb_max) {
       const int64_t nb = std::min(nb_max, g.N - n0), T = nb * P;
       float* xp = xpad.data<float>();
@@ -305,20 +328,9 @@ Tensor winograd_weight_grad(const Tensor& dy, const Tensor& x, const ImplicitCon
             });
       for (int64_t t0 = 0; t0 < T; t0 += Tb_max) {
         const int64_t Tb = std::min(Tb_max, T - t0);
-        // Where tile t0 + t of the chunk starts in a channel's padded planes and in a channel's
-        // output gradients.
-        for (int64_t t = 0; t < Tb; ++t) {
-          const int64_t img = (t0 + t) / P, p = (t0 + t) % P;
-          tile_in[static_cast<size_t>(t)] = img * g.plane + (p / tw) * 2 * g.Wp + (p % tw) * 2;
-          tile_dy[static_cast<size_t>(t)] = img * i_stride + (p / tw) * 2 * g.W + (p % tw) * 2;
-        }
-        // V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, as the forward makes it.
-        parallel_for(
-            static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
-              for (size_t c = c0; c < c1; ++c)
-                winograd_input_run(xp + static_cast<int64_t>(c) * nb * g.plane, tile_in.data(), Tb,
-                                   g.Wp, V + static_cast<int64_t>(c) * Tb, C * Tb);
-            });
+        // Where each tile starts in the padded planes and in the output gradients.
+        tile_offsets(g, t0, Tb, i_stride, tile_in.data(), tile_dy.data());
+        input_transforms(g, xp, nb, tile_in.data(), Tb, V);
         // E[xi][o][t] = (A e A^T)[xi] of tile t's 2x2 output gradient e.
         parallel_for(static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16),
                      [&](size_t b0, size_t b1) {
@@ -326,14 +338,13 @@ Tensor winograd_weight_grad(const Tensor& dy, const Tensor& x, const ImplicitCon
                          winograd_dy_run(dyp + static_cast<int64_t>(o) * o_stride, tile_dy.data(),
                                          Tb, g.W, E + static_cast<int64_t>(o) * Tb, nO * Tb);
                      });
-        // dU[xi] (nO, C) += E[xi] (nO, Tb) V[xi]^T (Tb, C)
-        const float beta = first ? 0.0f : 1.0f;
+        // dU[xi] (nO, C) += E[xi] (nO, Tb) V[xi]^T (Tb, C), from zero at the block's first batch.
+        const float beta = n0 == 0 && t0 == 0 ? 0.0f : 1.0f;
         parallel_tasks(16, default_num_threads(), [&](size_t xi) {
           const int64_t i = static_cast<int64_t>(xi);
           gemm(nO, C, Tb, 1.0f, {E + i * nO * Tb, DType::f32, Tb, 1},
                {V + i * C * Tb, DType::f32, 1, Tb}, beta, {dU + i * nO * C, DType::f32, C, 1}, go);
         });
-        first = false;
       }
     }
     // dw[o0 + o, c] = G^T dU[o, c] G, rounded once into out.

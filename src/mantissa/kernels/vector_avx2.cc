@@ -185,36 +185,36 @@ inline bool row_of_eight(const int64_t* at) {
 }
 }  // namespace
 
-__attribute__((target("avx2"))) int64_t winograd_input_run_avx2(const float* plane,
-                                                                const int64_t* at, int64_t n,
-                                                                int64_t ld, float* v, int64_t vs) {
+namespace {
+// The groups of eight of a run of tiles (tile t at plane + at[t]) by a transform's side-by-side
+// (Row) or gathered (Gather) kernel; returns the tiles done.
+template <void (*Row)(const float*, int64_t, float*, int64_t),
+          void (*Gather)(const float* const*, int64_t, float*, int64_t)>
+__attribute__((target("avx2"))) int64_t tile_groups(const float* plane, const int64_t* at,
+                                                    int64_t n, int64_t ld, float* v, int64_t vs) {
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
     if (row_of_eight(at + t)) {
-      winograd_input_row8_avx2(plane + at[t], ld, v + t, vs);
+      Row(plane + at[t], ld, v + t, vs);
     } else {
       const float* in[8];
       for (int l = 0; l < 8; ++l) in[l] = plane + at[t + l];
-      winograd_input_gather8_avx2(in, ld, v + t, vs);
+      Gather(in, ld, v + t, vs);
     }
   }
   return t;
 }
+}  // namespace
 
-__attribute__((target("avx2"))) int64_t winograd_dy_run_avx2(const float* plane, const int64_t* at,
-                                                             int64_t n, int64_t ld, float* v,
-                                                             int64_t vs) {
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) {
-    if (row_of_eight(at + t)) {
-      winograd_dy_row8_avx2(plane + at[t], ld, v + t, vs);
-    } else {
-      const float* in[8];
-      for (int l = 0; l < 8; ++l) in[l] = plane + at[t + l];
-      winograd_dy_gather8_avx2(in, ld, v + t, vs);
-    }
-  }
-  return t;
+int64_t winograd_input_run_avx2(const float* plane, const int64_t* at, int64_t n, int64_t ld,
+                                float* v, int64_t vs) {
+  return tile_groups<winograd_input_row8_avx2, winograd_input_gather8_avx2>(plane, at, n, ld, v,
+                                                                            vs);
+}
+
+int64_t winograd_dy_run_avx2(const float* plane, const int64_t* at, int64_t n, int64_t ld, float* v,
+                             int64_t vs) {
+  return tile_groups<winograd_dy_row8_avx2, winograd_dy_gather8_avx2>(plane, at, n, ld, v, vs);
 }
 
 // Eight 3x3 filters, filter l's nine values at f + 9 l: value k of every filter gathered into
