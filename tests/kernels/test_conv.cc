@@ -509,17 +509,23 @@ TEST(Conv2d, WinogradWeightGradientTransformsMatchTheirDefinitions) {
 }
 
 // The transforms over a run of tiles (one call a channel) give the bits of the per-group entry
-// points: runs of 29 tiles whose groups of eight sit side by side, scattered, or partly both,
-// and a last group of five; every output dtype.
+// points: a run of 53 tiles whose groups of eight sit side by side or scattered, paired every way
+// within the sixteen tiles of an AVX-512 vector, and a last group of five; every output dtype.
 TEST(Conv2d, WinogradTransformRunsGiveTheBitsOfTheirGroups) {
   std::mt19937 gen(13);
   std::uniform_real_distribution<float> d(-2.0f, 2.0f);
-  const int64_t ld = 70, n = 29, vs = 31;
+  const int64_t ld = 70, n = 53, vs = 57;
   std::vector<float> plane(static_cast<size_t>(ld * 6));
   for (float& v : plane) v = d(gen);
+  // Groups of eight: rows side by side in groups 0 and 1 (two rows of eight, as sixteen in a
+  // vector), 3, 4 and 6 (a last group of five), spread in groups 2 and 5: every pairing of a row
+  // and a spread group within sixteen.
   std::vector<int64_t> at(static_cast<size_t>(n));
-  for (int64_t t = 0; t < n; ++t)  // side by side in the first and third groups, else spread
-    at[static_cast<size_t>(t)] = (t / 8) % 2 == 0 ? 2 * t : (t * 37) % 60;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t k = t / 8;
+    at[static_cast<size_t>(t)] =
+        k == 2 || k == 5 ? (t * 37) % 60 : (k % 2) * 2 * ld + 22 * (k / 3) + 2 * (t % 8);
+  }
   auto per_group = [&](auto group) {
     for (int64_t t = 0; t < n; t += 8) {
       const int k = static_cast<int>(std::min<int64_t>(8, n - t));

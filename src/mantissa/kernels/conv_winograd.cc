@@ -12,8 +12,9 @@
 //   G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]
 //   B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]
 //   A^T = [1 1 1 0; 0 1 -1 -1]
-// The transforms are vector kernels (vector_kernels.h), 8 tiles or filters a vector on AVX2 (the
-// filter gradients, O x C of them a call, in scalar code).
+// The transforms are vector kernels (vector_kernels.h), 8 tiles or filters a vector on AVX2, 16
+// tiles on AVX-512 where they lie in rows of eight or more (the filter gradients, O x C of them a
+// call, in scalar code).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>

@@ -177,15 +177,6 @@ __attribute__((target("avx2"))) void winograd_input_gather8_avx2(const float* co
 }
 
 namespace {
-// Whether the eight tiles at at[0..8) sit side by side in a row: tile l at at[0] + 2 l.
-inline bool row_of_eight(const int64_t* at) {
-  for (int l = 1; l < 8; ++l)
-    if (at[l] != at[0] + 2 * l) return false;
-  return true;
-}
-}  // namespace
-
-namespace {
 // The groups of eight of a run of tiles (tile t at plane + at[t]) by a transform's side-by-side
 // (Row) or gathered (Gather) kernel; returns the tiles done.
 template <void (*Row)(const float*, int64_t, float*, int64_t),

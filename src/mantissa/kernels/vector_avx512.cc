@@ -6,7 +6,7 @@
 // each FMA advances both outputs' lanes. Per eight columns, 2 B pairs and 12 broadcasts of A feed
 // 24 FMAs; each B value is read, widened or rounded once for all of A's rows (the AVX2 tile: once
 // for every three). Every lane is the same FMA chain as on the other paths, so the bits are the
-// same.
+// same. Also Winograd's input, output-gradient and output transforms, sixteen tiles a vector.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -326,6 +326,143 @@ void dot_lanes_tile_avx512(DotRow kind, int rows_a, int rows_b, int64_t k0, int6
   // The tail columns, one at a time into their lanes: the AVX2 tile's, three rows of A at a time.
   for (int i0 = 0; i0 < rows_a; i0 += 3)
     dot_lanes_tile_avx2(kind, std::min(3, rows_a - i0), rows_b, k8, k1, a + i0, b, P + i0 * kTileB);
+}
+
+// ---- Winograd F(2x2, 3x3) transforms, sixteen tiles a vector: tiles 0-7 side by side from p0,
+// tiles 8-15 from p1 (a row of sixteen when p1 = p0 + 16). Lane l is tile l; the operations are
+// those of vector_kernels.h in their order, as the AVX2 kernels do them eight lanes at a time.
+namespace {
+
+// Lanes 0, 2, ..., 14 of a, then of b; and lanes 1, 3, ..., 15 of each.
+MANTISSA_AVX512 inline __m512 even_lanes16(__m512 a, __m512 b) {
+  return _mm512_permutex2var_ps(
+      a, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), b);
+}
+MANTISSA_AVX512 inline __m512 odd_lanes16(__m512 a, __m512 b) {
+  return _mm512_permutex2var_ps(
+      a, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), b);
+}
+
+// (B^T d B) of sixteen tiles, d[a][b] holding row a, column b of tile l in lane l.
+MANTISSA_AVX512 void winograd_input_rows16(const float* p0, const float* p1, int64_t ld, float* v,
+                                           int64_t vs) {
+  __m512 d[4][4];
+  for (int a = 0; a < 4; ++a) {
+    const float *r0 = p0 + a * ld, *r1 = p1 + a * ld;
+    const __m512 x0 = _mm512_loadu_ps(r0), x1 = _mm512_loadu_ps(r1);
+    const __m512 y0 = _mm512_loadu_ps(r0 + 2), y1 = _mm512_loadu_ps(r1 + 2);
+    d[a][0] = even_lanes16(x0, x1);
+    d[a][1] = odd_lanes16(x0, x1);
+    d[a][2] = even_lanes16(y0, y1);
+    d[a][3] = odd_lanes16(y0, y1);
+  }
+  __m512 e[4][4];
+  for (int b = 0; b < 4; ++b) {
+    e[0][b] = _mm512_sub_ps(d[0][b], d[2][b]);
+    e[1][b] = _mm512_add_ps(d[1][b], d[2][b]);
+    e[2][b] = _mm512_sub_ps(d[2][b], d[1][b]);
+    e[3][b] = _mm512_sub_ps(d[1][b], d[3][b]);
+  }
+  for (int a = 0; a < 4; ++a) {
+    _mm512_storeu_ps(v + (a * 4 + 0) * vs, _mm512_sub_ps(e[a][0], e[a][2]));
+    _mm512_storeu_ps(v + (a * 4 + 1) * vs, _mm512_add_ps(e[a][1], e[a][2]));
+    _mm512_storeu_ps(v + (a * 4 + 2) * vs, _mm512_sub_ps(e[a][2], e[a][1]));
+    _mm512_storeu_ps(v + (a * 4 + 3) * vs, _mm512_sub_ps(e[a][1], e[a][3]));
+  }
+}
+
+// (A e A^T) of sixteen tiles' 2x2 output gradients. Negation flips the sign bit.
+MANTISSA_AVX512 void winograd_dy_rows16(const float* p0, const float* p1, int64_t ld, float* v,
+                                        int64_t vs) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  __m512 e[2][2];
+  for (int a = 0; a < 2; ++a) {
+    const __m512 x0 = _mm512_loadu_ps(p0 + a * ld), x1 = _mm512_loadu_ps(p1 + a * ld);
+    e[a][0] = even_lanes16(x0, x1);
+    e[a][1] = odd_lanes16(x0, x1);
+  }
+  __m512 r[4][2];
+  for (int b = 0; b < 2; ++b) {
+    r[0][b] = e[0][b];
+    r[1][b] = _mm512_add_ps(e[0][b], e[1][b]);
+    r[2][b] = _mm512_sub_ps(e[0][b], e[1][b]);
+    r[3][b] = _mm512_xor_ps(e[1][b], sign);
+  }
+  for (int a = 0; a < 4; ++a) {
+    _mm512_storeu_ps(v + (a * 4 + 0) * vs, r[a][0]);
+    _mm512_storeu_ps(v + (a * 4 + 1) * vs, _mm512_add_ps(r[a][0], r[a][1]));
+    _mm512_storeu_ps(v + (a * 4 + 2) * vs, _mm512_sub_ps(r[a][0], r[a][1]));
+    _mm512_storeu_ps(v + (a * 4 + 3) * vs, _mm512_xor_ps(r[a][1], sign));
+  }
+}
+
+// A^T m A + bias of sixteen tiles into the two rows of eight at o0 and o1 (elements of t).
+MANTISSA_AVX512 void winograd_output_rows16(const float* m, int64_t ms, float bias, char* o0,
+                                            char* o1, int64_t ld, DType t) {
+  __m512 r[2][4];
+  for (int b = 0; b < 4; ++b) {
+    const __m512 m0 = _mm512_loadu_ps(m + b * ms), m1 = _mm512_loadu_ps(m + (4 + b) * ms);
+    const __m512 m2 = _mm512_loadu_ps(m + (8 + b) * ms), m3 = _mm512_loadu_ps(m + (12 + b) * ms);
+    r[0][b] = _mm512_add_ps(_mm512_add_ps(m0, m1), m2);
+    r[1][b] = _mm512_sub_ps(_mm512_sub_ps(m1, m2), m3);
+  }
+  const __m512 bv = _mm512_set1_ps(bias);
+  // Tile l's pair (y0, y1) side by side: tiles 0-7 in `first`, 8-15 in `second`.
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const int64_t es = t == DType::f32 ? 4 : 2;
+  for (int a = 0; a < 2; ++a) {
+    const __m512 y0 = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(r[a][0], r[a][1]), r[a][2]), bv);
+    const __m512 y1 = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(r[a][1], r[a][2]), r[a][3]), bv);
+    simd512::store16(o0 + a * ld * es, t, _mm512_permutex2var_ps(y0, first, y1));
+    simd512::store16(o1 + a * ld * es, t, _mm512_permutex2var_ps(y0, second, y1));
+  }
+}
+
+// Whether tiles [t, t + 16) of a run are two rows of eight.
+inline bool two_rows_of_eight(const int64_t* at) {
+  return row_of_eight(at) && row_of_eight(at + 8);
+}
+
+}  // namespace
+
+int64_t winograd_input_run_avx512(const float* plane, const int64_t* at, int64_t n, int64_t ld,
+                                  float* v, int64_t vs) {
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    if (two_rows_of_eight(at + t))
+      winograd_input_rows16(plane + at[t], plane + at[t + 8], ld, v + t, vs);
+    else
+      winograd_input_run_avx2(plane, at + t, 16, ld, v + t, vs);
+  }
+  return t + winograd_input_run_avx2(plane, at + t, n - t, ld, v + t, vs);
+}
+
+int64_t winograd_dy_run_avx512(const float* plane, const int64_t* at, int64_t n, int64_t ld,
+                               float* v, int64_t vs) {
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    if (two_rows_of_eight(at + t))
+      winograd_dy_rows16(plane + at[t], plane + at[t + 8], ld, v + t, vs);
+    else
+      winograd_dy_run_avx2(plane, at + t, 16, ld, v + t, vs);
+  }
+  return t + winograd_dy_run_avx2(plane, at + t, n - t, ld, v + t, vs);
+}
+
+int64_t winograd_output_run_avx512(const float* m, int64_t ms, int64_t n, float bias, void* y,
+                                   const int64_t* at, int64_t ld, DType t) {
+  const int64_t es = t == DType::f32 ? 4 : 2;
+  char* base = static_cast<char*>(y);
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    if (two_rows_of_eight(at + k))
+      winograd_output_rows16(m + k, ms, bias, base + at[k] * es, base + at[k + 8] * es, ld, t);
+    else
+      winograd_output_run_avx2(m + k, ms, 16, bias, y, at + k, ld, t);
+  }
+  return k + winograd_output_run_avx2(m + k, ms, n - k, bias, y, at + k, ld, t);
 }
 
 }  // namespace mantissa::kernels::detail

@@ -103,7 +103,10 @@ void winograd_input_run(const float* plane, const int64_t* at, int64_t n, int64_
                         int64_t vs) {
   int64_t t = 0;
 #if MANTISSA_HAVE_X86_SIMD
-  if (avx2_vectors()) t = winograd_input_run_avx2(plane, at, n, ld, v, vs);
+  if (avx512_vectors())
+    t = winograd_input_run_avx512(plane, at, n, ld, v, vs);
+  else if (avx2_vectors())
+    t = winograd_input_run_avx2(plane, at, n, ld, v, vs);
 #endif
   tiles_by_group(plane, at, t, n, [&](const float* const* in, int k, int64_t t0) {
     winograd_input_f32(in, k, ld, v + t0, vs);
@@ -114,7 +117,10 @@ void winograd_dy_run(const float* plane, const int64_t* at, int64_t n, int64_t l
                      int64_t vs) {
   int64_t t = 0;
 #if MANTISSA_HAVE_X86_SIMD
-  if (avx2_vectors()) t = winograd_dy_run_avx2(plane, at, n, ld, v, vs);
+  if (avx512_vectors())
+    t = winograd_dy_run_avx512(plane, at, n, ld, v, vs);
+  else if (avx2_vectors())
+    t = winograd_dy_run_avx2(plane, at, n, ld, v, vs);
 #endif
   tiles_by_group(plane, at, t, n, [&](const float* const* in, int k, int64_t t0) {
     winograd_dy_f32(in, k, ld, v + t0, vs);
@@ -127,7 +133,10 @@ void winograd_output_run(const float* m, int64_t ms, int64_t n, float bias, void
                   "winograd_output_run: f32, f16 or bf16 output");
   int64_t k = 0;
 #if MANTISSA_HAVE_X86_SIMD
-  if (avx2_vectors()) k = winograd_output_run_avx2(m, ms, n, bias, y, at, ld, t);
+  if (avx512_vectors())
+    k = winograd_output_run_avx512(m, ms, n, bias, y, at, ld, t);
+  else if (avx2_vectors())
+    k = winograd_output_run_avx2(m, ms, n, bias, y, at, ld, t);
 #endif
   const int64_t es = static_cast<int64_t>(dtype_size(t));
   void* out[kWinoTiles];

@@ -149,6 +149,13 @@ void winograd_dy_run(const float* plane, const int64_t* at, int64_t n, int64_t l
 void winograd_output_run(const float* m, int64_t ms, int64_t n, float bias, void* y,
                          const int64_t* at, int64_t ld, DType t);
 
+// Whether the eight tiles at at[0..8) sit side by side in a row: tile l at at[0] + 2 l.
+inline bool row_of_eight(const int64_t* at) {
+  for (int l = 1; l < 8; ++l)
+    if (at[l] != at[0] + 2 * l) return false;
+  return true;
+}
+
 #if MANTISSA_HAVE_X86_SIMD
 // Eight tiles side by side in a row (tile l at in[0] + 2 l, out[0] + 2 l).
 void winograd_input_row8_avx2(const float* in, int64_t ld, float* v, int64_t vs);
@@ -163,6 +170,15 @@ int64_t winograd_dy_run_avx2(const float* plane, const int64_t* at, int64_t n, i
                              int64_t vs);
 int64_t winograd_output_run_avx2(const float* m, int64_t ms, int64_t n, float bias, void* y,
                                  const int64_t* at, int64_t ld, DType t);
+// The same runs on AVX-512: sixteen tiles a vector where they are two rows of eight side by side
+// (a row of sixteen, or two rows of eight: ResNet's 32- and 16-wide planes), other groups of eight
+// by the AVX2 kernels; every lane the same operations, so the same bits.
+int64_t winograd_input_run_avx512(const float* plane, const int64_t* at, int64_t n, int64_t ld,
+                                  float* v, int64_t vs);
+int64_t winograd_dy_run_avx512(const float* plane, const int64_t* at, int64_t n, int64_t ld,
+                               float* v, int64_t vs);
+int64_t winograd_output_run_avx512(const float* m, int64_t ms, int64_t n, float bias, void* y,
+                                   const int64_t* at, int64_t ld, DType t);
 // Eight tiles anywhere (tile l at in[l], out[l]).
 void winograd_dy_gather8_avx2(const float* const* in, int64_t ld, float* v, int64_t vs);
 void winograd_input_gather8_avx2(const float* const* in, int64_t ld, float* v, int64_t vs);
