@@ -256,6 +256,49 @@ TEST(Gemm, PackedAGivesTheBitsOfItsMatrix) {
       }
 }
 
+// A and B both packed ahead (PackedMatrix, PackedPanels) give the reference's bits: a partial
+// last sliver of B whose columns past N hold other finite values, N past one column block (1024),
+// K past one and two depth panels (384), M past one block of rows (96), thread counts, beta, a
+// 16-bit C, FP16 partials.
+TEST(Gemm, PackedBGivesTheBitsOfItsMatrix) {
+  for (const Case& c : {Case{1, 40, 5}, Case{6, 16, 384}, Case{64, 1100, 64}, Case{100, 45, 400},
+                        Case{200, 90, 800}})
+    for (int threads : {1, 2, 3})
+      for (const bool f16 : {false, true}) {
+        const DType tc = f16 ? DType::f16 : DType::f32;
+        const float beta = f16 ? 0.5f : 0.0f;
+        const Partials p = f16 ? Partials::kF16 : Partials::kF32;
+        const Stored A = random_matrix(c.M, c.K, DType::f32, false, 21);
+        const Stored B = random_matrix(c.K, c.N, DType::f32, false, 22);
+        const float* b = reinterpret_cast<const float*>(B.bytes.data());
+        const int64_t slivers = (c.N + 15) / 16;
+        std::vector<float> buffer(static_cast<size_t>(slivers * c.K * 16 + 16), 3.0f);
+        float* panels =
+            buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) % 64 / 4) % 16;
+        for (int64_t k = 0; k < c.K; ++k)
+          for (int64_t n = 0; n < c.N; ++n)
+            panels[(n / 16 * c.K + k) * 16 + n % 16] = b[k * c.N + n];
+        std::vector<float> pa_data(packed_floats(c.M, c.K), NAN);
+        const PackedMatrix pa{pa_data.data(), c.M, c.K};
+        for (int64_t r0 = 0; r0 < c.M; r0 += kPackedSliverRows)
+          pack_rows(pa, r0, std::min(kPackedSliverRows, c.M - r0),
+                    {A.bytes.data() + r0 * c.K * sizeof(float), DType::f32, c.K, 1});
+        Stored C1 = random_matrix(c.M, c.N, tc, false, 23);
+        Stored C2 = C1;
+        gemm_reference(c.M, c.N, c.K, 1.0f, A.view(), B.view(), beta, C1.mut(), p);
+        GemmOptions opt;
+        opt.partials = p;
+        opt.threads = threads;
+        gemm(c.N, pa, PackedPanels{panels, c.K}, beta, C2.mut(), opt);
+        EXPECT_EQ(C1.bytes, C2.bytes) << "M=" << c.M << " N=" << c.N << " K=" << c.K << " C "
+                                      << dtype_name(tc) << " threads " << threads;
+      }
+  alignas(64) float x[32] = {};
+  const PackedMatrix a{x, 1, 2};
+  EXPECT_THROW(gemm(1, a, PackedPanels{x, 1}, 0.0f, {x, DType::f32, 1, 1}), Error);      // depth
+  EXPECT_THROW(gemm(1, a, PackedPanels{x + 1, 2}, 0.0f, {x, DType::f32, 1, 1}), Error);  // align
+}
+
 TEST(Gemm, OffsetMatrixNeedsATable) {
   const float x = 1.0f;
   float y = 0.0f;

@@ -127,14 +127,38 @@ void tile_offsets(const ImplicitConv& g, int64_t t0, int64_t Tb, int64_t image_s
   }
 }
 
-// V[xi][c][t] = (B^T d B)[xi] of tile t's 4x4 input, for the Tb tiles at `at` of each channel's
-// padded planes (xp: (C, nb, H+2, W+2)), V (16, C, Tb).
+// Tiles rounded up to whole 16-column slivers.
+int64_t whole_slivers(int64_t tiles) { return (tiles + 15) / 16 * 16; }
+
+// V[xi] (C, Tb) = (B^T d B)[xi] of tile t's 4x4 input, for the Tb tiles at `at` of each
+// channel's padded planes (xp: (C, nb, H+2, W+2)). Plain: V (16, C, Tb). Packed: each V[xi] in
+// the 16-column slivers gemm reads as B (PackedPanels of depth C), at V + xi * C * Tp (Tp: Tb in
+// whole slivers), the last sliver's columns past Tb zero.
 void input_transforms(const ImplicitConv& g, const float* xp, int64_t nb, const int64_t* at,
-                      int64_t Tb, float* V) {
-  parallel_for(static_cast<size_t>(g.C), 1, threads_for(g.C * Tb * 16), [&](size_t c0, size_t c1) {
-    for (size_t c = c0; c < c1; ++c)
-      winograd_input_run(xp + static_cast<int64_t>(c) * nb * g.plane, at, Tb, g.Wp,
-                         V + static_cast<int64_t>(c) * Tb, g.C * Tb);
+                      int64_t Tb, float* V, bool packed) {
+  const int64_t C = g.C, Tp = packed ? whole_slivers(Tb) : Tb;
+  if (packed) {
+    // Sliver by sliver, every channel of a sliver in turn: each row xi of V written in order.
+    const int64_t slivers = Tp / 16;
+    parallel_for(
+        static_cast<size_t>(slivers), 1, threads_for(C * Tb * 16), [&](size_t j0, size_t j1) {
+          for (size_t js = j0; js < j1; ++js) {
+            const int64_t j = static_cast<int64_t>(js), n = std::min<int64_t>(16, Tb - 16 * j);
+            for (int64_t c = 0; c < C; ++c) {
+              float* v = V + (j * C + c) * 16;
+              winograd_input_run(xp + c * nb * g.plane, at + 16 * j, n, g.Wp, v, C * Tp);
+              if (n < 16)
+                for (int64_t xi = 0; xi < 16; ++xi) std::fill_n(v + xi * C * Tp + n, 16 - n, 0.0f);
+            }
+          }
+        });
+    return;
+  }
+  parallel_for(static_cast<size_t>(C), 1, threads_for(C * Tb * 16), [&](size_t c0, size_t c1) {
+    for (size_t ch = c0; ch < c1; ++ch) {
+      const int64_t c = static_cast<int64_t>(ch);
+      winograd_input_run(xp + c * nb * g.plane, at, Tb, g.Wp, V + c * Tb, C * Tb);
+    }
   });
 }
 
@@ -183,7 +207,7 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
   const int64_t xpad_floats = C * nb_max * g.plane, v_floats = 16 * C * Tb_max,
                 m_floats = 16 * Ob * Tb_max;
   Tensor xpad = f32_workspace({slots * xpad_floats});  // [slot] (C, nb, H+2, W+2)
-  Tensor v_t = f32_workspace({slots * v_floats});      // [slot] (16, C, Tb)
+  Tensor v_t = f32_workspace({slots * v_floats});      // [slot] (16, C, Tb) in packed slivers
   Tensor m_t = f32_workspace({slots * m_floats});      // [slot] (16, Ob, Tb)
   // f32, f16 and bf16 outputs are written by the output transform; other dtypes are staged.
   const bool direct =
@@ -191,8 +215,7 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
   const int64_t es = esize(out_dtype);
   GemmOptions go;
   go.threads = 1;  // the 16 GEMMs of a batch are the parallel tasks (or one thread's work)
-  // [slot] (C) rows of V, (Tb) where each tile starts in the padded input and its output in y.
-  std::vector<int64_t> v_rows(static_cast<size_t>(slots * C));
+  // [slot] (Tb) where each tile starts in the padded input and its output in y.
   std::vector<int64_t> tile_in(static_cast<size_t>(slots * Tb_max)),
       tile_out(static_cast<size_t>(slots * Tb_max));
 
@@ -206,7 +229,6 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
     float* M = m_t.data<float>() + s * m_floats;
     int64_t* t_in = tile_in.data() + s * Tb_max;
     int64_t* t_out = tile_out.data() + s * Tb_max;
-    int64_t* rows = v_rows.data() + s * C;
     const int64_t T = nb * P;
     pad_images(x, g, n0, nb, xp);
     for (int64_t t0 = 0; t0 < T; t0 += Tb_max) {
@@ -214,17 +236,14 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
       // Where each tile starts in the padded planes, and its first output in y's image n0 and
       // channel 0.
       tile_offsets(g, t0, Tb, O * g.H * g.W, t_in, t_out);
-      input_transforms(g, xp, nb, t_in, Tb, V);
+      // V made in the GEMM's packed slivers, which it reads in place (no packing of V).
+      input_transforms(g, xp, nb, t_in, Tb, V, true);
       // M[xi] (nO, Tb) = U[xi] (nO, C) V[xi] (C, Tb)
-      // V's rows are listed to the GEMM, which then reads its slivers in place when O is small
-      // (no copy of V for a single pass over it).
-      for (int64_t c = 0; c < C; ++c) rows[c] = c * Tb;
+      const int64_t Tp = whole_slivers(Tb);
       parallel_tasks(16, default_num_threads(), [&](size_t xi) {
         const int64_t i = static_cast<int64_t>(xi);
-        OffsetMatrix Vx;
-        Vx.data = V + i * C * Tb;
-        Vx.row_offset = rows;
-        gemm(Tb, u[i], Vx, 0.0f, {M + i * nO * Tb, DType::f32, Tb, 1}, go);
+        gemm(Tb, u[i], PackedPanels{V + i * C * Tp, C}, 0.0f, {M + i * nO * Tb, DType::f32, Tb, 1},
+             go);
       });
       // Y = A^T M A + bias for each tile, into y (rounded once into y's dtype from the
       // registers; other dtypes staged in FP32).
@@ -331,7 +350,7 @@ Tensor winograd_weight_grad(const Tensor& dy, const Tensor& x, const ImplicitCon
         const int64_t Tb = std::min(Tb_max, T - t0);
         // Where each tile starts in the padded planes and in the output gradients.
         tile_offsets(g, t0, Tb, i_stride, tile_in.data(), tile_dy.data());
-        input_transforms(g, xp, nb, tile_in.data(), Tb, V);
+        input_transforms(g, xp, nb, tile_in.data(), Tb, V, false);
         // E[xi][o][t] = (A e A^T)[xi] of tile t's 2x2 output gradient e.
         parallel_for(static_cast<size_t>(nO), 1, threads_for(nO * Tb * 16),
                      [&](size_t b0, size_t b1) {

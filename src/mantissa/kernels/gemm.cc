@@ -242,6 +242,7 @@ struct BSource {
   // kernels (detail::kLoad*, 0: not so read), row k at element row16[k] of plain.data.
   int load16 = 0;
   const int64_t* row16 = nullptr;
+  PackedPanels panels{};  // B packed ahead (panels.data set): its slivers read in place
 };
 
 // Packs columns [j0, j0 + lines) of a column-listed B, depth [pc, pc + kc), into 16-wide slivers
@@ -399,6 +400,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
     // is faster: docs/numerics.md.)
     const OffsetMatrix& Bo = B.offsets;
     const bool rows_listed = Bo.row_offset != nullptr;
+    const bool panels = B.panels.data != nullptr;
     std::array<int64_t, kNC / kNR> in_place, slot;
     int64_t n_packed = 0;
     for (int64_t s = 0; s < n_slivers; ++s) {
@@ -412,13 +414,20 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
           consecutive = Bo.col_offset[j + i] == c0 + i;
         if (consecutive) in_place[s] = c0;
       }
-      if (in_place[s] < 0) slot[s] = n_packed++;
+      if (in_place[s] < 0 && !panels) slot[s] = n_packed++;
     }
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
       const int64_t pc = kb * kKC, kc = std::min(kKC, K - pc);
       // A packed partial sliver is zero past N: no column past N is read.
       float* bp = scratch(kPackB, static_cast<size_t>(n_packed * std::max<int64_t>(kc, 1) * kNR));
-      if (rows_listed) {
+      // Packed sliver s of this depth panel: B's own (packed ahead) or this call's.
+      auto packed = [&](int64_t s) {
+        return panels ? B.panels.data + ((jc / kNR + s) * B.panels.depth + pc) * kNR
+                      : bp + slot[s] * kc * kNR;
+      };
+      if (panels) {
+        // Nothing to pack.
+      } else if (rows_listed) {
         for (int64_t s = 0; s < n_slivers; ++s)
           if (in_place[s] < 0)
             pack_row_listed_sliver(Bo, jc + s * kNR, std::min<int64_t>(kNR, nc - s * kNR), pc, kc,
@@ -453,7 +462,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
           rows_micro(kc, as, Bo.data + in_place[s], Bo.row_offset + pc, c, ldc, load_c, bscale,
                      f16p);
         else
-          micro(kc, as, bp + slot[s] * kc * kNR, c, ldc, load_c, bscale, f16p);
+          micro(kc, as, packed(s), c, ldc, load_c, bscale, f16p);
       };
       // Slivers s and s + 1 as one 6 x 32 tile, where the path has pair kernels: both full and
       // both packed or both read in place.
@@ -471,8 +480,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
           pair_rows_micro(kc, as, Bo.data + in_place[s], Bo.data + in_place[s + 1],
                           Bo.row_offset + pc, c, ldc, load_c, bscale, f16p);
         else
-          pair_micro(kc, as, bp + slot[s] * kc * kNR, bp + slot[s + 1] * kc * kNR, c, ldc, load_c,
-                     bscale, f16p);
+          pair_micro(kc, as, packed(s), packed(s + 1), c, ldc, load_c, bscale, f16p);
       };
       // Slivers s and s + 1, both read in place, against both A slivers of a 12-row block as one
       // 12 x 32 tile: each B value loaded once for the twelve rows (FP32 partials).
@@ -693,6 +701,20 @@ void gemm(int64_t N, const PackedMatrix& A, const OffsetMatrix& B, float beta, M
                  "set row_offset, col_offset or both");
   BSource src;
   src.offsets = B;
+  gemm_driver(A.rows, N, A.depth, 1.0f, {A.data, DType::f32, A.depth, 1}, src, beta, C, opt, &A);
+}
+
+void gemm(int64_t N, const PackedMatrix& A, const PackedPanels& B, float beta, Matrix C,
+          const GemmOptions& opt) {
+  check_dtypes({A.data, DType::f32, 0, 0}, {B.data, DType::f32, 0, 0}, C);
+  MANTISSA_CHECK(B.data != nullptr && B.depth == A.depth,
+                 "gemm: packed B of depth " + std::to_string(B.depth) +
+                     " against packed A of depth " + std::to_string(A.depth),
+                 "pack B with the depth of A");
+  MANTISSA_CHECK(reinterpret_cast<uintptr_t>(B.data) % 64 == 0,
+                 "gemm: packed B not aligned to 64 bytes", "place packed B on a 64-byte boundary");
+  BSource src;
+  src.panels = B;
   gemm_driver(A.rows, N, A.depth, 1.0f, {A.data, DType::f32, A.depth, 1}, src, beta, C, opt, &A);
 }
 

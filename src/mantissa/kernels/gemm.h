@@ -89,6 +89,20 @@ void pack_rows(const PackedMatrix& p, int64_t r0, int64_t n, ConstMatrix A);
 void gemm(int64_t N, const PackedMatrix& A, const OffsetMatrix& B, float beta, Matrix C,
           const GemmOptions& opt = {});
 
+// B packed ahead in the slivers gemm packs it into, for a producer that can write them directly
+// (Winograd's input transforms): sliver s, columns [16 s, 16 s + 16), at data + 16 s depth, its
+// element (k, 16 s + i) at + 16 k + i; data aligned to 64 bytes, as gemm's own packing is. A last
+// partial sliver's columns past N are read and must hold finite values (their products are not
+// stored). gemm reads the slivers in place, with no packing, and computes what it computes from B
+// itself: the same bits.
+struct PackedPanels {
+  const float* data = nullptr;
+  int64_t depth = 0;
+};
+// C (A.rows x N) = A B + beta * C, A and B both packed (B.depth == A.depth).
+void gemm(int64_t N, const PackedMatrix& A, const PackedPanels& B, float beta, Matrix C,
+          const GemmOptions& opt = {});
+
 // The scalar reference: the same arithmetic, one element at a time. Always built; the oracle of
 // the fast path's tests.
 void gemm_reference(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B,
