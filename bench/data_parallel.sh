@@ -24,19 +24,22 @@
 # per second over the steps after the first --warmup, from rank 0's step times.
 #
 #   bash bench/data_parallel.sh [--rounds 3] [--steps 20] [--warmup 5] [--models "tutorial-cnn resnet18"]
-#                               [--rate 1gbit] [--no-hosts] [--build build]
+#                               [--batch B] [--rate 1gbit] [--no-hosts] [--build build]
+# --batch: the per-rank batch of every model (default: 12 for the tutorial CNN, 8 for ResNet-18;
+# the one process takes twice it).
 # Part 2 needs root, ip and tc (iproute2); it makes namespaces mtsa-h1/mtsa-h2 and veth mtsa-v1/2
 # on 10.9.0.0/24 and removes them at exit. Open MPI refuses root unless
 # OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (set here).
 set -euo pipefail
 
-ROUNDS=3 STEPS=20 WARMUP=5 MODELS="tutorial-cnn resnet18" RATE=1gbit HOSTS=1 BUILD=build
+ROUNDS=3 STEPS=20 WARMUP=5 MODELS="tutorial-cnn resnet18" RATE=1gbit HOSTS=1 BUILD=build BATCH=""
 while [ $# -gt 0 ]; do
   case $1 in
     --rounds) ROUNDS=$2; shift 2 ;;
     --steps) STEPS=$2; shift 2 ;;
     --warmup) WARMUP=$2; shift 2 ;;
     --models) MODELS=$2; shift 2 ;;
+    --batch) BATCH=$2; shift 2 ;;
     --rate) RATE=$2; shift 2 ;;
     --no-hosts) HOSTS=0; shift ;;
     --build) BUILD=$2; shift 2 ;;
@@ -44,6 +47,8 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+[[ -z "$BATCH" || "$BATCH" =~ ^[1-9][0-9]*$ ]] ||
+  { echo "--batch takes a positive integer (got $BATCH)" >&2; exit 2; }
 MANTISSA=$(realpath "$BUILD/mantissa")
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 PY=python3
@@ -60,7 +65,10 @@ cleanup() {
 trap cleanup EXIT
 
 # The per-rank batch of each model (the global batch is twice it).
-batch_of() { case $1 in resnet18) echo 8 ;; *) echo 12 ;; esac; }
+batch_of() {
+  if [ -n "$BATCH" ]; then echo "$BATCH"; return; fi
+  case $1 in resnet18) echo 8 ;; *) echo 12 ;; esac
+}
 
 # One training run; prints "images/s step_ms waited_ms busy_ms payload_bytes" from its metrics.
 #   run_one GLOBAL_BATCH [launcher...] -- [mantissa train flags...]
