@@ -427,28 +427,32 @@ inline bool two_rows_of_eight(const int64_t* at) {
 
 }  // namespace
 
-int64_t winograd_input_run_avx512(const float* plane, const int64_t* at, int64_t n, int64_t ld,
-                                  float* v, int64_t vs) {
+namespace {
+// A run of tiles sixteen at a time by Rows16 where they are two rows of eight, by the AVX2 run
+// (Run8: groups of eight) elsewhere and for the last fewer than sixteen; returns the tiles done.
+template <void (*Rows16)(const float*, const float*, int64_t, float*, int64_t),
+          int64_t (*Run8)(const float*, const int64_t*, int64_t, int64_t, float*, int64_t)>
+int64_t tile_groups16(const float* plane, const int64_t* at, int64_t n, int64_t ld, float* v,
+                      int64_t vs) {
   int64_t t = 0;
   for (; t + 16 <= n; t += 16) {
     if (two_rows_of_eight(at + t))
-      winograd_input_rows16(plane + at[t], plane + at[t + 8], ld, v + t, vs);
+      Rows16(plane + at[t], plane + at[t + 8], ld, v + t, vs);
     else
-      winograd_input_run_avx2(plane, at + t, 16, ld, v + t, vs);
+      Run8(plane, at + t, 16, ld, v + t, vs);
   }
-  return t + winograd_input_run_avx2(plane, at + t, n - t, ld, v + t, vs);
+  return t + Run8(plane, at + t, n - t, ld, v + t, vs);
+}
+}  // namespace
+
+int64_t winograd_input_run_avx512(const float* plane, const int64_t* at, int64_t n, int64_t ld,
+                                  float* v, int64_t vs) {
+  return tile_groups16<winograd_input_rows16, winograd_input_run_avx2>(plane, at, n, ld, v, vs);
 }
 
 int64_t winograd_dy_run_avx512(const float* plane, const int64_t* at, int64_t n, int64_t ld,
                                float* v, int64_t vs) {
-  int64_t t = 0;
-  for (; t + 16 <= n; t += 16) {
-    if (two_rows_of_eight(at + t))
-      winograd_dy_rows16(plane + at[t], plane + at[t + 8], ld, v + t, vs);
-    else
-      winograd_dy_run_avx2(plane, at + t, 16, ld, v + t, vs);
-  }
-  return t + winograd_dy_run_avx2(plane, at + t, n - t, ld, v + t, vs);
+  return tile_groups16<winograd_dy_rows16, winograd_dy_run_avx2>(plane, at, n, ld, v, vs);
 }
 
 int64_t winograd_output_run_avx512(const float* m, int64_t ms, int64_t n, float bias, void* y,
