@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -14,6 +15,7 @@
 #include "mantissa/core/convert.h"
 #include "mantissa/core/tensor.h"
 #include "mantissa/kernels/elementwise.h"
+#include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels {
 namespace {
@@ -46,6 +48,60 @@ std::vector<char> stored_as(const std::vector<float>& v, DType t) {
   std::vector<char> out(v.size() * dtype_size(t));
   convert(v.data(), DType::f32, out.data(), t, v.size());
   return out;
+}
+
+// The normalization rows (vector_kernels.h) against their definitions, bit for bit, on this
+// process's path (kernels.gemm_avx2 runs them on AVX2 too): lengths with every tail of the
+// 8- and 16-wide loops, values spread over many binades with infinities, NaNs, subnormals and
+// zeros among them, whose sums meet NaNs and infinities too.
+TEST(NormRows, MatchTheirDefinitionsBitForBit) {
+  std::mt19937 gen(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> e(-30, 30);
+  auto values = [&](int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = std::ldexp(u(gen), e(gen));
+    const float special[] = {INFINITY, -INFINITY, NAN, 1e-40f, -0.0f, 0.0f, 3e38f};
+    for (size_t i = 0; i < v.size(); i += 11) v[i] = special[(i / 11) % 7];
+    return v;
+  };
+  // Every value's bits, a NaN's payload aside (which of two NaNs an addition passes on depends on
+  // the order of its operands, which a compiler may swap).
+  auto same = [](const float* a, const float* b, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+      if (!(std::isnan(a[i]) && std::isnan(b[i])) &&
+          std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]))
+        return false;
+    return true;
+  };
+  const float mu = 0.3125f, rs = 1.7f, scale = -0.77f, shift = 0.011f, slope = 2.5f;
+  for (const int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 100, 1027}) {
+    const std::vector<float> d = values(n), x = values(n);
+    std::vector<float> out(static_cast<size_t>(n)), want(out.size());
+    detail::norm_dx_row(d.data(), x.data(), n, mu, rs, scale, shift, slope, out.data());
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float g = d[i] * scale - shift, xhat = (x[i] - mu) * rs;
+      want[i] = g - xhat * slope;
+    }
+    EXPECT_TRUE(same(out.data(), want.data(), out.size())) << "dx, " << n << " values";
+    detail::norm_affine_row(x.data(), n, scale, shift, out.data());
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float y = x[i] * scale;
+      want[i] = y + shift;
+    }
+    EXPECT_TRUE(same(out.data(), want.data(), out.size())) << "affine, " << n << " values";
+    const int64_t n8 = n / 8 * 8;
+    float a[8], b[8], wa[8], wb[8];
+    for (int l = 0; l < 8; ++l) a[l] = wa[l] = 0.5f * static_cast<float>(l), b[l] = wb[l] = -1.0f;
+    detail::norm_sums8(d.data(), x.data(), n8, mu, rs, a, b);
+    for (int64_t i = 0; i < n8; ++i) {
+      const float xhat = (x[static_cast<size_t>(i)] - mu) * rs,
+                  p = d[static_cast<size_t>(i)] * xhat;
+      wa[i % 8] += d[static_cast<size_t>(i)];
+      wb[i % 8] += p;
+    }
+    EXPECT_TRUE(same(a, wa, 8) && same(b, wb, 8)) << "sums, " << n8 << " values";
+  }
 }
 
 TEST(Relu, SixteenBitRowsMatchTheStagedDefinition) {

@@ -9,6 +9,7 @@
 
 #include "mantissa/core/parallel.h"
 #include "mantissa/kernels/nn_internal.h"
+#include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels {
 
@@ -99,7 +100,7 @@ struct NormApply {
     for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
       const float scale = w ? rstd[s] * (*w)[c] : rstd[s];
       const float shift = w ? (*b)[c] - mean[s] * scale : -mean[s] * scale;
-      for (int64_t i = i0; i < i1; ++i) out[i] = xs[i] * scale + shift;
+      detail::norm_affine_row(xs + i0, i1 - i0, scale, shift, out + i0);
     });
     if (yt != DType::f32) store_f32(out, L.inner, dst, yt, 1);
   }
@@ -247,13 +248,8 @@ void sums_d_dxhat(const float* d, const float* x, int64_t n, float mu, float rs,
   for (int64_t c = 0; c < n; c += 4096) {
     const int64_t m = std::min<int64_t>(4096, n - c);
     float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= m; i += 8)
-      for (int j = 0; j < 8; ++j) {
-        const float xhat = (x[c + i + j] - mu) * rs;
-        a[j] += d[c + i + j];
-        b[j] += d[c + i + j] * xhat;
-      }
+    int64_t i = m / 8 * 8;
+    detail::norm_sums8(d + c, x + c, i, mu, rs, a, b);
     for (; i < m; ++i) {
       a[0] += d[c + i];
       b[0] += d[c + i] * ((x[c + i] - mu) * rs);
@@ -299,8 +295,7 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
       const float scale = static_cast<float>(rs * wc);
       const float shift = through_stats ? static_cast<float>(rs * (sum_g[s] / count)) : 0.0f;
       const float slope = through_stats ? static_cast<float>(rs * (sum_gx[s] / count)) : 0.0f;
-      for (int64_t i = i0; i < i1; ++i)
-        out[i] = dr[i] * scale - shift - ((xr[i] - mu) * rs) * slope;
+      detail::norm_dx_row(dr + i0, xr + i0, i1 - i0, mu, rs, scale, shift, slope, out + i0);
     });
     if (dx_type != DType::f32) store_f32(out, L.inner, dst, dx_type, 1);
   };

@@ -756,4 +756,43 @@ void dot_lanes_tile_avx2(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_
   }
 }
 
+// The normalization rows: separate multiplies and adds (this target has FMA, and a contracted
+// multiply-add would change the bits).
+__attribute__((target("avx2"))) void norm_sums8_avx2(const float* d, const float* x, int64_t n8,
+                                                     float mu, float rs, float* a, float* b) {
+  const __m256 m = _mm256_set1_ps(mu), r = _mm256_set1_ps(rs);
+  __m256 sa = _mm256_loadu_ps(a), sb = _mm256_loadu_ps(b);
+  for (int64_t i = 0; i + 8 <= n8; i += 8) {
+    const __m256 dv = _mm256_loadu_ps(d + i);
+    const __m256 xhat = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m), r);
+    sa = _mm256_add_ps(sa, dv);
+    sb = _mm256_add_ps(sb, _mm256_mul_ps(dv, xhat));
+  }
+  _mm256_storeu_ps(a, sa);
+  _mm256_storeu_ps(b, sb);
+}
+
+__attribute__((target("avx2"))) int64_t norm_dx_row_avx2(const float* d, const float* x, int64_t n,
+                                                         float mu, float rs, float scale,
+                                                         float shift, float slope, float* out) {
+  const __m256 m = _mm256_set1_ps(mu), r = _mm256_set1_ps(rs), sc = _mm256_set1_ps(scale),
+               sh = _mm256_set1_ps(shift), sl = _mm256_set1_ps(slope);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(d + i), sc), sh);
+    const __m256 xhat = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m), r);
+    _mm256_storeu_ps(out + i, _mm256_sub_ps(g, _mm256_mul_ps(xhat, sl)));
+  }
+  return i;
+}
+
+__attribute__((target("avx2"))) int64_t norm_affine_row_avx2(const float* x, int64_t n, float scale,
+                                                             float shift, float* out) {
+  const __m256 sc = _mm256_set1_ps(scale), sh = _mm256_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), sc), sh));
+  return i;
+}
+
 }  // namespace mantissa::kernels::detail

@@ -469,4 +469,29 @@ int64_t winograd_output_run_avx512(const float* m, int64_t ms, int64_t n, float 
   return k + winograd_output_run_avx2(m + k, ms, n - k, bias, y, at + k, ld, t);
 }
 
+// The normalization rows, sixteen values a vector (separate multiplies and adds, as the AVX2
+// rows).
+MANTISSA_AVX512 int64_t norm_dx_row_avx512(const float* d, const float* x, int64_t n, float mu,
+                                           float rs, float scale, float shift, float slope,
+                                           float* out) {
+  const __m512 m = _mm512_set1_ps(mu), r = _mm512_set1_ps(rs), sc = _mm512_set1_ps(scale),
+               sh = _mm512_set1_ps(shift), sl = _mm512_set1_ps(slope);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(d + i), sc), sh);
+    const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), m), r);
+    _mm512_storeu_ps(out + i, _mm512_sub_ps(g, _mm512_mul_ps(xhat, sl)));
+  }
+  return i + norm_dx_row_avx2(d + i, x + i, n - i, mu, rs, scale, shift, slope, out + i);
+}
+
+MANTISSA_AVX512 int64_t norm_affine_row_avx512(const float* x, int64_t n, float scale, float shift,
+                                               float* out) {
+  const __m512 sc = _mm512_set1_ps(scale), sh = _mm512_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), sc), sh));
+  return i + norm_affine_row_avx2(x + i, n - i, scale, shift, out + i);
+}
+
 }  // namespace mantissa::kernels::detail

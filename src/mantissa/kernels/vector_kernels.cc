@@ -413,6 +413,41 @@ bool relu_row(const void* x, DType tx, void* y, DType ty, int64_t n) {
   return false;
 }
 
+void norm_sums8(const float* d, const float* x, int64_t n, float mu, float rs, float* a, float* b) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) return norm_sums8_avx2(d, x, n, mu, rs, a, b);
+#endif
+  for (int64_t i = 0; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) {
+      const float xhat = (x[i + l] - mu) * rs;
+      a[l] += d[i + l];
+      b[l] += d[i + l] * xhat;
+    }
+}
+
+void norm_dx_row(const float* d, const float* x, int64_t n, float mu, float rs, float scale,
+                 float shift, float slope, float* out) {
+  int64_t i = 0;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx512_vectors())
+    i = norm_dx_row_avx512(d, x, n, mu, rs, scale, shift, slope, out);
+  else if (avx2_vectors())
+    i = norm_dx_row_avx2(d, x, n, mu, rs, scale, shift, slope, out);
+#endif
+  for (; i < n; ++i) out[i] = d[i] * scale - shift - ((x[i] - mu) * rs) * slope;
+}
+
+void norm_affine_row(const float* x, int64_t n, float scale, float shift, float* out) {
+  int64_t i = 0;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx512_vectors())
+    i = norm_affine_row_avx512(x, n, scale, shift, out);
+  else if (avx2_vectors())
+    i = norm_affine_row_avx2(x, n, scale, shift, out);
+#endif
+  for (; i < n; ++i) out[i] = x[i] * scale + shift;
+}
+
 bool relu_backward_row(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                        int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD

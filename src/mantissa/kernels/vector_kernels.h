@@ -69,6 +69,17 @@ bool relu_row(const void* x, DType tx, void* y, DType ty, int64_t n);
 bool relu_backward_row(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                        int64_t n);
 
+// Normalization rows (norm.cc), each the operations written here in their order, no contraction
+// into FMAs: the same bits on every path.
+// The backward's sums over n values (n a multiple of 8), lane l taking elements l, l + 8, ...:
+//   a[l] += d[i];  b[l] += d[i] * ((x[i] - mu) * rs).
+void norm_sums8(const float* d, const float* x, int64_t n, float mu, float rs, float* a, float* b);
+// The backward's dx: out[i] = ((d[i] * scale) - shift) - (((x[i] - mu) * rs) * slope).
+void norm_dx_row(const float* d, const float* x, int64_t n, float mu, float rs, float scale,
+                 float shift, float slope, float* out);
+// The forward's affine: out[i] = x[i] * scale + shift.
+void norm_affine_row(const float* x, int64_t n, float scale, float shift, float* out);
+
 // ---- Lane-split dot products (inner-product GEMM: C = A B^T with both operands contiguous
 // along K, read in place, nothing packed). For long K and few outputs (a linear layer's forward
 // at a small batch, a convolution's weight gradient), where packing an operand would cost as much
@@ -204,6 +215,16 @@ inline constexpr int kDotRowsA512 = 12;
 void dot_lanes_tile_avx512(DotRow kind, int rows_a, int rows_b, int64_t k0, int64_t k1,
                            const float* const* a, const void* const* b, float* const* P);
 void relu_row_avx2(const void* x, DType tx, void* y, DType ty, int64_t n);
+// The normalization rows (n8: a multiple of 8 values; the others do whole vectors and return the
+// count done).
+void norm_sums8_avx2(const float* d, const float* x, int64_t n8, float mu, float rs, float* a,
+                     float* b);
+int64_t norm_dx_row_avx2(const float* d, const float* x, int64_t n, float mu, float rs, float scale,
+                         float shift, float slope, float* out);
+int64_t norm_dx_row_avx512(const float* d, const float* x, int64_t n, float mu, float rs,
+                           float scale, float shift, float slope, float* out);
+int64_t norm_affine_row_avx2(const float* x, int64_t n, float scale, float shift, float* out);
+int64_t norm_affine_row_avx512(const float* x, int64_t n, float scale, float shift, float* out);
 void relu_row_avx512(const void* x, DType tx, void* y, DType ty, int64_t n);
 void relu_backward_row_avx512(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                               int64_t n);
