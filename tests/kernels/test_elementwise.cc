@@ -150,5 +150,29 @@ TEST(Relu, SixteenBitRowsMatchTheStagedDefinition) {
             stored_as(want, DType::f16));
 }
 
+// FP32 through FP32 (the vector rows too): random bit patterns, every sign, NaN payloads,
+// subnormals and -0 among them, forward and backward against the definitions.
+TEST(Relu, Fp32RowsMatchTheDefinition) {
+  std::mt19937 gen(9);
+  const int64_t n = 13 * 777;
+  std::vector<float> x(static_cast<size_t>(n)), g(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = std::bit_cast<float>(static_cast<uint32_t>(gen()));
+    g[i] = std::bit_cast<float>(static_cast<uint32_t>(gen()));
+  }
+  x[3] = -0.0f, x[4] = 0.0f, x[5] = std::bit_cast<float>(0x7fc00123u), x[6] = 1e-42f;
+  const Tensor xt = Tensor::from_floats(x, {n / 13, 13}, DType::f32);
+  const Tensor y = unary(UnaryOp::kRelu, xt, DType::f32, MemoryCategory::activations);
+  std::vector<float> want(x.size());
+  for (size_t i = 0; i < x.size(); ++i) want[i] = x[i] > 0.0f || x[i] != x[i] ? x[i] : 0.0f;
+  EXPECT_EQ(bytes_of(y), stored_as(want, DType::f32)) << "forward";
+  const std::vector<float> ys = as_f32(y);
+  for (size_t i = 0; i < x.size(); ++i)
+    want[i] = std::bit_cast<float>(std::bit_cast<uint32_t>(g[i]) & (ys[i] <= 0.0f ? 0u : ~0u));
+  const Tensor dx = unary_backward(UnaryOp::kRelu, Tensor::from_floats(g, {n / 13, 13}), Tensor(),
+                                   y, DType::f32, MemoryCategory::gradients);
+  EXPECT_EQ(bytes_of(dx), stored_as(want, DType::f32)) << "backward";
+}
+
 }  // namespace
 }  // namespace mantissa::kernels

@@ -300,12 +300,13 @@ Tensor unary(UnaryOp op, const Tensor& x, DType out, MemoryCategory cat) {
   const char* xb = byte_ptr(x);
   char* yb = byte_ptr(y);
   const size_t xs = dtype_size(x.dtype()), ys = dtype_size(out);
-  // ReLU over contiguous rows with a 16-bit side: widened and rounded in registers, no staging.
-  const bool relu16 = op == UnaryOp::kRelu && (x.dtype() != DType::f32 || out != DType::f32) &&
-                      is_compute_float(x.dtype()) && is_compute_float(out);
+  // ReLU over contiguous rows by the vector rows (a 16-bit side widened and rounded in
+  // registers, no staging).
+  const bool relu_rows =
+      op == UnaryOp::kRelu && is_compute_float(x.dtype()) && is_compute_float(out);
   for_each_row<2>(x.shape(), {x.strides(), y.strides()},
                   [&](const auto& off, int64_t n, const auto& in) {
-                    if (relu16 && in[0] == 1 && in[1] == 1 &&
+                    if (relu_rows && in[0] == 1 && in[1] == 1 &&
                         detail::relu_row(xb + off[0] * static_cast<int64_t>(xs), x.dtype(),
                                          yb + off[1] * static_cast<int64_t>(ys), out, n))
                       return;
@@ -381,15 +382,14 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad_out, const Tensor& x, const
   const Tensor& yy = y.defined() ? y : x;
   const size_t gs = dtype_size(grad_out.dtype()), xs = dtype_size(xx.dtype()),
                ys = dtype_size(yy.dtype()), ds = dtype_size(out);
-  // ReLU over contiguous rows with a 16-bit side: widened and rounded in registers, no staging.
-  const bool relu16 =
-      op == UnaryOp::kRelu &&
-      (grad_out.dtype() != DType::f32 || yy.dtype() != DType::f32 || out != DType::f32) &&
-      is_compute_float(grad_out.dtype()) && is_compute_float(yy.dtype()) && is_compute_float(out);
+  // ReLU over contiguous rows by the vector rows (16-bit sides widened and rounded in
+  // registers, no staging).
+  const bool relu_rows = op == UnaryOp::kRelu && is_compute_float(grad_out.dtype()) &&
+                         is_compute_float(yy.dtype()) && is_compute_float(out);
   for_each_row<4>(
       grad_out.shape(), {grad_out.strides(), xx.strides(), yy.strides(), dx.strides()},
       [&](const auto& off, int64_t n, const auto& in) {
-        if (relu16 && in[0] == 1 && in[2] == 1 && in[3] == 1 &&
+        if (relu_rows && in[0] == 1 && in[2] == 1 && in[3] == 1 &&
             detail::relu_backward_row(byte_ptr(grad_out) + off[0] * static_cast<int64_t>(gs),
                                       grad_out.dtype(),
                                       byte_ptr(yy) + off[2] * static_cast<int64_t>(ys), yy.dtype(),
