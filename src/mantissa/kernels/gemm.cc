@@ -418,7 +418,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
     }
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
       const int64_t pc = kb * kKC, kc = std::min(kKC, K - pc);
-      // A packed partial sliver is zero past N: no column past N is read.
+      // A partial sliver packed here is zero past N (B packed ahead holds finite values there).
       float* bp = scratch(kPackB, static_cast<size_t>(n_packed * std::max<int64_t>(kc, 1) * kNR));
       // Packed sliver s of this depth panel: B's own (packed ahead) or this call's.
       auto packed = [&](int64_t s) {
