@@ -50,10 +50,10 @@ std::vector<char> stored_as(const std::vector<float>& v, DType t) {
   return out;
 }
 
-// The normalization rows (vector_kernels.h) against their definitions, bit for bit, on this
-// process's path (kernels.gemm_avx2 runs them on AVX2 too): lengths with every tail of the
-// 8- and 16-wide loops, values spread over many binades with infinities, NaNs, subnormals and
-// zeros among them, whose sums meet NaNs and infinities too.
+// The normalization rows and sums (vector_kernels.h) against their definitions, bit for bit, on
+// this process's path (kernels.gemm_avx2 runs them on AVX2 too): lengths with every tail of the 8-
+// and 16-wide loops, values spread over many binades with infinities, NaNs, subnormals and zeros
+// among them, whose sums meet NaNs and infinities too.
 TEST(NormRows, MatchTheirDefinitionsBitForBit) {
   std::mt19937 gen(5);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -101,6 +101,15 @@ TEST(NormRows, MatchTheirDefinitionsBitForBit) {
       wb[i % 8] += p;
     }
     EXPECT_TRUE(same(a, wa, 8) && same(b, wb, 8)) << "sums, " << n8 << " values";
+    for (const bool squares : {false, true}) {
+      for (int l = 0; l < 8; ++l) a[l] = wa[l] = 0.25f * static_cast<float>(l);
+      detail::norm_stat_sums8(x.data(), n8, mu, squares, a);
+      for (int64_t i = 0; i < n8; ++i) {
+        const float v = x[static_cast<size_t>(i)], dv = v - mu, sq = dv * dv;
+        wa[i % 8] += squares ? sq : v;
+      }
+      EXPECT_TRUE(same(a, wa, 8)) << (squares ? "squares, " : "sums, ") << n8 << " values";
+    }
   }
 }
 

@@ -36,32 +36,27 @@ struct FloatRows {
   }
 };
 
-// Sum of term(p[i]) over n floats: 8 float lanes (vectorizable) within chunks of 4096, each chunk's
-// lanes added in a fixed tree, the chunks added in FP64.
-template <class Term>
-double lane_sum(const float* p, int64_t n, Term term) {
+// Sum of p[i], or with `squares` of (p[i] - mu)^2, over n floats: 8 float lanes within chunks of
+// 4096 (detail::norm_stat_sums8, the rest into lane 0), each chunk's lanes added in a fixed tree,
+// the chunks added in FP64.
+double lane_sum(const float* p, int64_t n, float mu, bool squares) {
   double total = 0;
   for (int64_t c = 0; c < n; c += 4096) {
     const int64_t m = std::min<int64_t>(4096, n - c);
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= m; i += 8)
-      for (int j = 0; j < 8; ++j) acc[j] += term(p[c + i + j]);
-    for (; i < m; ++i) acc[0] += term(p[c + i]);
+    int64_t i = m / 8 * 8;
+    detail::norm_stat_sums8(p + c, i, mu, squares, acc);
+    for (; i < m; ++i) {
+      const float d = p[c + i] - mu;
+      acc[0] += squares ? d * d : p[c + i];
+    }
     total += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   }
   return total;
 }
-double sum_f(const float* p, int64_t n) {
-  return lane_sum(p, n, [](float v) { return v; });
-}
+double sum_f(const float* p, int64_t n) { return lane_sum(p, n, 0.0f, false); }
 // Sum of (p[i] - mu)^2.
-double sum_sq_f(const float* p, int64_t n, float mu) {
-  return lane_sum(p, n, [mu](float v) {
-    const float d = v - mu;
-    return d * d;
-  });
-}
+double sum_sq_f(const float* p, int64_t n, float mu) { return lane_sum(p, n, mu, true); }
 
 // Calls fn(stat index, [begin, end) within the row, channel) for each run of row r's elements
 // that share an affine channel (an element e's channel is (e / channel_inner) % channels).

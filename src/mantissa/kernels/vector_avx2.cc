@@ -772,6 +772,21 @@ __attribute__((target("avx2"))) void norm_sums8_avx2(const float* d, const float
   _mm256_storeu_ps(b, sb);
 }
 
+__attribute__((target("avx2"))) void norm_stat_sums8_avx2(const float* x, int64_t n8, float mu,
+                                                          bool squares, float* acc) {
+  __m256 s = _mm256_loadu_ps(acc);
+  if (!squares) {
+    for (int64_t i = 0; i + 8 <= n8; i += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + i));
+  } else {
+    const __m256 m = _mm256_set1_ps(mu);
+    for (int64_t i = 0; i + 8 <= n8; i += 8) {
+      const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), m);
+      s = _mm256_add_ps(s, _mm256_mul_ps(d, d));
+    }
+  }
+  _mm256_storeu_ps(acc, s);
+}
+
 __attribute__((target("avx2"))) int64_t norm_dx_row_avx2(const float* d, const float* x, int64_t n,
                                                          float mu, float rs, float scale,
                                                          float shift, float slope, float* out) {

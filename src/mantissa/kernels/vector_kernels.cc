@@ -425,6 +425,21 @@ void norm_sums8(const float* d, const float* x, int64_t n, float mu, float rs, f
     }
 }
 
+void norm_stat_sums8(const float* x, int64_t n, float mu, bool squares, float* acc) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) return norm_stat_sums8_avx2(x, n, mu, squares, acc);
+#endif
+  for (int64_t i = 0; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) {
+      if (!squares) {
+        acc[l] += x[i + l];
+        continue;
+      }
+      const float d = x[i + l] - mu;
+      acc[l] += d * d;
+    }
+}
+
 void norm_dx_row(const float* d, const float* x, int64_t n, float mu, float rs, float scale,
                  float shift, float slope, float* out) {
   int64_t i = 0;

@@ -74,6 +74,9 @@ bool relu_backward_row(const void* g, DType tg, const void* y, DType ty, void* d
 // The backward's sums over n values (n a multiple of 8), lane l taking elements l, l + 8, ...:
 //   a[l] += d[i];  b[l] += d[i] * ((x[i] - mu) * rs).
 void norm_sums8(const float* d, const float* x, int64_t n, float mu, float rs, float* a, float* b);
+// The statistics' sums over n values (n a multiple of 8), lane l taking elements l, l + 8, ...:
+// acc[l] += x[i] (squares false), or with d = x[i] - mu, acc[l] += d * d (squares true).
+void norm_stat_sums8(const float* x, int64_t n, float mu, bool squares, float* acc);
 // The backward's dx: out[i] = ((d[i] * scale) - shift) - (((x[i] - mu) * rs) * slope).
 void norm_dx_row(const float* d, const float* x, int64_t n, float mu, float rs, float scale,
                  float shift, float slope, float* out);
@@ -219,6 +222,7 @@ void relu_row_avx2(const void* x, DType tx, void* y, DType ty, int64_t n);
 // count done).
 void norm_sums8_avx2(const float* d, const float* x, int64_t n8, float mu, float rs, float* a,
                      float* b);
+void norm_stat_sums8_avx2(const float* x, int64_t n8, float mu, bool squares, float* acc);
 int64_t norm_dx_row_avx2(const float* d, const float* x, int64_t n, float mu, float rs, float scale,
                          float shift, float slope, float* out);
 int64_t norm_dx_row_avx512(const float* d, const float* x, int64_t n, float mu, float rs,
