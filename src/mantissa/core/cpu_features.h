@@ -57,7 +57,7 @@ extern const bool kBf16Instructions;
     "kernels/gemm.cc: the 6 x 16 and 6 x 32 micro-kernels and packing transposes")                \
   X(kVectorRows, "vector rows", kAvx512,                                                          \
     "kernels/vector_kernels.cc: convolution rows, FMA rows, lane-split dot products (AVX-512: "   \
-    "their tiles), axpy, Winograd transforms, ReLU rows with 16-bit operands")                    \
+    "their tiles), axpy, Winograd transforms, normalization rows, ReLU rows")                     \
   X(kPooling, "pooling", kAvx2, "kernels/vector_kernels.cc: 2x2 stride-2 max pooling rows")       \
   X(kOptimizer, "optimizer", kAvx512,                                                             \
     "optim/optim.cc: the Adam/AdamW (AVX-512: its exact lanes) and SGD updates, the sum of "      \
