@@ -95,6 +95,9 @@ void transform_filters(const void* w, DType wt, bool flipped, int64_t o0, int64_
                });
 }
 
+// Tiles rounded up to whole 16-column slivers.
+int64_t whole_slivers(int64_t tiles) { return (tiles + 15) / 16 * 16; }
+
 // Tiles a batch and images a chunk: the batch's transforms, V (16, C, Tb) and (16, rows, Tb),
 // within about `bytes` (or `tiles` a batch when given), at least 64 tiles, at most the chunk's,
 // a multiple of the GEMM's 16-column slivers; a chunk holds the images of one batch of tiles
@@ -105,7 +108,7 @@ struct TileBatches {
 TileBatches tile_batches(const ImplicitConv& g, int64_t rows, int64_t bytes, int64_t images,
                          int64_t tiles = 0) {
   const int64_t P = (g.H / 2) * (g.W / 2);
-  auto whole = [&](int64_t nb) { return (nb * P + 15) / 16 * 16; };
+  auto whole = [&](int64_t nb) { return whole_slivers(nb * P); };
   int64_t Tb = tiles > 0 ? tiles
                          : std::min(std::max<int64_t>(bytes / (64 * (g.C + rows)) / 16 * 16, 64),
                                     whole(images));
@@ -126,9 +129,6 @@ void tile_offsets(const ImplicitConv& g, int64_t t0, int64_t Tb, int64_t image_s
     out[t] = img * image_stride + row * g.W + col;
   }
 }
-
-// Tiles rounded up to whole 16-column slivers.
-int64_t whole_slivers(int64_t tiles) { return (tiles + 15) / 16 * 16; }
 
 // V[xi] (C, Tb) = (B^T d B)[xi] of tile t's 4x4 input, for the Tb tiles at `at` of each
 // channel's padded planes (xp: (C, nb, H+2, W+2)). Plain: V (16, C, Tb). Packed: each V[xi] in

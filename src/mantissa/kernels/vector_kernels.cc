@@ -431,12 +431,8 @@ void norm_stat_sums8(const float* x, int64_t n, float mu, bool squares, float* a
 #endif
   for (int64_t i = 0; i + 8 <= n; i += 8)
     for (int l = 0; l < 8; ++l) {
-      if (!squares) {
-        acc[l] += x[i + l];
-        continue;
-      }
       const float d = x[i + l] - mu;
-      acc[l] += d * d;
+      acc[l] += squares ? d * d : x[i + l];
     }
 }
 
