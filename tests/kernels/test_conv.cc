@@ -301,6 +301,65 @@ TEST(Conv2d, Fp32InputReadAsSixteenBitIsItsCopyBitForBit) {
       Error);
 }
 
+// An FP32 weight read as f16 or bf16 (read_w: rounded as Winograd transforms the filters, a copy
+// cast for the call by the other paths) gives the results of its 16-bit copy, bit for bit: the
+// forward and the input gradient, on every path of both, with 16-bit and FP32 inputs and outputs,
+// FP32 and FP16 partials.
+TEST(Conv2d, Fp32WeightReadAsSixteenBitIsItsCopyBitForBit) {
+  using detail::ConvPath;
+  std::set<ConvPath> forward, input;
+  uint32_t seed = 70;
+  for (const Geometry& g : geometries())
+    for (const DType half : {DType::f16, DType::bf16})
+      for (const Partials partials : {Partials::kF32, Partials::kF16}) {
+        if (partials == Partials::kF16 && half == DType::bf16) continue;
+        SCOPED_TRACE(g.name + " " + std::string(dtype_name(half)) +
+                     (partials == Partials::kF16 ? " fp16 partials" : ""));
+        const detail::ConvGeometry cg(g.x, g.w, g.p);
+        const detail::ConvSettings on;
+        forward.insert(detail::conv_forward_path(cg, partials, on));
+        input.insert(detail::conv_backward_input_path(cg, partials, on));
+        // Weights spread over many binades, so that rounding to 16 bits changes most of them.
+        std::vector<double> wv = random_values(g.w[0] * g.w[1] * g.w[2] * g.w[3], seed++);
+        for (size_t i = 0; i < wv.size(); ++i)
+          wv[i] *= std::ldexp(1.0, static_cast<int>(i % 7) - 3);
+        const Tensor w = stored(wv, g.w, DType::f32), w16 = w.to(half);
+        const Tensor b = stored(random_values(g.w[0], seed++), {g.w[0]}, DType::f32);
+        for (const DType in : {half, DType::f32}) {
+          const Tensor x =
+              stored(random_values(g.x[0] * g.x[1] * g.x[2] * g.x[3], seed++), g.x, in);
+          const DType out = in;
+          const Tensor want = conv2d(x, w16, b, g.p, out, partials);
+          const Tensor got = conv2d(x, w, b, g.p, out, partials, DType::f32, half);
+          ASSERT_EQ(got.dtype(), want.dtype());
+          ASSERT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()), 0) << "forward";
+          const Tensor dy = stored(random_values(want.numel(), seed++), want.shape(), in);
+          const Tensor dx_want = conv2d_backward_input(dy, w16, g.x, g.p, out, partials);
+          const Tensor dx_got = conv2d_backward_input(dy, w, g.x, g.p, out, partials, half);
+          ASSERT_EQ(dx_got.dtype(), dx_want.dtype());
+          ASSERT_EQ(std::memcmp(dx_got.data_ptr(), dx_want.data_ptr(), dx_want.nbytes()), 0)
+              << "input gradient";
+        }
+      }
+  EXPECT_EQ(forward,
+            (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kWinograd, ConvPath::kImplicitRows,
+                                ConvPath::kImplicitGemm, ConvPath::kIm2col}));
+  EXPECT_EQ(input, (std::set<ConvPath>{ConvPath::kWinograd, ConvPath::kImplicitRows,
+                                       ConvPath::kImplicitGemm, ConvPath::kIm2col}));
+  // Only an FP32 weight is read as another type, and only as a 16-bit one.
+  const Tensor x = Tensor::zeros({1, 1, 4, 4}, DType::f32);
+  EXPECT_THROW(conv2d(x, Tensor::zeros({1, 1, 3, 3}, DType::f16), {}, Conv2dParams{}, DType::f32,
+                      Partials::kF32, DType::f32, DType::bf16),
+               Error);
+  EXPECT_THROW(conv2d(x, Tensor::zeros({1, 1, 3, 3}, DType::f32), {}, Conv2dParams{}, DType::f32,
+                      Partials::kF32, DType::f32, DType::e4m3),
+               Error);
+  EXPECT_THROW(conv2d_backward_input(Tensor::zeros({1, 1, 2, 2}, DType::f32),
+                                     Tensor::zeros({1, 1, 3, 3}, DType::bf16), {1, 1, 4, 4},
+                                     Conv2dParams{}, DType::f32, Partials::kF32, DType::f16),
+               Error);
+}
+
 // Winograd adds the bias once per output, after the output transform; a 16-bit output is rounded
 // once from the FP32 result, from operands in any storage.
 TEST(Conv2d, WinogradAddsTheBias) {
@@ -339,10 +398,10 @@ TEST(Conv2d, WinogradOutputBlocksGiveTheSameBits) {
     const Tensor x = stored(random_values(2 * 20 * 48, 5), xs, t),
                  w = stored(random_values(23 * 20 * 9, 6), ws, t);
     const std::vector<float> bias(23, 0.25f);
-    const Tensor whole = detail::winograd_forward(x, g, w.data_ptr(), t, false, bias, t,
+    const Tensor whole = detail::winograd_forward(x, g, {w.data_ptr(), t}, false, bias, t,
                                                   MemoryCategory::activations, 23);
     for (const int64_t block : {1, 5, 8, 22}) {
-      const Tensor y = detail::winograd_forward(x, g, w.data_ptr(), t, false, bias, t,
+      const Tensor y = detail::winograd_forward(x, g, {w.data_ptr(), t}, false, bias, t,
                                                 MemoryCategory::activations, block);
       EXPECT_EQ(0, std::memcmp(y.data_ptr(), whole.data_ptr(),
                                static_cast<size_t>(y.numel()) * dtype_size(t)))
@@ -371,10 +430,10 @@ TEST(Conv2d, WinogradPerThreadScheduleGivesTheSameBitsAsPerStage) {
           const Tensor x = stored(random_values(n, 7), k.x, t),
                        w = stored(random_values(k.O * C * 9, 8), {k.O * C * 9}, t);
           const std::vector<float> bias(static_cast<size_t>(k.O), -0.5f);
-          const Tensor per_thread = detail::winograd_forward(x, g, w.data_ptr(), t, flipped, bias,
+          const Tensor per_thread = detail::winograd_forward(x, g, {w.data_ptr(), t}, flipped, bias,
                                                              t, MemoryCategory::activations);
-          const Tensor per_stage = detail::winograd_forward(x, g, w.data_ptr(), t, flipped, bias, t,
-                                                            MemoryCategory::activations, k.O);
+          const Tensor per_stage = detail::winograd_forward(x, g, {w.data_ptr(), t}, flipped, bias,
+                                                            t, MemoryCategory::activations, k.O);
           set_num_threads(0);
           EXPECT_EQ(0, std::memcmp(per_thread.data_ptr(), per_stage.data_ptr(),
                                    static_cast<size_t>(per_stage.numel()) * dtype_size(t)))

@@ -183,10 +183,27 @@ Tensor read_input(const Tensor& x, DType read_x, ConvPath path, ConvGeometry& g)
   return cast(x, read_x, {}, MemoryCategory::workspace);
 }
 
+// The weights as `path` reads them: w itself where it is stored as read_w, or where Winograd
+// rounds an FP32 w to read_w as it transforms the filters (*round = read_w then); a 16-bit copy
+// for the call on the other paths.
+Tensor read_weight(const Tensor& w, DType read_w, ConvPath path, DType* round) {
+  MANTISSA_CHECK(read_w == DType::f32 || (w.dtype() == DType::f32 && is_16bit_float(read_w)),
+                 "conv2d: read_w " + std::string(dtype_name(read_w)) + " for an " +
+                     std::string(dtype_name(w.dtype())) + " weight",
+                 "read_w reads an f32 weight as f16 or bf16");
+  *round = DType::f32;
+  if (read_w == DType::f32) return w.contiguous();
+  if (path == ConvPath::kWinograd) {
+    *round = read_w;
+    return w.contiguous();
+  }
+  return cast(w, read_w, {}, MemoryCategory::workspace);
+}
+
 }  // namespace
 
 Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Conv2dParams& p,
-              DType out, Partials partials, DType read_x) {
+              DType out, Partials partials, DType read_x, DType read_w) {
   require_float(x_in, "conv2d", "input");
   require_float(w_in, "conv2d", "weight");
   ConvGeometry g(x_in.shape(), w_in.shape(), p);
@@ -196,13 +213,16 @@ Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Con
                    "the bias has one value per output channel");
   const std::vector<float> bias = bias_f32(b, g.O);
   const ConvPath path = detail::conv_forward_path(g, partials);
-  const Tensor x = read_input(x_in, read_x, path, g).contiguous(), w = w_in.contiguous();
+  DType round_w;
+  const Tensor x = read_input(x_in, read_x, path, g).contiguous(),
+               w = read_weight(w_in, read_w, path, &round_w);
   switch (path) {
     case ConvPath::kDirect:
       return detail::direct_forward(x, w, bias, g, out);
     case ConvPath::kWinograd:
-      return detail::winograd_forward(x, detail::ImplicitConv(g), w.data_ptr(), w.dtype(), false,
-                                      bias, out, MemoryCategory::activations);
+      return detail::winograd_forward(x, detail::ImplicitConv(g),
+                                      {w.data_ptr(), w.dtype(), round_w}, false, bias, out,
+                                      MemoryCategory::activations);
     case ConvPath::kImplicitRows:
     case ConvPath::kImplicitGemm:
       return detail::implicit_forward(x, detail::ImplicitConv(g),
@@ -216,14 +236,15 @@ Tensor conv2d(const Tensor& x_in, const Tensor& w_in, const Tensor& b, const Con
 }
 
 Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shape& x_shape,
-                             const Conv2dParams& p, DType out, Partials partials) {
+                             const Conv2dParams& p, DType out, Partials partials, DType read_w) {
   const ConvGeometry g(x_shape, w_in.shape(), p);
   MANTISSA_CHECK(
       dy_in.shape() == Shape({g.N, g.O, g.Ho, g.Wo}),
       "conv2d backward: gradient " + shape_str(dy_in.shape()) + " does not match the output shape",
       "report this as a bug");
-  const Tensor dy = dy_in.contiguous(), w = w_in.contiguous();
   const ConvPath path = detail::conv_backward_input_path(g, partials);
+  DType round_w;
+  const Tensor dy = dy_in.contiguous(), w = read_weight(w_in, read_w, path, &round_w);
   if (path == ConvPath::kIm2col)
     return detail::im2col_backward_input(dy, w, x_shape, g, out, partials);
   // dx is the forward convolution of dy with the weights flipped and their channels swapped,
@@ -235,7 +256,7 @@ Tensor conv2d_backward_input(const Tensor& dy_in, const Tensor& w_in, const Shap
                       path == ConvPath::kImplicitGemm,
                   "conv2d backward: not a backward-input path");
   if (path == ConvPath::kWinograd)
-    return detail::winograd_forward(dy, t, w.data_ptr(), w.dtype(), true, {}, out,
+    return detail::winograd_forward(dy, t, {w.data_ptr(), w.dtype(), round_w}, true, {}, out,
                                     MemoryCategory::gradients);
   Tensor wt = detail::byte_workspace(g.C * g.O * g.KH * g.KW, w.dtype());
   const int64_t KK = g.KH * g.KW;

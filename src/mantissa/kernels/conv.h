@@ -24,12 +24,16 @@ Shape conv2d_output_shape(const Shape& x, const Shape& w, const Conv2dParams& p)
 // y (N, O, Ho, Wo) = x * w + b (b: (O) or undefined), in dtype `out`. read_x f16 or bf16: an FP32
 // x read as if stored in that type (each value rounded to nearest even as the padding paths stage
 // it; the other paths cast a copy for the call), so y is exactly that of x's 16-bit copy, which is
-// not kept.
+// not kept. read_w likewise for an FP32 w: Winograd rounds the weights as it transforms them (no
+// copy, and the transformed filters made whole, as for any FP32 weight); the other paths read a
+// 16-bit copy made for the call.
 Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dParams& p, DType out,
-              Partials partials = Partials::kF32, DType read_x = DType::f32);
-// dx (x_shape) from dy (N, O, Ho, Wo).
+              Partials partials = Partials::kF32, DType read_x = DType::f32,
+              DType read_w = DType::f32);
+// dx (x_shape) from dy (N, O, Ho, Wo); read_w as conv2d's.
 Tensor conv2d_backward_input(const Tensor& dy, const Tensor& w, const Shape& x_shape,
-                             const Conv2dParams& p, DType out, Partials partials = Partials::kF32);
+                             const Conv2dParams& p, DType out, Partials partials = Partials::kF32,
+                             DType read_w = DType::f32);
 // dw (w_shape) from dy (N, O, Ho, Wo) and x, summed over the batch; read_x as conv2d's.
 Tensor conv2d_backward_weight(const Tensor& dy, const Tensor& x, const Shape& w_shape,
                               const Conv2dParams& p, DType out, Partials partials = Partials::kF32,

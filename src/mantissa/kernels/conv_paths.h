@@ -205,14 +205,23 @@ Tensor direct_forward(const Tensor& x, const Tensor& w, const std::vector<float>
 Tensor direct_weight_grad(const Tensor& dy, const Tensor& x, const Shape& w_shape,
                           const ConvGeometry& g, DType out);
 
+// Weights as Winograd reads them: contiguous, stored in `dtype` (any float type), and with
+// read_as f16 or bf16 FP32 weights rounded to that type as the filters are transformed (the
+// values of their 16-bit copy, which is never made).
+struct WinogradWeights {
+  const void* data;
+  DType dtype;
+  DType read_as = DType::f32;
+};
+
 // Winograd F(2x2, 3x3) (conv_winograd.cc): y (N, O, H, W) = x (N, C, H, W) * w + bias, w
-// (O, C, 3, 3) contiguous in dtype wt; x and w in any float dtype; y charged to `cat`.
+// (O, C, 3, 3); x and w in any float dtype; y charged to `cat`.
 // flipped: w holds the weights (C, O, 3, 3) of the convolution whose backward-input this is, read
 // with channels swapped and taps reversed (flipped_conv's filters, no copy made).
 // out_block: output channels per block of transformed filters (0: as many as twice the weights'
-// bytes or the column budget hold; any block size gives the same bits).
-Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, DType wt,
-                        bool flipped, const std::vector<float>& bias, DType out, MemoryCategory cat,
+// stored bytes or the column budget hold; any block size gives the same bits).
+Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, WinogradWeights w, bool flipped,
+                        const std::vector<float>& bias, DType out, MemoryCategory cat,
                         int64_t out_block = 0);
 
 // Winograd's weight gradient (conv_winograd.cc): dw (O, C, 3, 3) in `out` from dy (N, O, H, W) and

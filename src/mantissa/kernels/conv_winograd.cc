@@ -48,51 +48,59 @@ void gather_flipped(const void* w, int64_t O, int64_t o, int64_t n, int64_t C, c
 }
 
 // U[xi] (nO, C) = G g G^T for output channels [o0, o0 + nO) of the filters in w, stored in any
-// float dtype (widened exactly), xi = 4 * row + column of the 4x4 tile (winograd_filter_f32),
+// float dtype (widened exactly; FP32 rounded to w.read_as first where it is 16-bit), xi = 4 * row
+// + column of the 4x4 tile (winograd_filter_f32),
 // packed for the GEMM as it is made (u[xi]: each a PackedMatrix of nO rows and C columns). w holds
 // (O, C, 3, 3), or with `flipped` the forward weights (C, O, 3, 3) whose channels swapped and taps
 // reversed are the filters (a backward-input's): gathered from w a sliver of outputs at a time,
 // with no flipped copy of the weights.
-void transform_filters(const void* w, DType wt, bool flipped, int64_t o0, int64_t nO, int64_t O,
+void transform_filters(WinogradWeights weights, bool flipped, int64_t o0, int64_t nO, int64_t O,
                        int64_t C, const PackedMatrix* u) {
   constexpr int64_t kRows = kPackedSliverRows;  // outputs transformed and packed together
+  const void* w = weights.data;
+  const DType wt = weights.dtype;
+  const bool round = weights.read_as != DType::f32;
+  MANTISSA_ASSERT(!round || (wt == DType::f32 && is_16bit_float(weights.read_as)),
+                  "winograd: weights read as 16-bit are stored in FP32");
   const int64_t es = static_cast<int64_t>(dtype_size(wt));
   const int64_t slivers = (nO + kRows - 1) / kRows;
-  parallel_for(static_cast<size_t>(slivers), 1, nO * C >= 4096 ? default_num_threads() : 1,
-               [&](size_t s0, size_t s1) {
-                 // (C, 3, 3) of one output: FP32 weights read in place, others widened; flipped
-                 // filters gathered as stored first. The sliver's U (16, n, C) is made here, then
-                 // packed.
-                 std::vector<float> row(wt == DType::f32 ? 0 : static_cast<size_t>(C * 9));
-                 std::vector<char> gathered(flipped ? static_cast<size_t>(kRows * C * 9 * es) : 0);
-                 std::vector<float> sliver(static_cast<size_t>(16 * kRows * C));
-                 for (size_t s = s0; s < s1; ++s) {
-                   const int64_t r0 = static_cast<int64_t>(s) * kRows, o = o0 + r0;
-                   const int64_t n = std::min(kRows, nO - r0);
-                   if (flipped) switch (es) {
-                       case 4:
-                         gather_flipped<uint32_t>(w, O, o, n, C, gathered.data());
-                         break;
-                       case 2:
-                         gather_flipped<uint16_t>(w, O, o, n, C, gathered.data());
-                         break;
-                       default:
-                         gather_flipped<uint8_t>(w, O, o, n, C, gathered.data());
-                     }
-                   for (int64_t l = 0; l < n; ++l) {
-                     const char* src = flipped ? gathered.data() + l * C * 9 * es
-                                               : static_cast<const char*>(w) + (o + l) * C * 9 * es;
-                     const float* f = reinterpret_cast<const float*>(src);
-                     if (wt != DType::f32) {
-                       load_f32(src, wt, 1, C * 9, row.data());
-                       f = row.data();
-                     }
-                     winograd_filter_f32(f, C, sliver.data() + l * C, n * C);
-                   }
-                   for (int64_t xi = 0; xi < 16; ++xi)
-                     pack_rows(u[xi], r0, n, {sliver.data() + xi * n * C, DType::f32, C, 1});
-                 }
-               });
+  parallel_for(
+      static_cast<size_t>(slivers), 1, nO * C >= 4096 ? default_num_threads() : 1,
+      [&](size_t s0, size_t s1) {
+        // (C, 3, 3) of one output: FP32 weights read in place (or copied and rounded),
+        // others widened; flipped filters gathered as stored first. The sliver's U
+        // (16, n, C) is made here, then packed.
+        std::vector<float> row(wt == DType::f32 && !round ? 0 : static_cast<size_t>(C * 9));
+        std::vector<char> gathered(flipped ? static_cast<size_t>(kRows * C * 9 * es) : 0);
+        std::vector<float> sliver(static_cast<size_t>(16 * kRows * C));
+        for (size_t s = s0; s < s1; ++s) {
+          const int64_t r0 = static_cast<int64_t>(s) * kRows, o = o0 + r0;
+          const int64_t n = std::min(kRows, nO - r0);
+          if (flipped) switch (es) {
+              case 4:
+                gather_flipped<uint32_t>(w, O, o, n, C, gathered.data());
+                break;
+              case 2:
+                gather_flipped<uint16_t>(w, O, o, n, C, gathered.data());
+                break;
+              default:
+                gather_flipped<uint8_t>(w, O, o, n, C, gathered.data());
+            }
+          for (int64_t l = 0; l < n; ++l) {
+            const char* src = flipped ? gathered.data() + l * C * 9 * es
+                                      : static_cast<const char*>(w) + (o + l) * C * 9 * es;
+            const float* f = reinterpret_cast<const float*>(src);
+            if (wt != DType::f32 || round) {
+              load_f32(src, wt, 1, C * 9, row.data());
+              if (round) round_through(row.data(), C * 9, weights.read_as);
+              f = row.data();
+            }
+            winograd_filter_f32(f, C, sliver.data() + l * C, n * C);
+          }
+          for (int64_t xi = 0; xi < 16; ++xi)
+            pack_rows(u[xi], r0, n, {sliver.data() + xi * n * C, DType::f32, C, 1});
+        }
+      });
 }
 
 // Tiles rounded up to whole 16-column slivers.
@@ -164,9 +172,9 @@ void input_transforms(const ImplicitConv& g, const float* xp, int64_t nb, const 
 
 }  // namespace
 
-Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, DType wt,
-                        bool flipped, const std::vector<float>& bias, DType out_dtype,
-                        MemoryCategory cat, int64_t out_block) {
+Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, WinogradWeights w, bool flipped,
+                        const std::vector<float>& bias, DType out_dtype, MemoryCategory cat,
+                        int64_t out_block) {
   Tensor y = Tensor::empty({g.N, g.O, g.H, g.W}, out_dtype, charged_to(cat));
   const int64_t C = g.C, O = g.O, P = (g.H / 2) * (g.W / 2);
   // Two schedules, the same bits (each output is its tile's transforms of the same GEMM sums):
@@ -181,13 +189,14 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
   const bool per_thread = out_block <= 0 && threads > 1 && g.N >= 2 * threads &&
                           16 * static_cast<int64_t>(packed_floats(O, C)) <= kPerThreadFilterFloats;
   // Output channels in blocks whose transformed filters U (16, Ob, C) take at most twice the
-  // weights' own bytes, or the column budget for small layers: U is 16/9 of the weights in FP32,
-  // so an FP32 layer's U is made whole, while a 16-bit layer's (3.6 times its weights) is made in
-  // blocks that keep the 16-bit model's memory savings (ResNet's 512-channel layers: two blocks).
+  // weights' stored bytes, or the column budget for small layers: U is 16/9 of the weights in
+  // FP32, so an FP32 layer's U is made whole (FP32 weights read as 16-bit too), while a 16-bit
+  // layer's (3.6 times its weights) is made in blocks that keep the 16-bit model's memory savings
+  // (ResNet's 512-channel layers: two blocks).
   // Blocks outermost, so each block's U is made once; the input is padded and transformed again
   // per block. A block's GEMMs are those of the whole layer restricted to its rows: the same bits.
   const int64_t u_floats =
-      std::max(conv_settings().column_budget, 2 * O * C * 9 * esize(wt) / int64_t{4});
+      std::max(conv_settings().column_budget, 2 * O * C * 9 * esize(w.dtype) / int64_t{4});
   const int64_t Ob =
       per_thread ? O
                  : std::clamp<int64_t>(
@@ -284,7 +293,7 @@ Tensor winograd_forward(const Tensor& x, const ImplicitConv& g, const void* w, D
     PackedMatrix u[16];  // U[xi] (nO, C), packed for the GEMM
     for (int64_t xi = 0; xi < 16; ++xi)
       u[xi] = {u_t.data<float>() + xi * static_cast<int64_t>(packed_floats(nO, C)), nO, C};
-    transform_filters(w, wt, flipped, o0, nO, O, C, u);
+    transform_filters(w, flipped, o0, nO, O, C, u);
     if (per_thread) {
       // Groups of nb_max images, taken in turn by the threads (a thread slowed by a busy machine
       // takes fewer); task s is slot s.

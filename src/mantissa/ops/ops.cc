@@ -444,24 +444,23 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dPar
   const DType w_as = read_type("conv2d", "weight_as", opt.weight_as, w, "weight");
   const DType x_as = read_type("conv2d", "input_as", opt.input_as, x, "input");
   const DType read_x = x_as == x.dtype() ? DType::f32 : x_as;  // kernels::conv2d's read_x
-  // With weight_as the kernels read a 16-bit copy made for the call (workspace), in the forward
-  // and again in the backward: the graph keeps only the FP32 weight, which the model holds anyway.
-  auto read_as = [w_as](const Tensor& t) {
-    return t.dtype() == w_as ? t : kernels::cast(t, w_as, {}, MemoryCategory::workspace);
-  };
-  Tensor y = kernels::conv2d(xd, read_as(wd), bd, prm, out_or(opt, promote_types(x_as, w_as)),
-                             partials_of(opt), read_x);
+  // With weight_as the kernels read the FP32 weight as its 16-bit copy (kernels::conv2d's read_w:
+  // rounded as Winograd transforms it, or a copy made for the call), in the forward and again in
+  // the backward: the graph keeps only the FP32 weight, which the model holds anyway.
+  const DType read_w = w_as == w.dtype() ? DType::f32 : w_as;
+  Tensor y = kernels::conv2d(xd, wd, bd, prm, out_or(opt, promote_types(x_as, w_as)),
+                             partials_of(opt), read_x, read_w);
   count_macs(y.numel() * wd.size(1) * wd.size(2) * wd.size(3));  // per output: C/groups x KH x KW
   const Partials p = partials_of(opt);
   return recorded(
       y, OpId::conv2d, {&x, &w, &b},
-      [xd, wd, prm, p, read_as, x_as, read_x](const Tensor& g,
-                                              const FnNode& n) -> std::vector<Tensor> {
+      [xd, wd, prm, p, read_w, x_as, read_x](const Tensor& g,
+                                             const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(3);
         if (n.needs_input_grad(0)) {
           // Read as x_as: the gradient of x's 16-bit copy, widened as the cast's backward would.
           out[0] = kernels::conv2d_backward_input(
-              g, read_as(wd), xd.shape(), prm, read_x == DType::f32 ? n.input_dtype(0) : x_as, p);
+              g, wd, xd.shape(), prm, read_x == DType::f32 ? n.input_dtype(0) : x_as, p, read_w);
           if (out[0].dtype() != n.input_dtype(0))
             out[0] = kernels::cast(out[0], n.input_dtype(0), {}, MemoryCategory::gradients);
         }
