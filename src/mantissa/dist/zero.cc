@@ -125,7 +125,27 @@ void Zero1::gather_parameters() {
                                static_cast<size_t>(bk.part), gather_dtype_[b], buffer(b).storage());
     total_.bytes += bk.padded * static_cast<int64_t>(gs);
   }
-  // The factored weights' blocks of rows: in place when the ranks' blocks fill the weight
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    requests[b].wait();
+    const Reducer::Bucket& bk = buckets[b];
+    const size_t gs = dtype_size(gather_dtype_[b]);
+    const char* base = static_cast<const char*>(buffer(b).data_ptr());
+    for (size_t s = 0; s < bk.params.size(); ++s) {
+      Tensor& p = *params[bk.params[s]].tensor;
+      convert(base + static_cast<size_t>(bk.offsets[s]) * gs, gather_dtype_[b], p.data_ptr(),
+              p.dtype(), static_cast<size_t>(p.numel()));
+    }
+  }
+  const Clock::time_point t1 = Clock::now();
+  total_.exposed_seconds += seconds(t1 - t0);
+  ++total_.steps;
+  if (row_blocks_.empty()) {
+    total_.busy_seconds += seconds(t1 - t0);
+    return;
+  }
+  // The factored weights' blocks of rows, started once the buckets' gathers have finished (the
+  // backend copies a block of rows in one piece, which would hold up the buckets' last rounds),
+  // to finish while the next forward pass runs: in place when the ranks' blocks fill the weight
   // exactly, through a padded buffer otherwise (the last ranks' blocks are short or empty).
   row_requests_.assign(row_blocks_.size(), comm::Request());
   padded_.assign(row_blocks_.size(), Tensor());
@@ -150,23 +170,8 @@ void Zero1::gather_parameters() {
         padded_[k].defined() ? padded_[k].storage() : w.storage());
     total_.bytes += ranks * part * static_cast<int64_t>(es);
   }
-  started_ = t0;
-  rows_running_ = !row_blocks_.empty();
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    requests[b].wait();
-    const Reducer::Bucket& bk = buckets[b];
-    const size_t gs = dtype_size(gather_dtype_[b]);
-    const char* base = static_cast<const char*>(buffer(b).data_ptr());
-    for (size_t s = 0; s < bk.params.size(); ++s) {
-      Tensor& p = *params[bk.params[s]].tensor;
-      convert(base + static_cast<size_t>(bk.offsets[s]) * gs, gather_dtype_[b], p.data_ptr(),
-              p.dtype(), static_cast<size_t>(p.numel()));
-    }
-  }
-  const Clock::time_point t1 = Clock::now();
-  total_.exposed_seconds += seconds(t1 - t0);
-  ++total_.steps;
-  if (!rows_running_) total_.busy_seconds += seconds(t1 - t0);
+  started_ = t1;
+  rows_running_ = true;
 }
 
 void Zero1::finish_gather() {

@@ -235,6 +235,12 @@ void DataParallel::sum(std::vector<double>& values) {
   comm_.all_reduce(values.data(), values.size(), DType::f64, comm::ReduceOp::kSum);
 }
 
+comm::Request DataParallel::start_sum(std::shared_ptr<std::vector<double>> values) {
+  double* data = values->data();
+  const size_t n = values->size();
+  return comm_.all_reduce_async(data, n, DType::f64, comm::ReduceOp::kSum, std::move(values));
+}
+
 bool DataParallel::any(bool flag) {
   std::vector<double> v{flag ? 1.0 : 0.0};
   sum(v);

@@ -8,8 +8,9 @@
 //               backward pass reduces the gradients in buckets as they finish, finish_gradients()
 //               waits; the update follows (ZeRO: each rank its shard, then an all-gather);
 //               buffers (batch-norm statistics) come from rank 0 so the replicas stay identical;
-//   each call   one small all-reduce sums the call's figures (losses, correct images) and the
-//               stop requests, so every rank prints, checks and stops alike;
+//               one small all-reduce, started before the update, sums the step's figures
+//               (losses, correct images) and the stop requests;
+//   each call   waits for its steps' sums, so every rank prints, checks and stops alike;
 //   at the end  the sharded state is gathered for the checkpoint rank 0 writes, and the ranks'
 //               peak memory is gathered for the metrics.
 // Every member function is a collective: every rank calls it at the same point of its loop.
@@ -89,6 +90,10 @@ class DataParallel {
 
   // Sums `values` over the ranks, in place (one FP64 all-reduce).
   void sum(std::vector<double>& values);
+  // Starts that sum; the values hold it once the request's wait() returns (they are kept alive
+  // until the all-reduce ends). The backend runs collectives in the order they start, so a sum
+  // started before the update's gathers is not held up behind them.
+  comm::Request start_sum(std::shared_ptr<std::vector<double>> values);
   // Whether any rank's flag is set.
   bool any(bool flag);
   // Every rank's value, by rank.

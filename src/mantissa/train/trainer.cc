@@ -386,6 +386,7 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
     bool returned = false;
   };
   std::vector<Figures> steps(static_cast<size_t>(co.steps));
+  std::vector<SummedFigures> summed(dp_ ? static_cast<size_t>(co.steps) : 0);
   // A step's figures (of the global batch once summed over the ranks) into the history and the
   // call's outputs.
   const int64_t first_step = step_;
@@ -423,7 +424,8 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
     optimizer_->set_lr(schedule_.lr_at(config_.lr, step_));
     try {
       f.loss_sum =
-          train_step(&batches[static_cast<size_t>(k * N)], f.returned ? &f.correct : nullptr);
+          train_step(&batches[static_cast<size_t>(k * N)], f.returned ? &f.correct : nullptr,
+                     dp_ ? &summed[static_cast<size_t>(k)] : nullptr);
     } catch (const autograd::AnomalyError& e) {
       throw autograd::AnomalyError("step " + std::to_string(step_ + 1) + ": " + e.message(),
                                    e.hint());
@@ -434,22 +436,20 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
     ++step_;
   }
   if (dp_) {
-    // One all-reduce for the call: every step's losses, correct and counted images over the
-    // ranks, and the stop requests (the ranks stop at the same boundary).
-    std::vector<double> v;
-    for (const Figures& f : steps) {
-      v.push_back(f.loss_sum);
-      v.push_back(static_cast<double>(f.correct));
-      v.push_back(static_cast<double>(f.images));
+    // Every step's losses, correct and counted images summed over the ranks, and the stop
+    // requests (the ranks stop at the same boundary), from the all-reduces the steps started.
+    bool stop = false;
+    for (SummedFigures& s : summed) {
+      s.request.wait();
+      stop = stop || (*s.values)[3] > 0;
     }
-    v.push_back(stop_requested() ? 1.0 : 0.0);
-    dp_->sum(v);
-    agreed_stop_ = v.back() > 0;
+    agreed_stop_ = stop;
     for (int64_t k = 0; k < co.steps; ++k) {
+      const std::vector<double>& v = *summed[static_cast<size_t>(k)].values;
       Figures f = steps[static_cast<size_t>(k)];
-      f.loss_sum = v[static_cast<size_t>(3 * k)];
-      f.correct = static_cast<int64_t>(v[static_cast<size_t>(3 * k + 1)]);
-      f.images = static_cast<int64_t>(v[static_cast<size_t>(3 * k + 2)]);
+      f.loss_sum = v[0];
+      f.correct = static_cast<int64_t>(v[1]);
+      f.images = static_cast<int64_t>(v[2]);
       record(k, f);
     }
   }
@@ -497,7 +497,7 @@ bool updates_as_gradients_complete(const TrainConfig& c) {
          !c.detect_anomaly && !c.recompute;
 }
 
-double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
+double Trainer::train_step(const data::Batch* micro, int64_t* correct, SummedFigures* summed) {
   const int64_t N = config_.gradient_accumulation;
   const auto t0 = Clock::now();
   amp::ScaledStep scaled(loss_scaler());  // S is read once: every micro-batch is scaled alike
@@ -537,6 +537,14 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct) {
   if (dp_) {
     ProfileTimer timed("step", "", "communication");
     dp_->finish_gradients();
+  }
+  if (dp_ && summed) {
+    double images = 0;
+    for (int64_t f = 0; f < N; ++f) images += static_cast<double>(micro[f].labels.size(0));
+    summed->values = std::make_shared<std::vector<double>>(
+        std::vector<double>{loss_sum, correct ? static_cast<double>(*correct) : 0.0, images,
+                            stop_requested() ? 1.0 : 0.0});
+    summed->request = dp_->start_sum(summed->values);
   }
   anomaly.reset();
   default_memory_tracker().set_phase("optimizer");

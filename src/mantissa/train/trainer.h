@@ -136,7 +136,14 @@ class Trainer {
   // One optimizer step on gradient_accumulation micro-batches (see trainer.cc). Returns the sum
   // of this rank's micro-batches' (unscaled) losses, and when asked the number of correctly
   // classified images.
-  double train_step(const data::Batch* micro, int64_t* correct);
+  // A step's figures under data parallelism: this rank's loss sum, correct and counted images and
+  // stop request, summed over the ranks by an all-reduce that train_step starts before the update
+  // (started after it, the sum would wait behind the update's gathers of parameters).
+  struct SummedFigures {
+    std::shared_ptr<std::vector<double>> values;
+    comm::Request request;
+  };
+  double train_step(const data::Batch* micro, int64_t* correct, SummedFigures* summed = nullptr);
   // Whether the run stops at this step boundary: a stop request, agreed by every rank.
   bool stopping() const;
   // The micro-batches whose gradients one step combines: every rank's gradient_accumulation.
