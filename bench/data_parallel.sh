@@ -70,7 +70,8 @@ batch_of() {
   case $1 in resnet18) echo 8 ;; *) echo 12 ;; esac
 }
 
-# One training run; prints "images/s step_ms waited_ms busy_ms payload_bytes" from its metrics.
+# One training run of --warmup + --steps steps, one epoch of synthetic data; prints "images/s
+# step_ms waited_ms busy_ms payload_bytes" from its metrics.
 #   run_one GLOBAL_BATCH [launcher...] -- [mantissa train flags...]
 run_one() {
   local global=$1; shift
@@ -82,9 +83,13 @@ run_one() {
   "${launcher[@]}" "$MANTISSA" train --dataset synthetic --no-eval --no-progress \
     --max-steps $((STEPS + WARMUP)) --metrics-json "$json" "$@" >"$TMP/out.txt" 2>&1 ||
     { cat "$TMP/out.txt" >&2; echo "nan nan nan nan nan"; return; }
-  $PY - "$json" "$global" "$WARMUP" <<'PYEOF'
+  $PY - "$json" "$global" "$WARMUP" "$((STEPS + WARMUP))" <<'PYEOF'
 import json, sys
 m = json.load(open(sys.argv[1]))
+if len(m['step_seconds']) != int(sys.argv[4]):  # the data must last every step
+    print(f"ran {len(m['step_seconds'])} steps, not {sys.argv[4]}", file=sys.stderr)
+    print("nan nan nan nan nan")
+    sys.exit(0)
 timed = m['step_seconds'][int(sys.argv[3]):]
 c = m.get('communication') or {}
 print(f"{int(sys.argv[2]) * len(timed) / sum(timed):.2f} {1e3 * sum(timed) / len(timed):.2f} "
@@ -136,7 +141,7 @@ for model in $MODELS; do
   : >"$TMP/rows"
   for _ in $(seq "$ROUNDS"); do
     printf '%s\t%s\n' "1 process x 2 threads, batch $g" \
-      "$(run_one $g -- --model "$model" --batch-size $g --threads 2 --synthetic-size $((g * 8)))" >>"$TMP/rows"
+      "$(run_one $g -- --model "$model" --batch-size $g --threads 2 --synthetic-size $((g * (STEPS + WARMUP))))" >>"$TMP/rows"
     for cfg in "fp32" "fp32 gradients" "fp16" "bf16" "fp32 zero" "fp32 default"; do
       read -r wire extra <<<"$cfg"
       label="2 ranks x 1 thread x batch $b, $wire wire" flags=() mca=("${RING[@]}")
@@ -147,7 +152,7 @@ for model in $MODELS; do
       esac
       printf '%s\t%s\n' "$label" \
         "$(run_one $g "${MPI1[@]}" "${mca[@]}" -- --model "$model" --batch-size $b --threads 1 \
-           --synthetic-size $((g * 8)) --allreduce-dtype $wire "${flags[@]}")" >>"$TMP/rows"
+           --synthetic-size $((g * (STEPS + WARMUP))) --allreduce-dtype $wire "${flags[@]}")" >>"$TMP/rows"
     done
   done
   report "== $model, one host (global batch $g): median [min-max] of $ROUNDS rounds" \
@@ -208,7 +213,7 @@ for model in $MODELS; do
       fi
       before=$(sent_bytes)
       result=$(run_one $g "${MPI2[@]}" -- --model "$model" --batch-size $b --threads 1 \
-               --synthetic-size $((g * 8)) --allreduce-dtype $wire --bucket-size $bucket \
+               --synthetic-size $((g * (STEPS + WARMUP))) --allreduce-dtype $wire --bucket-size $bucket \
                "${flags[@]}")
       after=$(sent_bytes)
       # The run's bytes per step (every step, set-up's collectives included).
