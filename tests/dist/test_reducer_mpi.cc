@@ -23,6 +23,7 @@
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/comm/communicator.h"
 #include "mantissa/dist/agreement.h"
+#include "mantissa/dist/factors.h"
 #include "mantissa/dist/reducer.h"
 #include "mantissa/dist/replicas.h"
 #include "mantissa/dist/zero.h"
@@ -314,6 +315,44 @@ TEST(Replicas, BroadcastMakesEveryRankHoldRankZerosModel) {
   for (size_t p = 0; p < model->named_parameters().size(); ++p)
     EXPECT_EQ(model->named_parameters()[p].tensor->to_float_vector(),
               rank0->named_parameters()[p].tensor->to_float_vector());
+}
+
+// ops::linear hands its input factor over in the forward pass (AutogradMeta::gather_input_factor),
+// where it starts travelling; the backward pass gathers the output gradients alone and takes it.
+// The gradient is the one gathered wholly in the backward pass, bit for bit; a forward pass without
+// gradients gathers nothing (evaluation), and an input the backward pass does not read (a forward
+// pass before it whose graph was dropped) is not used for it.
+TEST(FactorGradients, TheInputFactorTravelsFromTheForwardPass) {
+  comm::Communicator& w = world();
+  auto model = testing::small_model(7);
+  std::vector<dist::NamedTensor> params = model->named_parameters();
+  for (const dist::NamedTensor& p : params) p.tensor->set_requires_grad(p.name == "2.weight");
+  Tensor& weight = *params[2].tensor;
+  ASSERT_EQ(params[2].name, "2.weight");
+  dist::FactorGradients factors(w, {params[2]});
+  auto pass = [&] {
+    weight.zero_grad();
+    autograd::backward(testing::slice_loss(*model, w.rank() * kRows, kRows));
+    factors.finish();
+    return weight.grad().to_float_vector();
+  };
+  {
+    autograd::NoGradScope no_grad;
+    testing::slice_loss(*model, w.rank() * kRows, kRows);
+  }
+  EXPECT_EQ(factors.total().bytes, 0);
+  (void)testing::slice_loss(*model, 0, kRows);  // gathered, then replaced by the next forward
+  const std::vector<float> early = pass();
+  EXPECT_EQ(factors.inputs_gathered_in_forward(), 1);
+  AutogradMeta& meta = *weight.autograd_meta();
+  const auto hook = meta.gather_input_factor;
+  meta.gather_input_factor = nullptr;  // every factor gathered in the backward pass
+  const std::vector<float> late = pass();
+  meta.gather_input_factor = hook;
+  EXPECT_EQ(factors.inputs_gathered_in_forward(), 1);
+  EXPECT_EQ(early, late);
+  EXPECT_EQ(pass(), late);
+  EXPECT_EQ(factors.inputs_gathered_in_forward(), 2);
 }
 
 // ZeRO-1's gather of a factored weight's rows runs past gather_parameters(): the weight's first

@@ -154,6 +154,12 @@ struct AutogradMeta {
   // in rank order, identical on every rank), or nothing when the call carried a deferral (the
   // gradient then went to it as its producer). Kept across passes; the owner clears it.
   std::function<Tensor(const GradFactorCall& call)> gather_grad_factors;
+  // Set with gather_grad_factors, by the same owner: an op that will hand that gatherer its input
+  // factor b (rows, in) calls this in its forward pass (with gradients recorded) with that tensor,
+  // so that every rank's input can travel while the rest of the forward pass and the backward
+  // pass down to the op run; the gatherer then uses what arrived. Kept across passes; the owner
+  // clears it.
+  std::function<void(const Tensor& b)> gather_input_factor;
   // Set on a leaf whose values may still be arriving (dist::Zero1: the all-gather of a factored
   // weight's rows after a step, which runs while the next forward pass computes the layers below
   // the weight): an op that reads the leaf as a weight (ops::linear) calls it first, and it

@@ -18,9 +18,9 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 // Every rank's (rows, cols) factor, as rows_of[r] x cols blocks of a (ranks, max_rows, cols)
-// tensor: all-gathered, padded to the longest rank's rows.
+// tensor: all-gathered, padded to the longest rank's rows, once `done` has finished.
 Tensor gather_rows(comm::Communicator& comm, const Tensor& x, int64_t max_rows,
-                   MemoryCategory category) {
+                   MemoryCategory category, comm::Request* done) {
   const int64_t rows = x.size(0), cols = x.size(1);
   Tensor send = x.contiguous();
   if (rows != max_rows) {
@@ -33,8 +33,24 @@ Tensor gather_rows(comm::Communicator& comm, const Tensor& x, int64_t max_rows,
   TensorOptions o = charged_to(category);
   o.owner = "gathered factors";
   Tensor all = Tensor::empty({comm.size(), max_rows, cols}, x.dtype(), o);
-  comm.all_gather(send, all);
+  *done = comm.all_gather_async(send, all);
   return all;
+}
+
+// Every rank's rows of a factor (the last batch of an epoch may be split unevenly).
+std::vector<int64_t> rows_of_ranks(comm::Communicator& comm, int64_t mine) {
+  std::vector<int64_t> rows(static_cast<size_t>(comm.size()));
+  comm.all_gather(&mine, rows.data(), 1, DType::i64);
+  return rows;
+}
+
+// Where the gathered factors are charged: to the gradients when the optimizer's deferred producer
+// keeps them until the step (the parts' kernel fits every rank's rows), else to the workspace.
+MemoryCategory factors_category(const std::vector<int64_t>& rows, bool deferred) {
+  const bool parts_fit = std::all_of(rows.begin(), rows.end(), [](int64_t n) {
+    return n == 0 || kernels::linear_weight_grad_parts_fit(n);
+  });
+  return deferred && parts_fit ? MemoryCategory::gradients : MemoryCategory::workspace;
 }
 
 }  // namespace
@@ -62,14 +78,40 @@ FactorGradients::FactorGradients(comm::Communicator& comm,
   check_config_agreement(comm_, fields, "weights whose gradients travel as factors");
   gathered_.assign(weights_.size(), 0);
   for (const nn::Module::NamedTensor& w : weights_) rows_.emplace_back(0, w.tensor->size(0));
-  for (size_t k = 0; k < weights_.size(); ++k)
+  early_.resize(weights_.size());
+  for (size_t k = 0; k < weights_.size(); ++k) {
     meta_[k]->gather_grad_factors = [this, k](const GradFactorCall& call) {
       return gather(k, call);
     };
+    meta_[k]->gather_input_factor = [this, k](const Tensor& b) { gather_input(k, b); };
+  }
 }
 
 FactorGradients::~FactorGradients() {
-  for (const auto& meta : meta_) meta->gather_grad_factors = nullptr;
+  for (const auto& meta : meta_) {
+    meta->gather_grad_factors = nullptr;
+    meta->gather_input_factor = nullptr;
+  }
+}
+
+void FactorGradients::gather_input(size_t k, const Tensor& b) {
+  MANTISSA_CHECK(
+      b.dim() == 2,
+      "dist::FactorGradients: the input factor of '" + weights_[k].name + "' is not a matrix",
+      "pass the op's (rows, in) factor");
+  const auto t0 = std::chrono::steady_clock::now();
+  EarlyInput e;
+  e.data = b.data_ptr();
+  e.shape = b.shape();
+  e.rows = rows_of_ranks(comm_, b.size(0));
+  const int64_t max_rows = *std::max_element(e.rows.begin(), e.rows.end());
+  // Kept by the deferred producer where the trainer defers (charged as the backward would).
+  e.all = gather_rows(comm_, b, max_rows, factors_category(e.rows, true), &e.done);
+  total_.bytes += static_cast<int64_t>(e.all.nbytes());
+  early_[k] = std::move(e);
+  const double waited = seconds_since(t0);
+  total_.exposed_seconds += waited;
+  total_.busy_seconds += waited;
 }
 
 void FactorGradients::set_rows(size_t k, int64_t begin, int64_t end) {
@@ -87,20 +129,28 @@ Tensor FactorGradients::gather(size_t k, const GradFactorCall& call) {
                      "' are not two matrices of the same rows",
                  "pass the op's (rows, out) and (rows, in) factors");
   const auto t0 = std::chrono::steady_clock::now();
+  // The input factor as the forward pass gathered it, when this is the tensor it gathered.
+  EarlyInput early = std::move(early_[k]);
+  early_[k] = EarlyInput();
+  const bool gathered_early =
+      early.all.defined() && early.data == b.data_ptr() && early.shape == b.shape();
   // The ranks' rows (the last batch of an epoch may be split unevenly).
-  std::vector<int64_t> rows(static_cast<size_t>(comm_.size()));
-  const int64_t mine = a.size(0);
-  comm_.all_gather(&mine, rows.data(), 1, DType::i64);
+  const std::vector<int64_t> rows =
+      gathered_early ? std::move(early.rows) : rows_of_ranks(comm_, a.size(0));
   const int64_t max_rows = *std::max_element(rows.begin(), rows.end());
   const bool parts_fit = std::all_of(rows.begin(), rows.end(), [](int64_t n) {
     return n == 0 || kernels::linear_weight_grad_parts_fit(n);
   });
   // Factors a deferred gradient's producer keeps until the step are that gradient (charged so).
-  const MemoryCategory held =
-      call.defer && parts_fit ? MemoryCategory::gradients : MemoryCategory::workspace;
-  const Tensor as = gather_rows(comm_, a, max_rows, held),
-               bs = gather_rows(comm_, b, max_rows, held);
-  total_.bytes += static_cast<int64_t>(as.nbytes() + bs.nbytes());
+  const MemoryCategory held = factors_category(rows, static_cast<bool>(call.defer));
+  // Both gathers started before either is waited for.
+  comm::Request a_done, b_done;
+  const Tensor as = gather_rows(comm_, a, max_rows, held, &a_done);
+  const Tensor bs = gathered_early ? early.all : gather_rows(comm_, b, max_rows, held, &b_done);
+  a_done.wait();
+  (gathered_early ? early.done : b_done).wait();
+  total_.bytes += static_cast<int64_t>(as.nbytes() + (gathered_early ? 0 : bs.nbytes()));
+  early_used_ += gathered_early ? 1 : 0;
   const double waited = seconds_since(t0);
   total_.exposed_seconds += waited;
   total_.busy_seconds += waited;
@@ -185,6 +235,7 @@ Tensor FactorGradients::gather(size_t k, const GradFactorCall& call) {
 void FactorGradients::finish() {
   const auto t0 = std::chrono::steady_clock::now();
   for (size_t k = 0; k < weights_.size(); ++k) {
+    early_[k] = EarlyInput();  // gathered by a forward pass whose backward did not use it
     AutogradMeta& meta = *meta_[k];
     if (gathered_[k] || !meta.grad || !meta.grad->defined()) continue;
     // Formed some other way this pass: the sum over ranks as the reducer's FP32 wire makes it.

@@ -25,7 +25,9 @@
 // weights of nn::Linear layers, which their own op alone reads. Every pass must be synchronised: no
 // gradient accumulation inside no_sync (those passes would form global gradients), and the weights
 // are not in a dist::Reducer. The gathers run inside the backward pass, in the order it reaches the
-// weights, the same on every rank.
+// weights, the same on every rank; each op's input factor is gathered from its forward pass on
+// (AutogradMeta::gather_input_factor), so that it travels while the layers above it run, and its
+// backward gathers only its output gradients then.
 #pragma once
 
 #include <cstdint>
@@ -61,15 +63,32 @@ class FactorGradients {
   // bytes: the factors gathered (every rank's, as received); exposed and busy seconds: the time
   // the gathers and finish()'s all-reduces took (the pass waits for them).
   const CommStats& total() const { return total_; }
+  // How many backward passes took a weight's input factor from their forward pass's gather.
+  int64_t inputs_gathered_in_forward() const { return early_used_; }
 
  private:
   Tensor gather(size_t k, const GradFactorCall& call);
+  // The forward pass's gather of weight k's input factor.
+  void gather_input(size_t k, const Tensor& b);
+
+  // Weight k's input factor gathered from the forward pass: the tensor it was (its data and
+  // shape, which the backward's factor must match to use it), every rank's rows, and the
+  // gathered (ranks, max_rows, in) tensor once `done` has finished.
+  struct EarlyInput {
+    const void* data = nullptr;
+    Shape shape;
+    std::vector<int64_t> rows;
+    Tensor all;
+    comm::Request done;
+  };
 
   comm::Communicator& comm_;
   std::vector<nn::Module::NamedTensor> weights_;
   std::vector<std::shared_ptr<AutogradMeta>> meta_;
   std::vector<uint8_t> gathered_;  // [weight]: this pass formed its gradient from factors
   std::vector<std::pair<int64_t, int64_t>> rows_;  // [weight]: the rows a deferred producer forms
+  std::vector<EarlyInput> early_;                  // [weight]: from this pass's forward
+  int64_t early_used_ = 0;
   CommStats total_;
 };
 

@@ -352,6 +352,11 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
   Tensor y = kernels::linear(xd, wd, bd, out_or(opt, promote_types(x_as, w_as)), partials_of(opt),
                              round_w);
   count_macs(y.numel() * wd.size(1));
+  // Data parallelism may gather every rank's input for the weight gradient from here on
+  // (AutogradMeta::gather_input_factor), the backward's factor b as it will read it.
+  if (const AutogradMeta* m = w.autograd_meta().get();
+      m && m->gather_input_factor && autograd::grad_enabled() && w.requires_grad())
+    m->gather_input_factor(xd.reshape({xd.numel() / std::max<int64_t>(wd.size(1), 1), wd.size(1)}));
   const Partials p = partials_of(opt);
   return recorded(
       y, OpId::linear, {&x, &w, &b},
