@@ -40,8 +40,9 @@ namespace mantissa::train {
 // Asks the running Trainer (or the next one to run) to stop at the next step boundary (async-
 // signal-safe: a SIGINT handler may call it). The trainer saves its checkpoint (--save) and
 // metrics, then returns with TrainResult::interrupted set; the run that stops clears the request.
-// In a data-parallel job the ranks agree on the boundary: each call of the training step ends
-// with a collective that tells every rank whether any was asked to stop.
+// In a data-parallel job the ranks agree on the boundary: each step starts a collective that tells
+// every rank whether any was asked to stop, and each call of the training step waits for its
+// steps' before it returns.
 void request_stop();
 bool stop_requested();
 
