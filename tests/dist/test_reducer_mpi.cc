@@ -317,6 +317,15 @@ TEST(Replicas, BroadcastMakesEveryRankHoldRankZerosModel) {
               rank0->named_parameters()[p].tensor->to_float_vector());
 }
 
+// The small model's parameters with only the middle layer's weight ("2.weight", params[2])
+// trainable.
+std::vector<dist::NamedTensor> only_middle_weight_trains(nn::Module& model) {
+  std::vector<dist::NamedTensor> params = model.named_parameters();
+  for (const dist::NamedTensor& p : params) p.tensor->set_requires_grad(p.name == "2.weight");
+  EXPECT_EQ(params[2].name, "2.weight");
+  return params;
+}
+
 // ops::linear hands its input factor over in the forward pass (AutogradMeta::gather_input_factor),
 // where it starts travelling; the backward pass gathers the output gradients alone and takes it.
 // The gradient is the one gathered wholly in the backward pass, bit for bit; a forward pass without
@@ -325,10 +334,8 @@ TEST(Replicas, BroadcastMakesEveryRankHoldRankZerosModel) {
 TEST(FactorGradients, TheInputFactorTravelsFromTheForwardPass) {
   comm::Communicator& w = world();
   auto model = testing::small_model(7);
-  std::vector<dist::NamedTensor> params = model->named_parameters();
-  for (const dist::NamedTensor& p : params) p.tensor->set_requires_grad(p.name == "2.weight");
+  const std::vector<dist::NamedTensor> params = only_middle_weight_trains(*model);
   Tensor& weight = *params[2].tensor;
-  ASSERT_EQ(params[2].name, "2.weight");
   dist::FactorGradients factors(w, {params[2]});
   auto pass = [&] {
     weight.zero_grad();
@@ -364,10 +371,8 @@ TEST(Zero1, AFactoredWeightsFirstReadWaitsForItsRows) {
   auto model = testing::small_model(7);
   // Only the middle layer's weight trains: no bucket to gather, so gather_parameters() returns
   // as soon as the rows' gather has started.
-  std::vector<dist::NamedTensor> params = model->named_parameters();
-  for (const dist::NamedTensor& p : params) p.tensor->set_requires_grad(p.name == "2.weight");
+  const std::vector<dist::NamedTensor> params = only_middle_weight_trains(*model);
   Tensor& weight = *params[2].tensor;
-  ASSERT_EQ(params[2].name, "2.weight");
   dist::FactorGradients factors(w, {params[2]});
   Reducer reducer(w, {}, ReducerOptions{.scatter = true});
   optim::SgdOptions o;

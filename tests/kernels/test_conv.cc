@@ -250,6 +250,27 @@ TEST(Conv2d, Fp16PartialsMatchFp64Loops) {
   for (const Geometry& g : geometries()) check(g, DType::f16, Partials::kF16, 1.0 / 256);
 }
 
+// Random values spread over many binades, so that rounding them to 16 bits changes most of them.
+std::vector<double> spread_values(int64_t n, uint32_t seed) {
+  std::vector<double> v = random_values(n, seed);
+  for (size_t i = 0; i < v.size(); ++i) v[i] *= std::ldexp(1.0, static_cast<int>(i % 7) - 3);
+  return v;
+}
+
+// The 16-bit types an FP32 operand is read as, with the partials each is tested with (FP16
+// partials only with FP16), and a name for the trace.
+struct HalfRead {
+  DType half;
+  Partials partials;
+  std::string name;
+};
+const std::vector<HalfRead>& half_reads() {
+  static const std::vector<HalfRead> reads = {{DType::f16, Partials::kF32, "f16"},
+                                              {DType::f16, Partials::kF16, "f16 fp16 partials"},
+                                              {DType::bf16, Partials::kF32, "bf16"}};
+  return reads;
+}
+
 // An FP32 input read as f16 or bf16 (read_x: rounded as the padding paths stage it, a copy cast
 // for the call by the others) gives the results of its 16-bit copy, bit for bit: the forward (every
 // forward path) and the weight gradient (every weight-gradient path), with FP32 and FP16 partials
@@ -259,35 +280,29 @@ TEST(Conv2d, Fp32InputReadAsSixteenBitIsItsCopyBitForBit) {
   std::set<ConvPath> forward, weight;
   uint32_t seed = 50;
   for (const Geometry& g : geometries())
-    for (const DType half : {DType::f16, DType::bf16})
-      for (const Partials partials : {Partials::kF32, Partials::kF16}) {
-        if (partials == Partials::kF16 && half == DType::bf16) continue;
-        SCOPED_TRACE(g.name + " " + std::string(dtype_name(half)) +
-                     (partials == Partials::kF16 ? " fp16 partials" : ""));
-        // The paths with the switches on (CTest's runs with them off take others).
-        const detail::ConvGeometry cg(g.x, g.w, g.p);
-        const detail::ConvSettings on;
-        forward.insert(detail::conv_forward_path(cg, partials, on));
-        weight.insert(detail::conv_weight_grad_path(cg, partials, on));
-        // Values spread over many binades, so that rounding to 16 bits changes most of them.
-        std::vector<double> xv = random_values(g.x[0] * g.x[1] * g.x[2] * g.x[3], seed++);
-        for (size_t i = 0; i < xv.size(); ++i)
-          xv[i] *= std::ldexp(1.0, static_cast<int>(i % 7) - 3);
-        const Tensor x = stored(xv, g.x, DType::f32), x16 = x.to(half);
-        const Tensor w =
-            stored(random_values(g.w[0] * g.w[1] * g.w[2] * g.w[3], seed++), g.w, half);
-        const Tensor b = stored(random_values(g.w[0], seed++), {g.w[0]}, DType::f32);
-        for (const DType out : {half, DType::f32}) {
-          const Tensor want = conv2d(x16, w, b, g.p, out, partials);
-          const Tensor got = conv2d(x, w, b, g.p, out, partials, half);
-          ASSERT_EQ(got.dtype(), out);
-          ASSERT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()), 0);
-          const Tensor dy = stored(random_values(want.numel(), seed++), want.shape(), half);
-          const Tensor dw_want = conv2d_backward_weight(dy, x16, g.w, g.p, out, partials);
-          const Tensor dw_got = conv2d_backward_weight(dy, x, g.w, g.p, out, partials, half);
-          ASSERT_EQ(std::memcmp(dw_got.data_ptr(), dw_want.data_ptr(), dw_want.nbytes()), 0);
-        }
+    for (const auto& [half, partials, name] : half_reads()) {
+      SCOPED_TRACE(g.name + " " + name);
+      // The paths with the switches on (CTest's runs with them off take others).
+      const detail::ConvGeometry cg(g.x, g.w, g.p);
+      const detail::ConvSettings on;
+      forward.insert(detail::conv_forward_path(cg, partials, on));
+      weight.insert(detail::conv_weight_grad_path(cg, partials, on));
+      const Tensor x = stored(spread_values(g.x[0] * g.x[1] * g.x[2] * g.x[3], seed++), g.x,
+                              DType::f32),
+                   x16 = x.to(half);
+      const Tensor w = stored(random_values(g.w[0] * g.w[1] * g.w[2] * g.w[3], seed++), g.w, half);
+      const Tensor b = stored(random_values(g.w[0], seed++), {g.w[0]}, DType::f32);
+      for (const DType out : {half, DType::f32}) {
+        const Tensor want = conv2d(x16, w, b, g.p, out, partials);
+        const Tensor got = conv2d(x, w, b, g.p, out, partials, half);
+        ASSERT_EQ(got.dtype(), out);
+        ASSERT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()), 0);
+        const Tensor dy = stored(random_values(want.numel(), seed++), want.shape(), half);
+        const Tensor dw_want = conv2d_backward_weight(dy, x16, g.w, g.p, out, partials);
+        const Tensor dw_got = conv2d_backward_weight(dy, x, g.w, g.p, out, partials, half);
+        ASSERT_EQ(std::memcmp(dw_got.data_ptr(), dw_want.data_ptr(), dw_want.nbytes()), 0);
       }
+    }
   EXPECT_EQ(forward,
             (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kWinograd, ConvPath::kImplicitRows,
                                 ConvPath::kImplicitGemm, ConvPath::kIm2col}));
@@ -310,37 +325,31 @@ TEST(Conv2d, Fp32WeightReadAsSixteenBitIsItsCopyBitForBit) {
   std::set<ConvPath> forward, input;
   uint32_t seed = 70;
   for (const Geometry& g : geometries())
-    for (const DType half : {DType::f16, DType::bf16})
-      for (const Partials partials : {Partials::kF32, Partials::kF16}) {
-        if (partials == Partials::kF16 && half == DType::bf16) continue;
-        SCOPED_TRACE(g.name + " " + std::string(dtype_name(half)) +
-                     (partials == Partials::kF16 ? " fp16 partials" : ""));
-        const detail::ConvGeometry cg(g.x, g.w, g.p);
-        const detail::ConvSettings on;
-        forward.insert(detail::conv_forward_path(cg, partials, on));
-        input.insert(detail::conv_backward_input_path(cg, partials, on));
-        // Weights spread over many binades, so that rounding to 16 bits changes most of them.
-        std::vector<double> wv = random_values(g.w[0] * g.w[1] * g.w[2] * g.w[3], seed++);
-        for (size_t i = 0; i < wv.size(); ++i)
-          wv[i] *= std::ldexp(1.0, static_cast<int>(i % 7) - 3);
-        const Tensor w = stored(wv, g.w, DType::f32), w16 = w.to(half);
-        const Tensor b = stored(random_values(g.w[0], seed++), {g.w[0]}, DType::f32);
-        for (const DType in : {half, DType::f32}) {
-          const Tensor x =
-              stored(random_values(g.x[0] * g.x[1] * g.x[2] * g.x[3], seed++), g.x, in);
-          const DType out = in;
-          const Tensor want = conv2d(x, w16, b, g.p, out, partials);
-          const Tensor got = conv2d(x, w, b, g.p, out, partials, DType::f32, half);
-          ASSERT_EQ(got.dtype(), want.dtype());
-          ASSERT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()), 0) << "forward";
-          const Tensor dy = stored(random_values(want.numel(), seed++), want.shape(), in);
-          const Tensor dx_want = conv2d_backward_input(dy, w16, g.x, g.p, out, partials);
-          const Tensor dx_got = conv2d_backward_input(dy, w, g.x, g.p, out, partials, half);
-          ASSERT_EQ(dx_got.dtype(), dx_want.dtype());
-          ASSERT_EQ(std::memcmp(dx_got.data_ptr(), dx_want.data_ptr(), dx_want.nbytes()), 0)
-              << "input gradient";
-        }
+    for (const auto& [half, partials, name] : half_reads()) {
+      SCOPED_TRACE(g.name + " " + name);
+      const detail::ConvGeometry cg(g.x, g.w, g.p);
+      const detail::ConvSettings on;
+      forward.insert(detail::conv_forward_path(cg, partials, on));
+      input.insert(detail::conv_backward_input_path(cg, partials, on));
+      const Tensor w = stored(spread_values(g.w[0] * g.w[1] * g.w[2] * g.w[3], seed++), g.w,
+                              DType::f32),
+                   w16 = w.to(half);
+      const Tensor b = stored(random_values(g.w[0], seed++), {g.w[0]}, DType::f32);
+      for (const DType in : {half, DType::f32}) {
+        const Tensor x = stored(random_values(g.x[0] * g.x[1] * g.x[2] * g.x[3], seed++), g.x, in);
+        const DType out = in;
+        const Tensor want = conv2d(x, w16, b, g.p, out, partials);
+        const Tensor got = conv2d(x, w, b, g.p, out, partials, DType::f32, half);
+        ASSERT_EQ(got.dtype(), want.dtype());
+        ASSERT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()), 0) << "forward";
+        const Tensor dy = stored(random_values(want.numel(), seed++), want.shape(), in);
+        const Tensor dx_want = conv2d_backward_input(dy, w16, g.x, g.p, out, partials);
+        const Tensor dx_got = conv2d_backward_input(dy, w, g.x, g.p, out, partials, half);
+        ASSERT_EQ(dx_got.dtype(), dx_want.dtype());
+        ASSERT_EQ(std::memcmp(dx_got.data_ptr(), dx_want.data_ptr(), dx_want.nbytes()), 0)
+            << "input gradient";
       }
+    }
   EXPECT_EQ(forward,
             (std::set<ConvPath>{ConvPath::kDirect, ConvPath::kWinograd, ConvPath::kImplicitRows,
                                 ConvPath::kImplicitGemm, ConvPath::kIm2col}));
