@@ -538,7 +538,8 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct, SummedFig
     ProfileTimer timed("step", "", "communication");
     dp_->finish_gradients();
   }
-  if (dp_ && summed) {
+  MANTISSA_ASSERT(!dp_ == !summed, "train_step sums its figures exactly when data-parallel");
+  if (summed) {
     double images = 0;
     for (int64_t f = 0; f < N; ++f) images += static_cast<double>(micro[f].labels.size(0));
     summed->values = std::make_shared<std::vector<double>>(

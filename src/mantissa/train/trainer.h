@@ -134,9 +134,6 @@ class Trainer {
   // The epochs: calls of the training step on the loader's batches, the progress bar and the
   // per-epoch figures, a checkpoint at each epoch's end.
   void train_epochs(TrainResult& result);
-  // One optimizer step on gradient_accumulation micro-batches (see trainer.cc). Returns the sum
-  // of this rank's micro-batches' (unscaled) losses, and when asked the number of correctly
-  // classified images.
   // A step's figures under data parallelism: this rank's loss sum, correct and counted images and
   // stop request, summed over the ranks by an all-reduce that train_step starts before the update
   // (started after it, the sum would wait behind the update's gathers of parameters).
@@ -144,7 +141,10 @@ class Trainer {
     std::shared_ptr<std::vector<double>> values;
     comm::Request request;
   };
-  double train_step(const data::Batch* micro, int64_t* correct, SummedFigures* summed = nullptr);
+  // One optimizer step on gradient_accumulation micro-batches (see trainer.cc). Returns the sum
+  // of this rank's micro-batches' (unscaled) losses, and when asked the number of correctly
+  // classified images; with several ranks it starts `summed` (null in one process).
+  double train_step(const data::Batch* micro, int64_t* correct, SummedFigures* summed);
   // Whether the run stops at this step boundary: a stop request, agreed by every rank.
   bool stopping() const;
   // The micro-batches whose gradients one step combines: every rank's gradient_accumulation.
