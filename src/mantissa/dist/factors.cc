@@ -44,13 +44,11 @@ std::vector<int64_t> rows_of_ranks(comm::Communicator& comm, int64_t mine) {
   return rows;
 }
 
-// Where the gathered factors are charged: to the gradients when the optimizer's deferred producer
-// keeps them until the step (the parts' kernel fits every rank's rows), else to the workspace.
-MemoryCategory factors_category(const std::vector<int64_t>& rows, bool deferred) {
-  const bool parts_fit = std::all_of(rows.begin(), rows.end(), [](int64_t n) {
-    return n == 0 || kernels::linear_weight_grad_parts_fit(n);
-  });
-  return deferred && parts_fit ? MemoryCategory::gradients : MemoryCategory::workspace;
+// Whether the weight-gradient parts' kernel takes every rank's rows: a deferred gradient's producer
+// then keeps the gathered factors until the step, and they are charged to the gradients.
+bool parts_fit(const std::vector<int64_t>& rows) {
+  return std::all_of(rows.begin(), rows.end(),
+                     [](int64_t n) { return n == 0 || kernels::linear_weight_grad_parts_fit(n); });
 }
 
 }  // namespace
@@ -106,7 +104,9 @@ void FactorGradients::gather_input(size_t k, const Tensor& b) {
   e.rows = rows_of_ranks(comm_, b.size(0));
   const int64_t max_rows = *std::max_element(e.rows.begin(), e.rows.end());
   // Kept by the deferred producer where the trainer defers (charged as the backward would).
-  e.all = gather_rows(comm_, b, max_rows, factors_category(e.rows, true), &e.done);
+  e.all = gather_rows(comm_, b, max_rows,
+                      parts_fit(e.rows) ? MemoryCategory::gradients : MemoryCategory::workspace,
+                      &e.done);
   total_.bytes += static_cast<int64_t>(e.all.nbytes());
   early_[k] = std::move(e);
   const double waited = seconds_since(t0);
@@ -138,11 +138,9 @@ Tensor FactorGradients::gather(size_t k, const GradFactorCall& call) {
   const std::vector<int64_t> rows =
       gathered_early ? std::move(early.rows) : rows_of_ranks(comm_, a.size(0));
   const int64_t max_rows = *std::max_element(rows.begin(), rows.end());
-  const bool parts_fit = std::all_of(rows.begin(), rows.end(), [](int64_t n) {
-    return n == 0 || kernels::linear_weight_grad_parts_fit(n);
-  });
   // Factors a deferred gradient's producer keeps until the step are that gradient (charged so).
-  const MemoryCategory held = factors_category(rows, static_cast<bool>(call.defer));
+  const bool keep = call.defer && parts_fit(rows);
+  const MemoryCategory held = keep ? MemoryCategory::gradients : MemoryCategory::workspace;
   // Both gathers started before either is waited for.
   comm::Request a_done, b_done;
   const Tensor as = gather_rows(comm_, a, max_rows, held, &a_done);
@@ -159,7 +157,7 @@ Tensor FactorGradients::gather(size_t k, const GradFactorCall& call) {
   // A deferred gradient (the optimizer forms it at its step, a part at a time, fused with its
   // update): each rank's part as its pass would form it, the parts summed in rank order in FP32
   // and rounded once, from the gathered factors, which the producer keeps.
-  if (call.defer && parts_fit) {
+  if (keep) {
     std::vector<kernels::GradFactors> terms;
     for (int r = 0; r < ranks; ++r) {
       const int64_t n = rows[static_cast<size_t>(r)];

@@ -422,6 +422,11 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
     nn::set_random_context({config_.seed + static_cast<uint64_t>(rank()) * 0x9e3779b97f4a7c15ull,
                             static_cast<uint64_t>(step_)});
     optimizer_->set_lr(schedule_.lr_at(config_.lr, step_));
+    for (int64_t m = 0; m < N; ++m)
+      f.images += batches[static_cast<size_t>(k * N + m)].labels.size(0);
+    if (dp_)
+      summed[static_cast<size_t>(k)].values = std::make_shared<std::vector<double>>(
+          std::vector<double>{0.0, 0.0, static_cast<double>(f.images), 0.0});
     try {
       f.loss_sum =
           train_step(&batches[static_cast<size_t>(k * N)], f.returned ? &f.correct : nullptr,
@@ -430,8 +435,6 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
       throw autograd::AnomalyError("step " + std::to_string(step_ + 1) + ": " + e.message(),
                                    e.hint());
     }
-    for (int64_t m = 0; m < N; ++m)
-      f.images += batches[static_cast<size_t>(k * N + m)].labels.size(0);
     if (!dp_) record(k, f);  // one process: each step's loss is checked as it comes
     ++step_;
   }
@@ -540,11 +543,10 @@ double Trainer::train_step(const data::Batch* micro, int64_t* correct, SummedFig
   }
   MANTISSA_ASSERT(!dp_ == !summed, "train_step sums its figures exactly when data-parallel");
   if (summed) {
-    double images = 0;
-    for (int64_t f = 0; f < N; ++f) images += static_cast<double>(micro[f].labels.size(0));
-    summed->values = std::make_shared<std::vector<double>>(
-        std::vector<double>{loss_sum, correct ? static_cast<double>(*correct) : 0.0, images,
-                            stop_requested() ? 1.0 : 0.0});
+    std::vector<double>& v = *summed->values;  // the images counted by the caller
+    v[0] = loss_sum;
+    v[1] = correct ? static_cast<double>(*correct) : 0.0;
+    v[3] = stop_requested() ? 1.0 : 0.0;
     summed->request = dp_->start_sum(summed->values);
   }
   anomaly.reset();

@@ -134,16 +134,17 @@ class Trainer {
   // The epochs: calls of the training step on the loader's batches, the progress bar and the
   // per-epoch figures, a checkpoint at each epoch's end.
   void train_epochs(TrainResult& result);
-  // A step's figures under data parallelism: this rank's loss sum, correct and counted images and
-  // stop request, summed over the ranks by an all-reduce that train_step starts before the update
-  // (started after it, the sum would wait behind the update's gathers of parameters).
+  // A step's figures under data parallelism: this rank's loss sum, correct images, images (the
+  // caller's count) and stop request, summed over the ranks by an all-reduce that train_step
+  // starts before the update (started after it, the sum would wait behind the update's gathers
+  // of parameters).
   struct SummedFigures {
-    std::shared_ptr<std::vector<double>> values;
+    std::shared_ptr<std::vector<double>> values;  // {loss sum, correct, images, stop}
     comm::Request request;
   };
   // One optimizer step on gradient_accumulation micro-batches (see trainer.cc). Returns the sum
   // of this rank's micro-batches' (unscaled) losses, and when asked the number of correctly
-  // classified images; with several ranks it starts `summed` (null in one process).
+  // classified images; with several ranks it fills in and starts `summed` (null in one process).
   double train_step(const data::Batch* micro, int64_t* correct, SummedFigures* summed);
   // Whether the run stops at this step boundary: a stop request, agreed by every rank.
   bool stopping() const;
