@@ -90,12 +90,17 @@ TEST(Gemm, LayoutsEdgesAndScalingMatchTheReference) {
                     layout & 4, alpha, beta, Partials::kF32, 2);
 }
 
-TEST(Gemm, SixteenBitOutputStagedInBlocks) {
-  // M x N large enough that a 16-bit C is staged in several column blocks.
+// A 16-bit C of one depth panel (K <= 384) goes tile by tile through a local FP32 tile (beta
+// read from C, edges, a strided C); a deeper one is staged in FP32 in blocks of columns.
+TEST(Gemm, SixteenBitOutputTileByTileOrStagedInBlocks) {
   expect_same(600, 2100, 40, DType::bf16, DType::bf16, DType::bf16, false, true, false, 1.0f, 1.0f,
               Partials::kF32, 2);
   expect_same(600, 2100, 40, DType::f16, DType::f16, DType::f16, false, false, true, 1.0f, 0.5f,
               Partials::kF16, 2);
+  expect_same(13, 2100, 100, DType::f16, DType::f32, DType::f16, false, false, false, 1.0f, -0.75f,
+              Partials::kF32, 2);
+  expect_same(200, 1500, 500, DType::f16, DType::f16, DType::bf16, false, false, true, 1.0f, 0.5f,
+              Partials::kF32, 2);
 }
 
 TEST(Gemm, ResultDoesNotDependOnThreads) {
@@ -399,9 +404,10 @@ TEST(Gemm, SmallMRoundedRowsOfBEqualTheSixteenBitCopy) {
 
 // An FP32 C rounded to 16 bits as it is stored (round_c) holds the values of the 16-bit C the
 // same GEMM gives, widened: small M with B rows read in place (FP32, and FP32 read as 16-bit),
-// packed B, beta 0 and not, 1 and 2 threads; products past FP16's range overflow alike.
+// packed B, one depth panel (C tile by tile) and three (C staged), beta 0 and not, 1 and 2
+// threads; products past FP16's range overflow alike.
 TEST(Gemm, RoundedFp32OutputHoldsTheSixteenBitOutputsValues) {
-  for (const Case& c : {Case{12, 2061, 100}, Case{70, 90, 33}, Case{3, 20, 5}})
+  for (const Case& c : {Case{12, 2061, 100}, Case{70, 90, 33}, Case{3, 20, 5}, Case{12, 300, 700}})
     for (DType t : {DType::f16, DType::bf16})
       for (DType round_b : {DType::f32, t})
         for (float beta : {0.0f, 0.5f})

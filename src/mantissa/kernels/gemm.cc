@@ -69,7 +69,24 @@ void portable_interleave_fn(const float* const* line, int rows, int64_t kc, floa
     for (int i = 0; i < rows; ++i) dst[k * dst_stride + i] = line[i][k];
 }
 
+void portable_store_block_fn(const float* src, int64_t src_ld, int64_t rows, int64_t cols,
+                             void* dst, int64_t dst_rs, DType t, DType round) {
+  thread_local std::vector<float> row;
+  row.resize(static_cast<size_t>(cols));
+  const int64_t es = static_cast<int64_t>(dtype_size(t));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = src + r * src_ld;
+    if (round != DType::f32) {
+      std::copy(v, v + cols, row.begin());
+      round_through(row.data(), cols, round);
+      v = row.data();
+    }
+    convert(v, DType::f32, static_cast<char*>(dst) + r * dst_rs * es, t, static_cast<size_t>(cols));
+  }
+}
+
 MicroKernel portable_micro_kernel() { return portable_kernel; }
+StoreBlockFn portable_store_block() { return portable_store_block_fn; }
 RowsMicroKernel portable_rows_micro_kernel() { return portable_rows_kernel; }
 InterleaveFn portable_interleave() { return portable_interleave_fn; }
 
@@ -84,6 +101,9 @@ constexpr int64_t kKC = 384;   // depth of a packed panel (a multiple of 16 for 
 constexpr int64_t kMC = 96;    // rows of A per packed block: 96 x 384 x 4 B = 144 KiB, in L2
 constexpr int64_t kNC = 1024;  // columns of B per packed block: 384 x 1024 x 4 B = 1.5 MiB, in L3
 constexpr int64_t kMaxC32 = int64_t{1} << 20;  // FP32 staging of a 16-bit C: at most 4 MiB a thread
+// A 16-bit C of one depth panel: through a block of at most this many floats (32 KiB, in L1).
+constexpr int64_t kLocalFloats = 8192;
+static_assert(kLocalFloats >= kMC * 2 * kNR, "the block holds two slivers of a full row block");
 // Depth panels shallower than this walk C along its rows (see gemm_block).
 constexpr int64_t kShallowK = 64;
 static_assert(kPackedSliverRows == kMR, "PackedMatrix slivers are the micro-kernel's rows");
@@ -107,6 +127,7 @@ struct Kernels {
   std::array<detail::PairRows16MicroKernel, 5> pair_rows16{};
   // 12 x 32 tiles from B rows read in place, by load kind, kLoadF32 included (AVX-512).
   std::array<detail::Pair12RowsMicroKernel, 5> pair12_rows{};
+  detail::StoreBlockFn store_block = detail::portable_store_block();
 };
 
 const Kernels& kernels() {
@@ -123,6 +144,7 @@ const Kernels& kernels() {
       }
       for (int load = detail::kLoadF32; load <= detail::kLoadF32AsBF16; ++load)
         k.pair12_rows[static_cast<size_t>(load)] = detail::avx512_pair12_rows_micro_kernel(load);
+      k.store_block = detail::avx512_store_block();
       return k;
     }
     if (path == SimdPath::kAvx2)
@@ -361,15 +383,24 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
   const detail::Pair12RowsMicroKernel pair12_rows_micro =
       kernels().pair12_rows[static_cast<size_t>(rows16 ? B.load16 : detail::kLoadF32)];
   const size_t es_b = dtype_size(B.plain.dtype);
-  // C in FP32 accumulates in place; a 16-bit C (or an FP32 one rounded to 16 bits: round_c) is
-  // staged in FP32 a block of columns at a time (rounding it to 16 bits between depth panels
-  // would not be FP32 accumulation).
+  // C in FP32 accumulates in place. A 16-bit C (or an FP32 one rounded to 16 bits: round_c) of
+  // one depth panel goes through a local FP32 block on the stack, a few slivers of columns at a
+  // time: their tiles are computed there and rounded into C (per_tile). A deeper one is staged in
+  // FP32 a block of columns at a time (rounding it to 16 bits between depth panels would not be
+  // FP32 accumulation).
   const bool direct = C.dtype == DType::f32 && round_c == DType::f32;
-  const int64_t nc_max = direct ? kNC : std::clamp<int64_t>(kMaxC32 / M / kNR * kNR, kNR, kNC);
+  const bool per_tile = !direct && K <= kKC;
+  const int64_t nc_max =
+      direct || per_tile ? kNC : std::clamp<int64_t>(kMaxC32 / M / kNR * kNR, kNR, kNC);
   // Row blocks of equal size (a multiple of 6), so no block is a sliver of leftovers.
   const int64_t m_blocks = (M + kMC - 1) / kMC;
   const int64_t mc_step = ((M + m_blocks - 1) / m_blocks + kMR - 1) / kMR * kMR;
   const size_t es_c = dtype_size(C.dtype);
+  // per_tile's block: mc_step rows by `group` slivers (an even number, at least two), within
+  // kLocalFloats; row stride local_ld.
+  const int64_t group = std::max<int64_t>(2, kLocalFloats / mc_step / kNR / 2 * 2);
+  const int64_t local_ld = group * kNR;
+  alignas(64) float local[kLocalFloats];
 
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
@@ -380,6 +411,10 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
       c_base = static_cast<float*>(C.data) + m0 * C.rs + jc * C.cs;
       c_rs = C.rs;
       c_cs = C.cs;
+    } else if (per_tile) {
+      c_base = nullptr;  // the tiles write `local` (c_at)
+      c_rs = local_ld;
+      c_cs = 1;
     } else {
       c32 = scratch(kStageC, static_cast<size_t>(M * nc));
       c_base = c32;
@@ -515,6 +550,14 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
             for (int64_t i = 0; i < ((mc + kMR - 1) / kMR) * kMR * kc; ++i) own[i] *= alpha;
           ap = own;
         }
+        // Element (r, j) of this column block of C (row r of the thread's block, column jc + j),
+        // where the tiles write it: in C or its staging, or in `local` for per_tile's group of
+        // columns starting at local_j (rows from ic).
+        int64_t local_j = 0;
+        auto c_at = [&](int64_t r, int64_t j) {
+          return per_tile ? local + (r - ic) * local_ld + (j - local_j)
+                          : c_base + r * c_rs + j * c_cs;
+        };
         // Deep panels: a B sliver stays in L1 while the A slivers stream from L2 (BLIS's order).
         // Shallow panels (the cost is writing C): walk along C's rows, so its stores stream.
         float edge[kMR * kNR];
@@ -523,12 +566,12 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
           const int64_t mr = std::min<int64_t>(kMR, mc - i);
           const float* as = ap + (i / kMR) * kc * kMR;
           if (pair && mr == kMR && c_cs == 1) {
-            tile_pair(s, as, c_base + (ic + i) * c_rs + s * kNR, c_rs, load_c, bscale);
+            tile_pair(s, as, c_at(ic + i, s * kNR), c_rs, load_c, bscale);
             return;
           }
           for (int64_t q = s; q < s + (pair ? 2 : 1); ++q) {
             const int64_t j = q * kNR, nr = std::min<int64_t>(kNR, nc - j);
-            float* c = c_base + (ic + i) * c_rs + j * c_cs;
+            float* c = c_at(ic + i, j);
             if (mr == kMR && nr == kNR && c_cs == 1) {
               tile(q, as, c, c_rs, load_c, bscale);
               continue;
@@ -543,21 +586,57 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
               for (int64_t col = 0; col < nr; ++col) c[r * c_rs + col * c_cs] = edge[r * kNR + col];
           }
         };
-        if (kc < kShallowK) {
+        if (per_tile) {
+          // Slivers [g0, g1) into `local`, then rounded and stored into C: rows [ic, ic + mc)
+          // and the group's columns. The micro-kernels compute whole tiles there (rows of A past
+          // M and columns of B past N are packed as zeros), of which only those are stored.
+          for (int64_t g0 = 0; g0 < n_slivers; g0 += group) {
+            const int64_t g1 = std::min(n_slivers, g0 + group), j0 = g0 * kNR,
+                          cols = std::min(nc, g1 * kNR) - j0;
+            local_j = j0;
+            if (load_c) {
+              std::fill(local, local + mc_step * local_ld, 0.0f);
+              for (int64_t q = 0; q < mc; ++q)
+                load_f32(at(C.data, C.dtype, (m0 + ic + q) * C.rs + (jc + j0) * C.cs), C.dtype,
+                         C.cs, cols, local + q * local_ld);
+            }
+            for (int64_t s = g0; s < g1;) {
+              const bool pair = pairable(s) && s + 1 < g1;
+              if (twelve(s, mc, pair))
+                tile_twelve(s, ap, c_at(ic, s * kNR), c_rs, load_c, bscale);
+              else
+                for (int64_t i = 0; i < mc; i += kMR) run(s, i, pair);
+              s += pair ? 2 : 1;
+            }
+            char* dst = static_cast<char*>(C.data) +
+                        ((m0 + ic) * C.rs + (jc + j0) * C.cs) * static_cast<int64_t>(es_c);
+            if (C.cs == 1) {
+              kernels().store_block(local, local_ld, mc, cols, dst, C.rs, C.dtype, round_c);
+            } else {
+              for (int64_t q = 0; q < mc; ++q) {
+                float* v = local + q * local_ld;
+                if (round_c != DType::f32) detail::round_through(v, cols, round_c);
+                for (int64_t n = 0; n < cols; ++n)
+                  convert(v + n, DType::f32,
+                          dst + (q * C.rs + n * C.cs) * static_cast<int64_t>(es_c), C.dtype, 1);
+              }
+            }
+          }
+        } else if (kc < kShallowK) {
           for (int64_t i = 0; i < mc; i += kMR)
             for (int64_t s = 0; s < n_slivers;) {
               const bool pair = pairable(s);
               if (!twelve(s, mc, pair))
                 run(s, i, pair);
               else if (i == 0)
-                tile_twelve(s, ap, c_base + ic * c_rs + s * kNR, c_rs, load_c, bscale);
+                tile_twelve(s, ap, c_at(ic, s * kNR), c_rs, load_c, bscale);
               s += pair ? 2 : 1;
             }
         } else {
           for (int64_t s = 0; s < n_slivers;) {
             const bool pair = pairable(s);
             if (twelve(s, mc, pair))
-              tile_twelve(s, ap, c_base + ic * c_rs + s * kNR, c_rs, load_c, bscale);
+              tile_twelve(s, ap, c_at(ic, s * kNR), c_rs, load_c, bscale);
             else
               for (int64_t i = 0; i < mc; i += kMR) run(s, i, pair);
             s += pair ? 2 : 1;
@@ -565,7 +644,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
         }
       }
     }
-    if (!direct) {
+    if (!direct && !per_tile) {
       for (int64_t m = 0; m < M; ++m) {
         if (round_c != DType::f32) detail::round_through(c32 + m * nc, nc, round_c);
         char* dst =

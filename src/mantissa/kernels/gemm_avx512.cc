@@ -290,6 +290,32 @@ MANTISSA_AVX512 void pair_rows16_micro_kernel(int64_t kc, const float* a, const 
 
 }  // namespace
 
+namespace {
+MANTISSA_AVX512 void store_block(const float* src, int64_t src_ld, int64_t rows, int64_t cols,
+                                 void* dst, int64_t dst_rs, DType t, DType round) {
+  const int64_t es = t == DType::f32 ? 4 : 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * src_ld;
+    char* d = static_cast<char*>(dst) + r * dst_rs * es;
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __mmask16 m =
+          cols - j >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (cols - j)) - 1);
+      __m512 v = _mm512_maskz_loadu_ps(m, s + j);
+      if (round == DType::f16)
+        v = simd512::round_through_f16(v);
+      else if (round == DType::bf16)
+        v = simd512::round_through_bf16(v);
+      if (t == DType::f32)
+        _mm512_mask_storeu_ps(d + j * es, m, v);
+      else
+        _mm256_mask_storeu_epi16(d + j * es, m,
+                                 t == DType::f16 ? simd512::to_f16x16(v) : simd512::to_bf16x16(v));
+    }
+  }
+}
+}  // namespace
+
+StoreBlockFn avx512_store_block() { return store_block; }
 MicroKernel avx512_micro_kernel() { return micro_kernel; }
 RowsMicroKernel avx512_rows_micro_kernel() { return rows_micro_kernel; }
 PairMicroKernel avx512_pair_micro_kernel() { return pair_micro_kernel; }

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "mantissa/core/dtype.h"
+
 namespace mantissa::kernels::detail {
 
 inline constexpr int kMR = 6;   // rows of C per micro-tile
@@ -55,9 +57,18 @@ using Pair12RowsMicroKernel = void (*)(int64_t kc, const float* a, const void* b
 using InterleaveFn = void (*)(const float* const* line, int rows, int64_t kc, float* dst,
                               int64_t dst_stride);
 
+// Rows [0, rows) x columns [0, cols) of an FP32 block (row r at src + r * src_ld) into C (row r
+// at dst + r * dst_rs elements of t, contiguous columns; t f32, f16 or bf16), each value rounded
+// to nearest even through `round` first when it is f16 or bf16 (GemmOptions::round_c), then into
+// t: convert()'s rounding, bit for bit. One call per block (a GEMM stores a 16-bit C of one depth
+// panel so, a few slivers at a time).
+using StoreBlockFn = void (*)(const float* src, int64_t src_ld, int64_t rows, int64_t cols,
+                              void* dst, int64_t dst_rs, DType t, DType round);
+
 MicroKernel portable_micro_kernel();
 RowsMicroKernel portable_rows_micro_kernel();
 InterleaveFn portable_interleave();
+StoreBlockFn portable_store_block();
 #if defined(MANTISSA_HAVE_X86_SIMD)
 MicroKernel avx2_micro_kernel();
 RowsMicroKernel avx2_rows_micro_kernel();
@@ -71,6 +82,7 @@ Rows16MicroKernel avx512_rows16_micro_kernel(int load);
 PairRows16MicroKernel avx512_pair_rows16_micro_kernel(int load);
 // For every load kind, kLoadF32 (a row-listed FP32 B) included.
 Pair12RowsMicroKernel avx512_pair12_rows_micro_kernel(int load);
+StoreBlockFn avx512_store_block();
 #endif
 
 }  // namespace mantissa::kernels::detail
