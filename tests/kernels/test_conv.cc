@@ -961,10 +961,10 @@ TEST(ConvWeightGrad, LaneSplitSumsDoNotDependOnTheChunk) {
   }
 }
 
-// Where each maximum is: a byte per output (its offset in the window) up to 256 window positions,
-// four beyond; either way the position of the window's largest value (distinct values, windows
-// clipped by padding and ceil mode), and the backward adds each output's gradient there, in
-// output order (overlapping windows), exactly.
+// Where each maximum is: its offset in the window, packed 2, 4 or 8 bits an output (rows of whole
+// bytes) up to 256 window positions, four bytes beyond; either way the position of the window's
+// largest value (distinct values, windows clipped by padding and ceil mode), and the backward adds
+// each output's gradient there, in output order (overlapping windows), exactly.
 TEST(Pool, MaxPoolOffsetsFindTheMaximumAndRouteTheGradient) {
   std::mt19937 gen(17);
   const int64_t H = 20, W = 21;
@@ -976,14 +976,18 @@ TEST(Pool, MaxPoolOffsetsFindTheMaximumAndRouteTheGradient) {
     int64_t k, s, pad;
     bool ceil;
   };
-  for (const Case c :
-       {Case{2, 2, 0, false}, Case{3, 2, 1, true}, Case{16, 4, 8, false}, Case{17, 3, 8, true}}) {
+  for (const Case c : {Case{2, 2, 0, false}, Case{2, 1, 0, false}, Case{3, 2, 1, true},
+                       Case{4, 2, 1, false}, Case{16, 4, 8, false}, Case{17, 3, 8, true}}) {
     Pool2dParams p;
     p.kernel_h = p.kernel_w = c.k, p.stride_h = p.stride_w = c.s, p.pad_h = p.pad_w = c.pad;
     p.ceil_mode = c.ceil;
     auto [y, offsets] = max_pool2d(x, p, DType::f32);
     EXPECT_EQ(offsets.dtype(), c.k * c.k <= 256 ? DType::u8 : DType::i32) << c.k;
     const int64_t Ho = y.size(2), Wo = y.size(3);
+    const int64_t bits = c.k * c.k <= 4 ? 2 : c.k * c.k <= 16 ? 4 : c.k * c.k <= 256 ? 8 : 32;
+    EXPECT_EQ(offsets.numel() * static_cast<int64_t>(dtype_size(offsets.dtype())),
+              2 * Ho * (bits == 32 ? 4 * Wo : (Wo * bits + 7) / 8))
+        << c.k;
     std::normal_distribution<float> dist;
     g.resize(static_cast<size_t>(2 * Ho * Wo));
     for (float& e : g) e = dist(gen);

@@ -87,8 +87,26 @@ class OutPlane {
   std::vector<float> staged_;
 };
 
-// Offsets fit a byte up to this many window positions.
+// Offsets are packed into bytes up to this many window positions, in the fewest of 2, 4 or 8
+// bits that hold them; larger windows take an i32 an output.
 constexpr int64_t kByteOffsetsMax = 256;
+int offset_bits(const Pool2dParams& p) {
+  const int64_t positions = p.kernel_h * p.kernel_w;
+  return positions <= 4 ? 2 : positions <= 16 ? 4 : positions <= kByteOffsetsMax ? 8 : 32;
+}
+// Bytes of one output row's packed offsets (each row starts a byte, so the planes' threads never
+// share one).
+int64_t offset_row_bytes(int64_t Wo, int bits) { return (Wo * bits + 7) / 8; }
+// Output ow's offset in a row of packed offsets: bits (2, 4 or 8) at bit ow * bits of the row.
+inline uint8_t packed_offset(const uint8_t* row, int64_t ow, int bits) {
+  const int64_t bit = ow * bits;
+  return static_cast<uint8_t>((row[bit / 8] >> (bit % 8)) & ((1u << bits) - 1));
+}
+// Sets it (the row starts zeroed).
+inline void pack_offset(uint8_t* row, int64_t ow, int bits, uint8_t v) {
+  const int64_t bit = ow * bits;
+  row[bit / 8] = static_cast<uint8_t>(row[bit / 8] | (v << (bit % 8)));
+}
 
 // The common 2x2 window with stride 2 and no padding, every window inside the input (ceil mode
 // on an odd size makes a last window of one row or column: the general loops). Each input element
@@ -99,10 +117,6 @@ bool two_by_two(const Pool2dParams& p, int64_t H, int64_t W, int64_t Ho, int64_t
 }
 bool row_kernel_reads(DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; }
 
-// Output i's window offset, whatever the offsets' dtype.
-int64_t window_offset(const Tensor& offsets, int64_t i) {
-  return offsets.dtype() == DType::u8 ? offsets.data<uint8_t>()[i] : offsets.data<int32_t>()[i];
-}
 }  // namespace
 
 std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, DType out) {
@@ -111,12 +125,19 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
   const Tensor x = x_in.contiguous();
   const int64_t H = x.size(2), W = x.size(3), Ho = ys[2], Wo = ys[3];
   Tensor y = Tensor::empty(ys, out, charged_to(MemoryCategory::activations));
-  const bool bytes_fit = p.kernel_h * p.kernel_w <= kByteOffsetsMax;
-  Tensor offsets = Tensor::empty(ys, bytes_fit ? DType::u8 : DType::i32,
-                                 charged_to(MemoryCategory::activations));
+  const int bits = offset_bits(p);
+  const int64_t row_bytes = offset_row_bytes(Wo, bits);
+  // The 2x2 row path writes every byte of its rows; the window loop below sets bits in zeros.
+  const bool rows2x2 =
+      two_by_two(p, H, W, Ho, Wo) && row_kernel_reads(x.dtype()) && row_kernel_reads(out);
+  const Shape packed_shape{ys[0], ys[1], Ho, row_bytes};
+  Tensor offsets =
+      bits == 32 ? Tensor::empty(ys, DType::i32, charged_to(MemoryCategory::activations))
+      : rows2x2  ? Tensor::empty(packed_shape, DType::u8, charged_to(MemoryCategory::activations))
+                 : Tensor::zeros(packed_shape, DType::u8, charged_to(MemoryCategory::activations));
   // 2x2 windows with stride 2 (two_by_two): the four candidates in window order, NaN propagating
   // from the first one found (as the general loop below does).
-  if (two_by_two(p, H, W, Ho, Wo) && row_kernel_reads(x.dtype()) && row_kernel_reads(out)) {
+  if (rows2x2) {
     // The row kernel reads x and writes y in their own storage: a 16-bit plane is widened in
     // registers and its outputs rounded from them, with no FP32 copy of either plane.
     const int64_t planes = ys[0] * ys[1], sx = esize(x.dtype()), sy = esize(out);
@@ -129,7 +150,7 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
             for (int64_t oh = 0; oh < Ho; ++oh)
               detail::max_pool_2x2_row(
                   xb + (pl * H + 2 * oh) * W * sx, xb + (pl * H + 2 * oh + 1) * W * sx, x.dtype(),
-                  Wo, yb + (pl * Ho + oh) * Wo * sy, out, ob + (pl * Ho + oh) * Wo);
+                  Wo, yb + (pl * Ho + oh) * Wo * sy, out, ob + (pl * Ho + oh) * row_bytes);
         });
     return {y, offsets};
   }
@@ -153,11 +174,11 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
           }
       done:
         row[oh * Wo + ow] = best;
-        const int64_t i = pl * Ho * Wo + oh * Wo + ow;
-        if (bytes_fit)
-          offsets.data<uint8_t>()[i] = static_cast<uint8_t>(at);
+        if (bits == 32)
+          offsets.data<int32_t>()[pl * Ho * Wo + oh * Wo + ow] = static_cast<int32_t>(at);
         else
-          offsets.data<int32_t>()[i] = static_cast<int32_t>(at);
+          pack_offset(offsets.data<uint8_t>() + (pl * Ho + oh) * row_bytes, ow, bits,
+                      static_cast<uint8_t>(at));
       }
     plane.flush();
   });
@@ -166,8 +187,14 @@ std::pair<Tensor, Tensor> max_pool2d(const Tensor& x_in, const Pool2dParams& p, 
 
 int64_t max_pool2d_argmax(const Tensor& offsets, const Shape& x_shape, const Pool2dParams& p,
                           int64_t i) {
-  const int64_t Ho = offsets.size(2), Wo = offsets.size(3), W = x_shape[3];
-  const int64_t oh = i / Wo % Ho, ow = i % Wo, at = window_offset(offsets, i);
+  const Shape ys = pool2d_output_shape(x_shape, p);
+  const int64_t Ho = ys[2], Wo = ys[3], W = x_shape[3];
+  const int bits = offset_bits(p);
+  const int64_t oh = i / Wo % Ho, ow = i % Wo,
+                at = bits == 32 ? offsets.data<int32_t>()[i]
+                                : packed_offset(offsets.data<uint8_t>() +
+                                                    (i / Wo) * offset_row_bytes(Wo, bits),
+                                                ow, bits);
   return (oh * p.stride_h - p.pad_h + at / p.kernel_w) * W + ow * p.stride_w - p.pad_w +
          at % p.kernel_w;
 }
@@ -177,10 +204,14 @@ Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& offsets, const Sha
   const Tensor dy = dy_in.contiguous();
   const int64_t planes = x_shape[0] * x_shape[1], W = x_shape[3], HW = x_shape[2] * W,
                 Ho = dy.size(2), Wo = dy.size(3), OHW = Ho * Wo;
+  const int bits = offset_bits(p);
+  const int64_t row_bytes = offset_row_bytes(Wo, bits);
+  MANTISSA_ASSERT(offsets.dtype() == (bits == 32 ? DType::i32 : DType::u8) &&
+                      offsets.numel() == planes * Ho * (bits == 32 ? Wo : row_bytes),
+                  "max_pool2d_backward: offsets are not max_pool2d's for these parameters");
   Tensor dx = Tensor::empty(x_shape, out, charged_to(MemoryCategory::gradients));
-  if (two_by_two(p, x_shape[2], W, Ho, Wo) && offsets.dtype() == DType::u8 &&
-      row_kernel_reads(dy.dtype()) && row_kernel_reads(out) &&
-      detail::has_max_pool_2x2_backward_row()) {
+  if (two_by_two(p, x_shape[2], W, Ho, Wo) && row_kernel_reads(dy.dtype()) &&
+      row_kernel_reads(out) && detail::has_max_pool_2x2_backward_row()) {
     // Each input element is in at most one window: the row kernel writes every element of a row
     // pair once, in dx's type (no plane to clear, scatter into and convert); the columns right of
     // the last window (an odd W) and the rows below the last pair (an odd H) are +0, all-zero
@@ -194,7 +225,8 @@ Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& offsets, const Sha
             for (int64_t oh = 0; oh < Ho; ++oh) {
               char* r0 = dxp + 2 * oh * W * sx;
               detail::max_pool_2x2_backward_row(bytes(dy) + (pl * OHW + oh * Wo) * sg, dy.dtype(),
-                                                ob + pl * OHW + oh * Wo, Wo, r0, r0 + W * sx, out);
+                                                ob + (pl * Ho + oh) * row_bytes, Wo, r0,
+                                                r0 + W * sx, out);
               if (2 * Wo < W) {
                 const size_t rest = static_cast<size_t>((W - 2 * Wo) * sx);
                 std::memset(r0 + 2 * Wo * sx, 0, rest);
@@ -211,24 +243,22 @@ Tensor max_pool2d_backward(const Tensor& dy_in, const Tensor& offsets, const Sha
   std::vector<int64_t> delta(static_cast<size_t>(p.kernel_h * p.kernel_w));
   for (int64_t a = 0; a < p.kernel_h * p.kernel_w; ++a)
     delta[static_cast<size_t>(a)] = a / p.kernel_w * W + a % p.kernel_w;
-  const auto scatter = [&](const auto* offset) {
-    for_each_plane(dy, planes, OHW, [&](int64_t pl, const float* g) {
-      OutPlane plane(dx, pl, HW);
-      float* acc = plane.data();
-      std::fill(acc, acc + HW, 0.0f);
-      const auto* at = offset + pl * OHW;
-      for (int64_t oh = 0, i = 0; oh < Ho; ++oh) {
-        const int64_t row = (oh * p.stride_h - p.pad_h) * W - p.pad_w;
-        for (int64_t ow = 0; ow < Wo; ++ow, ++i)
-          acc[row + ow * p.stride_w + delta[static_cast<size_t>(at[i])]] += g[i];
+  for_each_plane(dy, planes, OHW, [&](int64_t pl, const float* g) {
+    OutPlane plane(dx, pl, HW);
+    float* acc = plane.data();
+    std::fill(acc, acc + HW, 0.0f);
+    for (int64_t oh = 0, i = 0; oh < Ho; ++oh) {
+      const int64_t row = (oh * p.stride_h - p.pad_h) * W - p.pad_w;
+      const uint8_t* packed =
+          bits == 32 ? nullptr : offsets.data<uint8_t>() + (pl * Ho + oh) * row_bytes;
+      const int32_t* wide = bits == 32 ? offsets.data<int32_t>() + (pl * Ho + oh) * Wo : nullptr;
+      for (int64_t ow = 0; ow < Wo; ++ow, ++i) {
+        const int64_t at = wide ? wide[ow] : packed_offset(packed, ow, bits);
+        acc[row + ow * p.stride_w + delta[static_cast<size_t>(at)]] += g[i];
       }
-      plane.flush();
-    });
-  };
-  if (offsets.dtype() == DType::u8)
-    scatter(offsets.data<uint8_t>());
-  else
-    scatter(offsets.data<int32_t>());
+    }
+    plane.flush();
+  });
   return dx;
 }
 

@@ -19,10 +19,12 @@ struct Pool2dParams {
 };
 Shape pool2d_output_shape(const Shape& x, const Pool2dParams& p);
 // Returns y and where each maximum is: its offset in its window, kh * kernel_w + kw from the
-// window's corner (padding included): u8 for windows of at most 256 positions, i32 for larger
-// ones (a byte an output where plane indices would take four: the offsets live from the forward
-// to the backward pass in every precision). The first maximum in window order wins; a NaN wins
-// from the first one found (PyTorch's propagation).
+// window's corner (padding included). Windows of at most 256 positions pack the offsets into u8
+// rows, (N, C, Ho, ceil(Wo * b / 8)), b bits an output, the fewest of 2, 4 or 8 that hold the
+// window (2x2: a quarter of a byte); larger windows keep an i32 an output, (N, C, Ho, Wo). The
+// offsets live from the forward to the backward pass in every precision, so they take a fraction
+// of a 16-bit output's bytes where PyTorch's plane indices take eight. The first maximum in window
+// order wins; a NaN wins from the first one found (PyTorch's propagation).
 std::pair<Tensor, Tensor> max_pool2d(const Tensor& x, const Pool2dParams& p, DType out);
 // The input position (h * W + w in its plane) of output i's maximum (i: the flat output index).
 int64_t max_pool2d_argmax(const Tensor& offsets, const Shape& x_shape, const Pool2dParams& p,

@@ -310,7 +310,7 @@ __attribute__((target("avx2"))) void axpy_f32_avx2(float* a, const float* x, flo
 
 __attribute__((target("avx2,f16c,fma"))) void max_pool_2x2_row_avx2(const void* r0, const void* r1,
                                                                     DType tx, int64_t n, void* out,
-                                                                    DType ty, uint8_t* at) {
+                                                                    DType ty, uint8_t* codes) {
   const int64_t sx = static_cast<int64_t>(dtype_size(tx)),
                 sy = static_cast<int64_t>(dtype_size(ty));
   const char* p0 = static_cast<const char*>(r0);
@@ -337,10 +337,15 @@ __attribute__((target("avx2,f16c,fma"))) void max_pool_2x2_row_avx2(const void* 
       won = _mm256_blendv_ps(won, offset[k], take);
     }
     simd::store8(static_cast<char*>(out) + j * sy, ty, best);
-    // Eight 32-bit offsets (0..3) to eight bytes.
-    const __m256i w = _mm256_castps_si256(won);
-    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(at + j), _mm_packus_epi16(w16, w16));
+    // Eight 32-bit offsets (0..3) to 16 bits, lane i's at bits 2i: each shifted into place, then
+    // the lanes' disjoint bits ORed together.
+    const __m256i w =
+        _mm256_sllv_epi32(_mm256_castps_si256(won), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    __m128i o = _mm_or_si128(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    o = _mm_or_si128(o, _mm_shuffle_epi32(o, 0x4e));
+    o = _mm_or_si128(o, _mm_shuffle_epi32(o, 0xb1));
+    const uint16_t bits = static_cast<uint16_t>(_mm_cvtsi128_si32(o));
+    std::memcpy(codes + j / 4, &bits, 2);
   }
 }
 

@@ -226,9 +226,12 @@ MANTISSA_AVX512 void rows(void* y, DType yt, int64_t ys, int64_t O, const float*
 
 // Sixteen windows at a time: the gradient (0 + g) masked by each window position, positions 0 and
 // 1 interleaved into 32 columns of r0, 2 and 3 into r1; the last 1-15 windows masked.
-MANTISSA_AVX512 void max_pool_2x2_backward_row_avx512(const void* g, DType tg, const uint8_t* at,
+MANTISSA_AVX512 void max_pool_2x2_backward_row_avx512(const void* g, DType tg, const uint8_t* codes,
                                                       int64_t n, void* r0, void* r1, DType ty) {
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  // Lane i's code: bits 2i and 2i + 1 of the 32 bits of sixteen windows' codes.
+  const __m512i shift =
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i hi =
       _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   const size_t sg = dtype_size(tg);
@@ -243,7 +246,11 @@ MANTISSA_AVX512 void max_pool_2x2_backward_row_avx512(const void* g, DType tg, c
           _mm256_maskz_loadu_epi16(in, static_cast<const char*>(g) + j * static_cast<int64_t>(sg)),
           tg);
     gv = _mm512_add_ps(_mm512_setzero_ps(), gv);
-    const __m512i a = _mm512_maskz_cvtepu8_epi32(in, _mm_maskz_loadu_epi8(in, at + j));
+    // The codes of these windows: (m + 3) / 4 bytes, widened to each lane and shifted to its own.
+    const __mmask16 code_bytes = static_cast<__mmask16>((1u << ((m + 3) / 4)) - 1);
+    const int word = _mm_cvtsi128_si32(_mm_maskz_loadu_epi8(code_bytes, codes + j / 4));
+    const __m512i a = _mm512_and_si512(
+        _mm512_maskz_srlv_epi32(0xffff, _mm512_set1_epi32(word), shift), _mm512_set1_epi32(3));
     __m512 v[4];
     for (int k = 0; k < 4; ++k)
       v[k] = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(a, _mm512_set1_epi32(k)) & in, gv);

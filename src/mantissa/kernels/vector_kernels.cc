@@ -251,7 +251,7 @@ void store_value(void* row, DType t, int64_t i, float v) {
 }  // namespace
 
 void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void* out, DType ty,
-                      uint8_t* at) {
+                      uint8_t* codes) {
   const auto supported = [](DType t) {
     return t == DType::f32 || t == DType::f16 || t == DType::bf16;
   };
@@ -259,15 +259,20 @@ void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void*
   int64_t j = 0;
 #if MANTISSA_HAVE_X86_SIMD
   if (avx2_pooling() && n >= 8) {
-    max_pool_2x2_row_avx2(r0, r1, tx, n / 8 * 8, out, ty, at);
+    max_pool_2x2_row_avx2(r0, r1, tx, n / 8 * 8, out, ty, codes);
     if (n % 8 != 0) {
       // The last 1-7 outputs as one block of 8 ending at the row's end: the outputs it repeats
-      // get the same bits again (each is a function of its window alone).
-      const int64_t k = n - 8, sx = static_cast<int64_t>(dtype_size(tx)),
+      // get the same bits again (each is a function of its window alone). Its codes go to a word
+      // of their own; those of windows n8 on start byte n8 / 4 of the row (n8 a multiple of 8).
+      const int64_t n8 = n / 8 * 8, k = n - 8, sx = static_cast<int64_t>(dtype_size(tx)),
                     sy = static_cast<int64_t>(dtype_size(ty));
+      uint8_t last[2];
       max_pool_2x2_row_avx2(static_cast<const char*>(r0) + 2 * k * sx,
                             static_cast<const char*>(r1) + 2 * k * sx, tx, 8,
-                            static_cast<char*>(out) + k * sy, ty, at + k);
+                            static_cast<char*>(out) + k * sy, ty, last);
+      const uint32_t tail = (last[0] | static_cast<uint32_t>(last[1]) << 8) >> (2 * (n8 - k));
+      codes[n8 / 4] = static_cast<uint8_t>(tail);
+      if (n - n8 > 4) codes[n8 / 4 + 1] = static_cast<uint8_t>(tail >> 8);
     }
     return;
   }
@@ -284,7 +289,8 @@ void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void*
       won = take ? static_cast<uint8_t>(k + 1) : won;
     }
     store_value(out, ty, j, best);
-    at[j] = won;
+    uint8_t& byte = codes[j / 4];
+    byte = static_cast<uint8_t>(j % 4 == 0 ? won : byte | won << (2 * (j % 4)));
   }
 }
 
@@ -314,14 +320,14 @@ bool has_max_pool_2x2_backward_row() {
 #endif
 }
 
-void max_pool_2x2_backward_row(const void* g, DType tg, const uint8_t* at, int64_t n, void* r0,
+void max_pool_2x2_backward_row(const void* g, DType tg, const uint8_t* codes, int64_t n, void* r0,
                                void* r1, DType ty) {
   MANTISSA_ASSERT(has_max_pool_2x2_backward_row(),
                   "max_pool_2x2_backward_row: no vector path on this processor");
 #if MANTISSA_HAVE_X86_SIMD
-  max_pool_2x2_backward_row_avx512(g, tg, at, n, r0, r1, ty);
+  max_pool_2x2_backward_row_avx512(g, tg, codes, n, r0, r1, ty);
 #else
-  (void)g, (void)tg, (void)at, (void)n, (void)r0, (void)r1, (void)ty;
+  (void)g, (void)tg, (void)codes, (void)n, (void)r0, (void)r1, (void)ty;
 #endif
 }
 

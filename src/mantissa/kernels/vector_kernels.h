@@ -16,23 +16,25 @@ void axpy_f32(float* a, const float* x, int64_t stride, float w, int64_t n);
 // ---- 2x2 max pooling with stride 2, one output row of n: out[j] is the largest of the window's
 // r0[2j], r0[2j + 1], r1[2j], r1[2j + 1], taken in that order (a later value wins when it is
 // larger or NaN, unless a NaN is already held: the first NaN wins, as PyTorch propagates it), and
-// at[j] its offset in the window: 0, 1, 2 or 3 in that order. The rows are stored in tx and out in
-// ty (each f32, f16 or bf16): values are
-// widened to FP32 exactly in registers and the winner rounded to nearest even into ty (convert()'s
-// rounding; exact when ty holds tx's values), the bits of converting the rows to FP32, pooling
-// and converting the result. Comparisons only: identical results on every path.
+// its offset in the window, 0, 1, 2 or 3 in that order, is the 2-bit code at bits 2j and 2j + 1
+// of `codes` (byte j / 4, low bits first; bytes [0, ceil(n / 4)) are written whole). The rows are
+// stored in tx and out in ty (each f32, f16 or bf16): values are widened to FP32 exactly in
+// registers and the winner rounded to nearest even into ty (convert()'s rounding; exact when ty
+// holds tx's values), the bits of converting the rows to FP32, pooling and converting the result.
+// Comparisons only: identical results on every path.
 void max_pool_2x2_row(const void* r0, const void* r1, DType tx, int64_t n, void* out, DType ty,
-                      uint8_t* at);
+                      uint8_t* codes);
 
 // The 2x2 stride-2 max pooling's backward for one output row of n: window j's gradient g[j]
-// (stored in tg) goes to its winner, at[j] (0-3 as max_pool_2x2_row gives it), in the input rows
+// (stored in tg) goes to its winner, the 2-bit code at bits 2j and 2j + 1 of `codes` (as
+// max_pool_2x2_row writes them), in the input rows
 // r0 (at 0, 1: columns 2j, 2j + 1) and r1 (at 2, 3), as 0 + g (-0 becomes +0, as adding it to a
 // zeroed plane gives); the window's other three elements are +0. Columns [0, 2n) of both rows are
 // written, in ty (f32, f16 or bf16), rounded to nearest even (convert()'s rounding). Only on the
 // AVX-512 path: has_max_pool_2x2_backward_row() says whether it is there (the callers' plane loops
 // do the same otherwise).
 bool has_max_pool_2x2_backward_row();
-void max_pool_2x2_backward_row(const void* g, DType tg, const uint8_t* at, int64_t n, void* r0,
+void max_pool_2x2_backward_row(const void* g, DType tg, const uint8_t* codes, int64_t n, void* r0,
                                void* r1, DType ty);
 
 // ---- Direct convolution rows (few input channels and taps: the tutorial CNN's conv1), a row
@@ -239,7 +241,7 @@ void conv_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, cons
                         int64_t n);
 void fma_rows_f32_avx2(float* y, int64_t ys, int64_t O, const float* bias, const float* w,
                        int64_t ws, const float* const* x, int64_t taps, int64_t n);
-void max_pool_2x2_backward_row_avx512(const void* g, DType tg, const uint8_t* at, int64_t n,
+void max_pool_2x2_backward_row_avx512(const void* g, DType tg, const uint8_t* codes, int64_t n,
                                       void* r0, void* r1, DType ty);
 // The AVX-512 rows store y in yt themselves; the AVX2 ones store FP32.
 void fma_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bias, const float* w,
@@ -250,9 +252,9 @@ void conv_rows_avx512(void* y, DType yt, int64_t ys, int64_t O, const float* bia
 void conv_wgrad_rows_f32_avx2(float* lanes, int64_t O, const float* dy, int64_t ds,
                               const float* const* x, int64_t taps, int64_t n);
 void axpy_f32_avx2(float* a, const float* x, float w, int64_t n);  // stride 1
-// Whole blocks of 8 outputs (n a multiple of 8).
+// Whole blocks of 8 outputs (n a multiple of 8); block b's codes are the 16 bits at codes + 2b.
 void max_pool_2x2_row_avx2(const void* r0, const void* r1, DType tx, int64_t n, void* out, DType ty,
-                           uint8_t* at);
+                           uint8_t* codes);
 #endif
 
 }  // namespace mantissa::kernels::detail
