@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "mantissa/core/convert.h"
@@ -157,11 +158,31 @@ const Kernels& kernels() {
   return k;
 }
 
-// Per-thread buffers, reused across calls, charged to the memory tracker as workspace.
+// Per-thread buffers, reused across calls, charged to the memory tracker as workspace. Each
+// thread's set is listed (release_gemm_buffers frees them all).
 enum Slot { kStageC, kPackA, kPackB, kRun, kNumSlots };
+struct Buffers {
+  Tensor slot[kNumSlots];
+};
+std::mutex buffers_mu;
+std::vector<Buffers*>& all_buffers() {
+  static std::vector<Buffers*> v;
+  return v;
+}
+struct ThreadBuffers {
+  Buffers b;
+  ThreadBuffers() {
+    std::lock_guard<std::mutex> lock(buffers_mu);
+    all_buffers().push_back(&b);
+  }
+  ~ThreadBuffers() {
+    std::lock_guard<std::mutex> lock(buffers_mu);
+    std::erase(all_buffers(), &b);
+  }
+};
 float* scratch(Slot slot, size_t floats) {
-  thread_local Tensor buffers[kNumSlots];
-  Tensor& t = buffers[slot];
+  thread_local ThreadBuffers buffers;
+  Tensor& t = buffers.b.slot[slot];
   if (!t.defined() || static_cast<size_t>(t.numel()) < floats) {
     TensorOptions opt;
     opt.category = MemoryCategory::workspace;
@@ -749,6 +770,12 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
     }
   }
   gemm_driver(M, N, K, alpha, A, src, beta, C, opt);
+}
+
+void release_gemm_buffers() {
+  std::lock_guard<std::mutex> lock(buffers_mu);
+  for (Buffers* b : all_buffers())
+    for (Tensor& t : b->slot) t = Tensor();
 }
 
 size_t packed_floats(int64_t rows, int64_t depth) {

@@ -103,6 +103,12 @@ struct PackedPanels {
 void gemm(int64_t N, const PackedMatrix& A, const PackedPanels& B, float beta, Matrix C,
           const GemmOptions& opt = {});
 
+// Frees every thread's packing and staging buffers, which gemm keeps from call to call (charged
+// to the memory tracker as workspace while held); the next call allocates them again. No gemm may
+// be running. The memory report calls it before each step it measures, so that each starts with
+// what a fresh process holds.
+void release_gemm_buffers();
+
 // The scalar reference: the same arithmetic, one element at a time. Always built; the oracle of
 // the fast path's tests.
 void gemm_reference(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatrix B,

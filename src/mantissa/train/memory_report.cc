@@ -9,6 +9,7 @@
 #include "mantissa/core/error.h"
 #include "mantissa/dist/reducer.h"
 #include "mantissa/io/html.h"
+#include "mantissa/kernels/gemm.h"
 #include "mantissa/train/data_parallel.h"
 #include "mantissa/train/trainer.h"
 
@@ -117,6 +118,9 @@ StepMemory profile_step(TrainConfig c, int ranks) {
 
   StepMemory m;
   if (!c.memory_budget.empty()) m.budget = parse_bytes(c.memory_budget);
+  // What an earlier measurement left in the GEMM's per-thread buffers (a larger precision's
+  // packing) is not this configuration's: it starts as a fresh process would.
+  kernels::release_gemm_buffers();
   const CategoryBytes before = default_memory_tracker().stats().current;
   std::vector<MemoryEvent> events;
   try {
