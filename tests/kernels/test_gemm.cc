@@ -357,10 +357,11 @@ std::vector<float> rounding_specials() {
 
 // The same in-place reading of B's full slivers for a 16-bit B (widened as read), against the
 // reference bit for bit: FP32 and BF16 outputs, both partials, two depth panels, a partial last
-// sliver (packed), 1 and 2 threads.
-TEST(Gemm, SmallMSixteenBitRowsOfBReadInPlace) {
-  for (const Case& c :
-       {Case{12, 2061, 100}, Case{1, 17, 3}, Case{7, 40, 700}, Case{6, 16, 1}, Case{12, 50, 385}})
+// sliver (packed), 1 and 2 threads; and for one depth panel against one block of A's rows (up to
+// 96 rows, several A slivers and a partial one; 97 rows are packed).
+TEST(Gemm, SixteenBitRowsOfBReadInPlace) {
+  for (const Case& c : {Case{12, 2061, 100}, Case{1, 17, 3}, Case{7, 40, 700}, Case{6, 16, 1},
+                        Case{12, 50, 385}, Case{64, 300, 100}, Case{95, 90, 384}, Case{97, 40, 64}})
     for (DType tb : {DType::f16, DType::bf16})
       for (DType tc : {DType::f32, DType::bf16})
         for (Partials p : {Partials::kF32, Partials::kF16})

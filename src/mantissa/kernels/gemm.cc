@@ -462,7 +462,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
     for (int64_t s = 0; s < n_slivers; ++s) {
       const int64_t j = jc + s * kNR;
       in_place[s] = -1;
-      if (rows16 && M <= kMC && nc - s * kNR >= kNR) in_place[s] = j;
+      if (rows16 && nc - s * kNR >= kNR) in_place[s] = j;
       if (rows_listed && M <= kMC && nc - s * kNR >= kNR) {
         const int64_t c0 = Bo.col_offset ? Bo.col_offset[j] : j;
         bool consecutive = true;
@@ -748,8 +748,11 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
   // gemm_block: packing would copy every value of B for one or two tiles' use. An FP32 B is listed
   // by its rows (the rows micro-kernel, on every path); a 16-bit B, or an FP32 B rounded to 16
   // bits, where the path has kernels that widen or round B's values as they read them (AVX-512).
-  // The values are those packing would hold and the arithmetic is the rows micro-kernel's, so the
-  // bits are the same.
+  // A 16-bit B of one depth panel is read in place against one block of A's rows too (up to 96:
+  // the same layer's input gradient at batch 64): a sliver's rows, 32 bytes each, stay in L1 for
+  // the block's A slivers, and packing would convert every value of B into an FP32 panel (1.6 MB
+  // for that layer) that the thread then keeps as workspace. The values are those packing would
+  // hold and the arithmetic is the rows micro-kernel's, so the bits are the same.
   const int load = B.dtype == DType::f32 && opt.round_b == DType::f32    ? detail::kLoadF32
                    : B.dtype == DType::f16                               ? detail::kLoadF16
                    : B.dtype == DType::bf16                              ? detail::kLoadBF16
@@ -759,7 +762,9 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
   const bool readable = load == detail::kLoadF32 ||
                         (load > detail::kLoadF32 && kernels().rows16[static_cast<size_t>(load)]);
   std::vector<int64_t> rows;
-  if (readable && B.cs == 1 && M <= 2 * kMR && K > 0 && N >= kNR) {
+  const bool sixteen = load == detail::kLoadF16 || load == detail::kLoadBF16;
+  if (readable && B.cs == 1 && K > 0 && N >= kNR &&
+      (M <= 2 * kMR || (sixteen && K <= kKC && M <= kMC))) {
     rows.resize(static_cast<size_t>(K));
     for (int64_t k = 0; k < K; ++k) rows[static_cast<size_t>(k)] = k * B.rs;
     if (load == detail::kLoadF32) {
