@@ -164,20 +164,25 @@ enum Slot { kStageC, kPackA, kPackB, kRun, kNumSlots };
 struct Buffers {
   Tensor slot[kNumSlots];
 };
-std::mutex buffers_mu;
-std::vector<Buffers*>& all_buffers() {
-  static std::vector<Buffers*> v;
-  return v;
+// Every thread's set, listed. Never destroyed: the pool's threads end (and unlist theirs) during
+// static destruction, after a static list would be gone.
+struct Registry {
+  std::mutex mu;
+  std::vector<Buffers*> sets;
+};
+Registry& registry() {
+  static Registry* r = new Registry;
+  return *r;
 }
 struct ThreadBuffers {
   Buffers b;
   ThreadBuffers() {
-    std::lock_guard<std::mutex> lock(buffers_mu);
-    all_buffers().push_back(&b);
+    std::lock_guard<std::mutex> lock(registry().mu);
+    registry().sets.push_back(&b);
   }
   ~ThreadBuffers() {
-    std::lock_guard<std::mutex> lock(buffers_mu);
-    std::erase(all_buffers(), &b);
+    std::lock_guard<std::mutex> lock(registry().mu);
+    std::erase(registry().sets, &b);
   }
 };
 float* scratch(Slot slot, size_t floats) {
@@ -778,8 +783,8 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
 }
 
 void release_gemm_buffers() {
-  std::lock_guard<std::mutex> lock(buffers_mu);
-  for (Buffers* b : all_buffers())
+  std::lock_guard<std::mutex> lock(registry().mu);
+  for (Buffers* b : registry().sets)
     for (Tensor& t : b->slot) t = Tensor();
 }
 
