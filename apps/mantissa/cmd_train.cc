@@ -464,17 +464,20 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   const train::RunSettings settings = train::resolve(first);
   io::check_output_path(m.json_path, "--json");
   io::check_output_path(m.html_path, "--html");
-  std::vector<train::StepMemory> runs;
-  std::vector<train::RankMemory> per_rank;
+  std::vector<train::TrainConfig> configs;
   for (const std::string& p : m.precisions) {
-    train::TrainConfig rc = c;
-    rc.precision = p;
-    // With several ranks measured as one rank runs it (updates after the backward pass).
-    runs.push_back(train::profile_step(rc, m.ranks > 1 ? static_cast<int>(m.ranks) : 1));
-    if (m.ranks > 0)
-      per_rank.push_back(train::rank_memory(runs.back(), static_cast<int>(m.ranks),
-                                            c.bucket_size_mib, settings.allreduce_dtype));
+    configs.push_back(c);
+    configs.back().precision = p;
   }
+  // Each as a fresh process would hold it; with several ranks measured as one rank runs it
+  // (updates after the backward pass).
+  const std::vector<train::StepMemory> runs =
+      train::profile_steps(configs, m.ranks > 1 ? static_cast<int>(m.ranks) : 1);
+  std::vector<train::RankMemory> per_rank;
+  if (m.ranks > 0)
+    for (const train::StepMemory& r : runs)
+      per_rank.push_back(train::rank_memory(r, static_cast<int>(m.ranks), c.bucket_size_mib,
+                                            settings.allreduce_dtype));
   out << "memory of one training step: " << c.model << ", batch " << c.batch_size << ", "
       << c.effective_image_size() << "x" << c.effective_image_size() << ", " << c.optimizer
       << (c.gradient_accumulation > 1

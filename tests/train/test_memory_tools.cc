@@ -197,7 +197,6 @@ TEST(MemoryProfile, TheGuidesStoryOutOfMemoryInFp32FitsInHalfWithRecomputation) 
 // there is no unlimited run to measure what the step needs.
 TEST(MemoryProfile, AnAllocationRefusedWithoutABudgetOfItsOwnIsTheError) {
   train::TrainConfig c = testing::small_run("lenet5", 64);
-  kernels::release_gemm_buffers();  // as profile_step does first: not the step's
   const size_t before = default_memory_tracker().stats().current_total;
   default_memory_tracker().set_budget(size_t{64} << 10);
   bool out_of_memory = false;
@@ -241,29 +240,27 @@ TEST(MemoryProfile, MixedModesHoldLessThanFp32WithoutSavedWeightCopies) {
 // pooling, a ReLU backward beside the gradient it reads, saved tensors kept until the end of the
 // backward pass.
 TEST(MemoryProfile, TrueModesHoldHalfOfFp32) {
-  train::TrainConfig c = testing::tutorial_cnn_batch_12();
-  const train::StepMemory fp32 = train::profile_step(c);
-  for (const std::string precision : {"16-true", "bf16-true"}) {
-    c.precision = precision;
-    EXPECT_LE(train::profile_step(c).peak_total, fp32.peak_total / 2) << precision;
-  }
+  std::vector<train::TrainConfig> c(3, testing::tutorial_cnn_batch_12());
+  c[1].precision = "16-true";
+  c[2].precision = "bf16-true";
+  const std::vector<train::StepMemory> m = train::profile_steps(c);
+  EXPECT_LE(m[1].peak_total, m[0].peak_total / 2) << "16-true";
+  EXPECT_LE(m[2].peak_total, m[0].peak_total / 2) << "bf16-true";
 }
 
-// Each measured step starts from what a fresh process holds: what an earlier measurement left in
-// the GEMM's per-thread buffers (16-true's buffer for converting 16-bit operands, which 32-true
-// never asks for) is released first, so the same configuration measures the same bytes whatever
-// ran before it. (Run alone, as ctest runs it: in one process with the tests above, their larger
-// buffers would hide a step that kept 16-true's.)
+// profile_steps (`mantissa memory`) measures each step from what a fresh process holds: what an
+// earlier measurement left in the GEMM's per-thread buffers (16-true's buffer for converting
+// 16-bit operands, which 32-true never asks for) is released first, so the same configuration
+// measures the same bytes whatever ran before it. (Run alone, as ctest runs it: in one process
+// with the tests above, their larger buffers would hide a step that kept 16-true's.)
 TEST(MemoryProfile, AStepsFiguresDoNotDependOnWhatWasMeasuredBefore) {
-  train::TrainConfig c = testing::tutorial_cnn_batch_12();
-  c.batch_size = 16;  // 16-true's buffers there outgrow 32-true's (at 12 they do not)
-  const train::StepMemory first = train::profile_step(c);
-  c.precision = "16-true";
-  train::profile_step(c);
-  c.precision = "32-true";
-  const train::StepMemory again = train::profile_step(c);
-  EXPECT_EQ(again.peak_total, first.peak_total);
-  EXPECT_EQ(again.category_peaks, first.category_peaks);
+  std::vector<train::TrainConfig> c(3, testing::tutorial_cnn_batch_12());
+  for (train::TrainConfig& one : c)
+    one.batch_size = 16;  // 16-true's buffers there outgrow 32-true's (at 12 they do not)
+  c[1].precision = "16-true";
+  const std::vector<train::StepMemory> m = train::profile_steps(c);
+  EXPECT_EQ(m[2].peak_total, m[0].peak_total);
+  EXPECT_EQ(m[2].category_peaks, m[0].category_peaks);
 }
 
 }  // namespace

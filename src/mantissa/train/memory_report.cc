@@ -118,9 +118,6 @@ StepMemory profile_step(TrainConfig c, int ranks) {
 
   StepMemory m;
   if (!c.memory_budget.empty()) m.budget = parse_bytes(c.memory_budget);
-  // What an earlier measurement left in the GEMM's per-thread buffers (a larger precision's
-  // packing) is not this configuration's: it starts as a fresh process would.
-  kernels::release_gemm_buffers();
   const CategoryBytes before = default_memory_tracker().stats().current;
   std::vector<MemoryEvent> events;
   try {
@@ -206,6 +203,15 @@ StepMemory profile_step(TrainConfig c, int ranks) {
     if ((i - first) % stride == 0 || i == peak || i + 1 == end) m.timeline.push_back(point(i));
   if (peak < end) m.peak = point(peak);
   return m;
+}
+
+std::vector<StepMemory> profile_steps(const std::vector<TrainConfig>& configs, int ranks) {
+  std::vector<StepMemory> steps;
+  for (const TrainConfig& c : configs) {
+    kernels::release_gemm_buffers();
+    steps.push_back(profile_step(c, ranks));
+  }
+  return steps;
 }
 
 RankMemory rank_memory(const StepMemory& step, int ranks, double bucket_size_mib, DType wire) {

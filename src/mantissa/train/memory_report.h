@@ -78,6 +78,11 @@ struct StepMemory {
 // backward pass, and the weights that would travel as factors marked (ParamMemory::factor_bytes)
 // for rank_memory.
 StepMemory profile_step(TrainConfig c, int ranks = 1);
+// profile_step for each configuration in turn, each measured from what a fresh process holds: the
+// GEMM's per-thread buffers, which an earlier measurement leaves sized for its own step, are
+// released before each (`mantissa memory` measures its precisions so; a step measured after
+// another in one process would otherwise count the other's buffers as held before it).
+std::vector<StepMemory> profile_steps(const std::vector<TrainConfig>& configs, int ranks = 1);
 
 // What one rank of a data-parallel job of `ranks` ranks holds at the step's peak, by category,
 // computed (not measured across processes): the step measured in one process at the per-rank
