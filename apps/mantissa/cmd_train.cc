@@ -170,6 +170,8 @@ constexpr const char* kMemoryUsage =
     "  --ranks N             also what each rank of an N-rank data-parallel job holds, with and\n"
     "                        without --zero 1 (computed from this step and the layout of the\n"
     "                        gradient buckets and shards; --bucket-size MIB, --allreduce-dtype T)\n"
+    "                        measured with the threads each of N ranks on this host takes (its\n"
+    "                        cores / N) unless --threads is given\n"
     "  --json FILE           the figures, with the liveness timeline\n"
     "  --html FILE           a self-contained page with SVG charts (opens offline)\n"
     "  --threads N\n";
@@ -457,6 +459,9 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   }
   refuse_ranks("memory", "run it in one process, with --ranks N for what each of N ranks holds");
   train::TrainConfig c = m.config;
+  // With --ranks N the step is measured with the threads each of N ranks on this host would take
+  // (per-thread buffers grow with the threads), unless --threads says otherwise.
+  if (m.ranks > 1) c.threads = train::rank_threads(c.threads, static_cast<int>(m.ranks));
   // Checked with the first precision (each is checked again when measured): the settings that
   // hold for one precision only (--kahan) then see it.
   train::TrainConfig first = c;
@@ -483,7 +488,12 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
       << (c.gradient_accumulation > 1
               ? ", gradient accumulation " + std::to_string(c.gradient_accumulation)
               : std::string())
-      << (c.recompute ? ", recomputation" : "") << "\n"
+      << (c.recompute ? ", recomputation" : "")
+      << (m.ranks > 1 ? ", " + std::to_string(default_num_threads()) +
+                            (default_num_threads() == 1 ? " thread" : " threads") + " a rank of " +
+                            std::to_string(m.ranks) + " on this host"
+                      : std::string())
+      << "\n"
       << train::memory_text(runs, 12, per_rank);
   if (!m.json_path.empty())
     io::write_file_atomic(m.json_path, train::memory_json(c, runs, per_rank));

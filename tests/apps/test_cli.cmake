@@ -207,6 +207,16 @@ expect(memory_kahan 0 "optimizer_state +91\\.43 KiB" "" ${MEM} --precision bf16-
 expect(memory_kahan_fp32 2 "" "--kahan with --precision 32-true, whose parameters are FP32" ${MEM} --kahan)
 expect(memory_over_budget 3 "32-true: does NOT fit in the budget of 100.00 KiB" "" ${MEM} --memory-budget 100KiB)
 expect(memory_bad_precision 2 "" "unknown precision '17-true'" ${MEM} --precision 17-true)
+# --ranks N measures the step with the threads each of N ranks on this host takes (its cores / N),
+# unless --threads says.
+cmake_host_system_information(RESULT cores QUERY NUMBER_OF_LOGICAL_CORES)
+math(EXPR rank_threads "${cores} / 2")
+if(rank_threads LESS 1)
+  set(rank_threads 1)
+endif()
+expect(memory_ranks_threads 0 "lenet5, batch 8, 16x16, adamw, ${rank_threads} threads? a rank of 2 on this host\n.*per rank of 2 ranks" ""
+       memory --model lenet5 --image-size 16 --batch-size 8 --ranks 2)
+expect(memory_ranks_threads_given 0 "adamw, 3 threads a rank of 2 on this host\n" "" memory --model lenet5 --image-size 16 --batch-size 8 --ranks 2 --threads 3)
 expect(memory_bad_html 2 "" "--html /nonexistent-dir/m.html: directory /nonexistent-dir does not exist" ${MEM} --html /nonexistent-dir/m.html)
 # ---- mantissa advise ----
 set(ADV advise --model lenet5 --dataset synthetic --synthetic-size 64 --image-size 16 --batch-size 16 --steps 3 --threads 2)

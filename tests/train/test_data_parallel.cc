@@ -461,5 +461,25 @@ TEST(DataParallelCheckpoint, AnotherGlobalBatchIsRefusedNamingIt) {
             std::string::npos);
 }
 
+// A rank's compute threads (what `mantissa train` under mpirun sets, and what `mantissa memory
+// --ranks N` measures with): --threads when given; the default for one rank or when
+// MANTISSA_NUM_THREADS decides; otherwise the host's cores shared by its ranks, at least one.
+TEST(DataParallelThreads, RanksShareTheHostsCoresUnlessTold) {
+  const char* env = std::getenv("MANTISSA_NUM_THREADS");
+  const std::string saved = env ? env : "";
+  unsetenv("MANTISSA_NUM_THREADS");
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  EXPECT_EQ(train::rank_threads(0, 2), std::max(1, cores / 2));
+  EXPECT_EQ(train::rank_threads(0, 4 * cores), 1);
+  EXPECT_EQ(train::rank_threads(3, 2), 3);
+  EXPECT_EQ(train::rank_threads(0, 1), 0);
+  setenv("MANTISSA_NUM_THREADS", "1", 1);
+  EXPECT_EQ(train::rank_threads(0, 2), 0);
+  if (env)
+    setenv("MANTISSA_NUM_THREADS", saved.c_str(), 1);
+  else
+    unsetenv("MANTISSA_NUM_THREADS");
+}
+
 }  // namespace
 }  // namespace mantissa

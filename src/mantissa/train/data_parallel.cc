@@ -110,13 +110,14 @@ dist::ConfigFields agreement_fields(const TrainConfig& c) {
 
 }  // namespace
 
-void set_rank_threads(const TrainConfig& config, const comm::Communicator& comm) {
-  if (config.threads > 0 || comm.local_size() <= 1 || std::getenv("MANTISSA_NUM_THREADS")) {
-    set_num_threads(config.threads);
-    return;
-  }
+int rank_threads(int threads, int local_ranks) {
+  if (threads > 0 || local_ranks <= 1 || std::getenv("MANTISSA_NUM_THREADS")) return threads;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  set_num_threads(std::max(1, cores / comm.local_size()));
+  return std::max(1, cores / local_ranks);
+}
+
+void set_rank_threads(const TrainConfig& config, const comm::Communicator& comm) {
+  set_num_threads(rank_threads(config.threads, comm.local_size()));
 }
 
 DataParallel::DataParallel(comm::Communicator& comm, const TrainConfig& config,

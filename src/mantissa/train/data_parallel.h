@@ -118,8 +118,11 @@ class DataParallel {
   std::vector<nn::Module::NamedTensor> replicas_;  // parameters and buffers, --check-replicas
 };
 
-// Applies the job's place to a run: the compute threads of this rank (TrainConfig::threads, or
-// the host's cores divided among its ranks).
+// The compute threads each of `local_ranks` ranks on one host takes: `threads` when it is set,
+// and 0 (the default count) for one rank or when MANTISSA_NUM_THREADS decides; otherwise the
+// host's cores divided among the ranks, at least one.
+int rank_threads(int threads, int local_ranks);
+// Applies the job's place to a run: the compute threads of this rank (rank_threads).
 void set_rank_threads(const TrainConfig& config, const comm::Communicator& comm);
 
 }  // namespace mantissa::train
