@@ -427,6 +427,25 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
   const int64_t group = std::max<int64_t>(2, kLocalFloats / mc_step / kNR / 2 * 2);
   const int64_t local_ld = group * kNR;
   alignas(64) float local[kLocalFloats];
+  // Rows [r, r + rows) and columns [j, j + cols) of C, to or from an FP32 block (row stride ld):
+  // widened from C's type (beta), or rounded through round_c and into C's type.
+  auto load_c_rows = [&](float* block, int64_t ld, int64_t r, int64_t rows, int64_t j,
+                         int64_t cols) {
+    for (int64_t q = 0; q < rows; ++q)
+      load_f32(at(C.data, C.dtype, (r + q) * C.rs + j * C.cs), C.dtype, C.cs, cols, block + q * ld);
+  };
+  auto store_c_rows = [&](float* src, int64_t ld, int64_t r, int64_t rows, int64_t j,
+                          int64_t cols) {
+    char* dst = static_cast<char*>(C.data) + (r * C.rs + j * C.cs) * static_cast<int64_t>(es_c);
+    if (C.cs == 1) return kernels().store_block(src, ld, rows, cols, dst, C.rs, C.dtype, round_c);
+    for (int64_t q = 0; q < rows; ++q) {
+      float* v = src + q * ld;
+      if (round_c != DType::f32) detail::round_through(v, cols, round_c);
+      for (int64_t n = 0; n < cols; ++n)
+        convert(v + n, DType::f32, dst + (q * C.rs + n * C.cs) * static_cast<int64_t>(es_c),
+                C.dtype, 1);
+    }
+  };
 
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
@@ -446,10 +465,7 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
       c_base = c32;
       c_rs = nc;
       c_cs = 1;
-      if (beta != 0.0f)
-        for (int64_t m = 0; m < M; ++m)
-          load_f32(at(C.data, C.dtype, (m0 + m) * C.rs + jc * C.cs), C.dtype, C.cs, nc,
-                   c32 + m * nc);
+      if (beta != 0.0f) load_c_rows(c32, nc, m0, M, jc, nc);
     }
     const int64_t n_slivers = (nc + kNR - 1) / kNR;
     const int64_t k_blocks = K == 0 ? 1 : (K + kKC - 1) / kKC;
@@ -612,6 +628,17 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
               for (int64_t col = 0; col < nr; ++col) c[r * c_rs + col * c_cs] = edge[r * kNR + col];
           }
         };
+        // Slivers [s0, s1) against every A sliver of the block, a B sliver (or pair) at a time.
+        auto sweep = [&](int64_t s0, int64_t s1) {
+          for (int64_t s = s0; s < s1;) {
+            const bool pair = pairable(s) && s + 1 < s1;
+            if (twelve(s, mc, pair))
+              tile_twelve(s, ap, c_at(ic, s * kNR), c_rs, load_c, bscale);
+            else
+              for (int64_t i = 0; i < mc; i += kMR) run(s, i, pair);
+            s += pair ? 2 : 1;
+          }
+        };
         if (per_tile) {
           // Slivers [g0, g1) into `local`, then rounded and stored into C: rows [ic, ic + mc)
           // and the group's columns. The micro-kernels compute whole tiles there (rows of A past
@@ -622,31 +649,10 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
             local_j = j0;
             if (load_c) {
               std::fill(local, local + mc_step * local_ld, 0.0f);
-              for (int64_t q = 0; q < mc; ++q)
-                load_f32(at(C.data, C.dtype, (m0 + ic + q) * C.rs + (jc + j0) * C.cs), C.dtype,
-                         C.cs, cols, local + q * local_ld);
+              load_c_rows(local, local_ld, m0 + ic, mc, jc + j0, cols);
             }
-            for (int64_t s = g0; s < g1;) {
-              const bool pair = pairable(s) && s + 1 < g1;
-              if (twelve(s, mc, pair))
-                tile_twelve(s, ap, c_at(ic, s * kNR), c_rs, load_c, bscale);
-              else
-                for (int64_t i = 0; i < mc; i += kMR) run(s, i, pair);
-              s += pair ? 2 : 1;
-            }
-            char* dst = static_cast<char*>(C.data) +
-                        ((m0 + ic) * C.rs + (jc + j0) * C.cs) * static_cast<int64_t>(es_c);
-            if (C.cs == 1) {
-              kernels().store_block(local, local_ld, mc, cols, dst, C.rs, C.dtype, round_c);
-            } else {
-              for (int64_t q = 0; q < mc; ++q) {
-                float* v = local + q * local_ld;
-                if (round_c != DType::f32) detail::round_through(v, cols, round_c);
-                for (int64_t n = 0; n < cols; ++n)
-                  convert(v + n, DType::f32,
-                          dst + (q * C.rs + n * C.cs) * static_cast<int64_t>(es_c), C.dtype, 1);
-              }
-            }
+            sweep(g0, g1);
+            store_c_rows(local, local_ld, m0 + ic, mc, jc + j0, cols);
           }
         } else if (kc < kShallowK) {
           for (int64_t i = 0; i < mc; i += kMR)
@@ -659,31 +665,11 @@ void gemm_block(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, float
               s += pair ? 2 : 1;
             }
         } else {
-          for (int64_t s = 0; s < n_slivers;) {
-            const bool pair = pairable(s);
-            if (twelve(s, mc, pair))
-              tile_twelve(s, ap, c_at(ic, s * kNR), c_rs, load_c, bscale);
-            else
-              for (int64_t i = 0; i < mc; i += kMR) run(s, i, pair);
-            s += pair ? 2 : 1;
-          }
+          sweep(0, n_slivers);
         }
       }
     }
-    if (!direct && !per_tile) {
-      for (int64_t m = 0; m < M; ++m) {
-        if (round_c != DType::f32) detail::round_through(c32 + m * nc, nc, round_c);
-        char* dst =
-            static_cast<char*>(C.data) + ((m0 + m) * C.rs + jc * C.cs) * static_cast<int64_t>(es_c);
-        if (C.cs == 1) {
-          convert(c32 + m * nc, DType::f32, dst, C.dtype, static_cast<size_t>(nc));
-        } else {
-          for (int64_t n = 0; n < nc; ++n)
-            convert(c32 + m * nc + n, DType::f32, dst + n * C.cs * static_cast<int64_t>(es_c),
-                    C.dtype, 1);
-        }
-      }
-    }
+    if (c32) store_c_rows(c32, nc, m0, M, jc, nc);
   }
 }
 
