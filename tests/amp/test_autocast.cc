@@ -409,6 +409,67 @@ TEST(Autocast, LinearReadsItsFp32WeightRoundedAndGradientsReachItInFp32) {
   }
 }
 
+// ReadAsScope (O2): FP32 parameters marked with AutogradMeta::read_as are read as their 16-bit
+// copy, which is never made for linear's and conv2d's weights; their gradients are computed in
+// the 16-bit type (no FP32 gradient first); unmarked parameters and code under AutocastDisabled
+// read FP32 as stored.
+TEST(ReadAs, MarkedParametersAreReadAsTheirSixteenBitCopy) {
+  for (const DType h : {DType::f16, DType::bf16}) {
+    auto marked = [h](Tensor t) {
+      t.autograd_meta()->read_as = h;
+      t.autograd_meta()->grad_dtype = h;
+      return t;
+    };
+    Tensor w = marked(param({256, 512}, 0.013f)), b = marked(param({256}, 0.07f));
+    Tensor cw = marked(param({4, 2, 3, 3}, 0.09f));
+    Tensor scale = param({256}, 0.05f);  // unmarked: read in FP32 (a normalization's weight)
+    std::vector<float> xv(64 * 512);
+    for (size_t i = 0; i < xv.size(); ++i) xv[i] = static_cast<float>((i * 37) % 101) / 50 - 1;
+    const Tensor x = Tensor::from_floats(xv, {64, 512}).to(h);
+    const Tensor img = Tensor::from_floats(
+                           std::vector<float>(xv.begin(), xv.begin() + 2 * 2 * 8 * 8), {2, 2, 8, 8})
+                           .to(h);
+    Tensor y, yc, ys, y_off;
+    {
+      ReadAsScope scope;
+      y = linear(x, w, b);
+      yc = conv2d(img, cw, Tensor(), Conv2dParams{});
+      ys = mul(y, scale);  // promote: f32, the unmarked weight's type
+      AutocastDisabled off;
+      y_off = linear(x, w, b);
+    }
+    EXPECT_EQ(y.dtype(), h);
+    EXPECT_EQ(yc.dtype(), h);
+    EXPECT_EQ(ys.dtype(), DType::f32);
+    EXPECT_EQ(y_off.dtype(), DType::f32) << "AutocastDisabled reads parameters as stored";
+    EXPECT_EQ(linear(x, w, b).dtype(), DType::f32) << "outside the scope: as stored";
+    const Tensor wh = w.detach().to(h), bh = b.detach().to(h), cwh = cw.detach().to(h);
+    {
+      autograd::NoGradScope no_grad;
+      EXPECT_EQ(y.to_float_vector(), linear(x, wh, bh).to_float_vector());
+      EXPECT_EQ(yc.to_float_vector(), conv2d(img, cwh, Tensor(), Conv2dParams{}).to_float_vector());
+    }
+    // The weight gradient straight in h: the backward holds no FP32 gradient of w's size.
+    default_memory_tracker().reset_peaks();
+    const size_t before = default_memory_tracker().stats().current_of(MemoryCategory::gradients);
+    autograd::backward(sum(ys));
+    const size_t peak = default_memory_tracker().stats().peak_of(MemoryCategory::gradients);
+    EXPECT_LT(peak - before, static_cast<size_t>(w.numel()) * 4) << dtype_name(h);
+    ASSERT_TRUE(w.grad().defined() && b.grad().defined() && scale.grad().defined());
+    EXPECT_EQ(w.grad().dtype(), h);
+    EXPECT_EQ(b.grad().dtype(), h);
+    EXPECT_EQ(scale.grad().dtype(), DType::f32);
+    {
+      autograd::NoGradScope no_grad;
+      // dy = scale (broadcast over rows), rounded to y's type as the mul's backward gives it.
+      const Tensor dy = mul(Tensor::full({64, 256}, 1.0, DType::f32), scale.detach(), OpOptions{h});
+      const Tensor dw = matmul(transpose(dy, 0, 1), x, OpOptions{h});
+      EXPECT_EQ(w.grad().to_float_vector(), dw.to_float_vector());
+      EXPECT_EQ(b.grad().to_float_vector(), sum(dy, {0}, false, OpOptions{h}).to_float_vector());
+    }
+  }
+}
+
 TEST(Autocast, StandInsOnlyStandInForLeavesOfTheirShape) {
   Tensor w = param({2, 2});
   const Tensor h = Tensor::zeros({2, 2}, DType::f16);

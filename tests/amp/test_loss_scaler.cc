@@ -225,8 +225,10 @@ TEST(PrecisionModes, EachNameMapsToItsSettings) {
   EXPECT_FALSE(bmixed.loss_scaling);  // BF16 has FP32's range
 
   const PrecisionMode o2 = precision_mode("O2");
-  EXPECT_EQ(o2.param_dtype, DType::f16);
-  EXPECT_TRUE(o2.keep_norm_fp32 && o2.master_weights && o2.fp32_loss);
+  // The FP32 parameters are the masters, read as f16 (no 16-bit copy); the input arrives in f16.
+  EXPECT_EQ(o2.param_dtype, DType::f32);
+  EXPECT_EQ(o2.input_dtype, DType::f16);
+  EXPECT_TRUE(o2.read_as_half && o2.keep_norm_fp32 && o2.master_weights && o2.fp32_loss);
   EXPECT_FALSE(o2.autocast);
   ASSERT_TRUE(o2.loss_scaling);
 

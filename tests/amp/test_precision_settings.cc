@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include "mantissa/mantissa.h"
 #include "support/errors.h"
@@ -94,19 +95,39 @@ TEST(PrecisionSettings, ApplyRecognisesNormalizationLayersByTheirProperty) {
   amp::PrecisionChoices c;
   c.precision = "O2";
   c.half_type = "bf16";
+  const std::vector<float> w0 =
+      model.submodule("0").named_parameters()[0].tensor->to_float_vector();
   amp::apply_precision(amp::resolve_precision(c, 0), model, sgd);
-  auto dtype = [&](const std::string& path) {
-    return model.submodule(path).named_parameters()[0].tensor->dtype();
+  // O2 keeps every parameter in FP32 (the masters) and marks all but the normalization layers'
+  // to be read as bf16, with bf16 gradients.
+  auto meta = [&](const std::string& path) -> const AutogradMeta& {
+    const Tensor& t = *model.submodule(path).named_parameters()[0].tensor;
+    EXPECT_EQ(t.dtype(), DType::f32) << path;
+    return *t.autograd_meta();
   };
-  EXPECT_EQ(dtype("0"), DType::bf16);
-  EXPECT_EQ(dtype("1"), DType::f32);  // LayerNorm
-  EXPECT_EQ(dtype("2"), DType::f32);  // a user's normalization layer
-  EXPECT_EQ(dtype("3"), DType::bf16);
+  EXPECT_EQ(meta("0").read_as, DType::bf16);
+  EXPECT_EQ(meta("0").grad_dtype, DType::bf16);
+  EXPECT_FALSE(meta("1").read_as.has_value());  // LayerNorm
+  EXPECT_FALSE(meta("1").grad_dtype.has_value());
+  EXPECT_FALSE(meta("2").read_as.has_value());  // a user's normalization layer
+  EXPECT_EQ(meta("3").read_as, DType::bf16);
   EXPECT_FALSE(model.submodule("1").precision().has_value()) << "takes 16-bit inputs as they come";
+  EXPECT_FALSE(model.submodule("0").precision().has_value()) << "no input cast: ops read as bf16";
   EXPECT_EQ(model.submodule("4").precision(), DType::f32);  // the log-softmax runs in FP32
+  // The masters start from the bf16 model's values, as masters copied from a model cast to bf16.
+  const std::vector<float> w1 =
+      model.submodule("0").named_parameters()[0].tensor->to_float_vector();
+  ASSERT_EQ(w0.size(), w1.size());
+  size_t moved = 0;
+  for (size_t i = 0; i < w0.size(); ++i) {
+    EXPECT_EQ(w1[i], Tensor::from_floats({w0[i]}, {1}).to(DType::bf16).to_float_vector()[0]);
+    moved += w1[i] != w0[i];
+  }
+  EXPECT_GT(moved, 0u) << "the initial weights were all bf16 values: the rounding went untested";
+  // No 16-bit copy, so no master copies either (the optimizer updates the FP32 parameters).
   EXPECT_TRUE(sgd.has_master_weights());
-  // The optimizer holds the model's tensors, cast in place.
-  EXPECT_EQ(sgd.params()[0].tensor->dtype(), DType::bf16);
+  EXPECT_EQ(sgd.master_bytes(), 0u);
+  EXPECT_EQ(sgd.params()[0].tensor->dtype(), DType::f32);
 
   // Module overrides: keep_fp32 wins; an unknown path is named.
   nn::Sequential other;
@@ -127,6 +148,93 @@ TEST(PrecisionSettings, ApplyRecognisesNormalizationLayersByTheirProperty) {
               amp::apply_precision(amp::resolve_precision(c, 0), other, adam);
             }).find("'7'"),
             std::string::npos);
+}
+
+// O2's model is its FP32 masters read as 16-bit: every step's loss, gradient and update are those
+// of the layout O2 is known by (Apex: the model cast to 16 bits but its normalization layers, FP32
+// master copies in the optimizer, the log-softmax in FP32), built here from the modules' own
+// casts, which hold that 16-bit copy.
+TEST(PrecisionSettings, O2ReadsItsMastersAsTheSixteenBitCopyWouldBe) {
+  for (const char* half : {"fp16", "bf16"}) {
+    auto build = [] {
+      nn::InitStreams init(5);
+      auto m = std::make_shared<nn::Sequential>();
+      m->add(std::make_shared<nn::Conv2d>(2, 4, 3, init, 1, 1));
+      m->add(std::make_shared<nn::GroupNorm>(2, 4));
+      m->add(std::make_shared<nn::ReLU>());
+      m->add(std::make_shared<nn::Flatten>());
+      m->add(std::make_shared<nn::Linear>(4 * 5 * 5, 3, init));
+      m->add(std::make_shared<nn::LogSoftmax>(1));
+      return m;
+    };
+    amp::PrecisionChoices c;
+    c.precision = "O2";
+    c.half_type = half;
+    c.loss_scaling = "none";
+    const amp::PrecisionSettings s = amp::resolve_precision(c, 0);
+    const DType h = s.mode.half;
+    // The 16-bit copy: the model cast to h (its input cast at the entry), the norm's weights FP32
+    // taking h activations, the log-softmax FP32, masters made from the cast values.
+    auto ref = build();
+    ref->to(h);
+    ref->submodule("1").cast_parameters(DType::f32);
+    ref->submodule("5").to(DType::f32);
+    optim::Adam ref_opt(ref->named_parameters(), optim::AdamOptions{.lr = 0.05}, true);
+    ref_opt.enable_master_weights();
+    auto o2 = build();
+    optim::Adam o2_opt(o2->named_parameters(), optim::AdamOptions{.lr = 0.05}, true);
+    amp::apply_precision(s, *o2, o2_opt);
+
+    std::mt19937 gen(11);
+    std::normal_distribution<float> normal;
+    for (int step = 0; step < 4; ++step) {
+      std::vector<float> xv(6 * 2 * 5 * 5);
+      for (float& v : xv) v = normal(gen);
+      const Tensor x = Tensor::from_floats(xv, {6, 2, 5, 5});
+      const Tensor y = Tensor::from_floats({0, 1, 2, 2, 1, 0}, {6}).to(DType::i64);
+      const Tensor ref_loss = ops::nll_loss((*ref)(x), y);
+      Tensor o2_out;
+      {
+        amp::ForwardPrecision fp(s, nullptr, 0);
+        o2_out = (*o2)(x.to(h));  // the loader hands O2 its input in 16 bits
+      }
+      EXPECT_EQ(o2_out.dtype(), DType::f32);  // the log-softmax's
+      const Tensor o2_loss = ops::nll_loss(o2_out, y);
+      ASSERT_EQ(ref_loss.item(), o2_loss.item()) << half << " step " << step;
+      autograd::backward(ref_loss);
+      autograd::backward(o2_loss);
+      const auto rp = ref->named_parameters(), op = o2->named_parameters();
+      for (size_t i = 0; i < rp.size(); ++i) {
+        const Tensor& rg = *rp[i].tensor->autograd_meta()->grad;
+        const Tensor& og = *op[i].tensor->autograd_meta()->grad;
+        EXPECT_EQ(og.dtype(), rg.dtype()) << rp[i].name;  // h, the norm's f32
+        EXPECT_EQ(og.to_float_vector(), rg.to_float_vector()) << half << " " << rp[i].name;
+      }
+      ref_opt.step();
+      o2_opt.step();
+      ref_opt.zero_grad();
+      o2_opt.zero_grad();
+    }
+    // The FP32 parameters hold the masters' values; the 16-bit copy holds their rounding.
+    const auto masters = ref_opt.state_tensors();
+    const auto rp = ref->named_parameters(), op = o2->named_parameters();
+    for (size_t i = 0; i < rp.size(); ++i) {
+      const std::vector<float> o = op[i].tensor->to_float_vector();
+      if (rp[i].tensor->dtype() == DType::f32) {
+        EXPECT_EQ(o, rp[i].tensor->to_float_vector()) << rp[i].name;
+        continue;
+      }
+      EXPECT_EQ(op[i].tensor->to(h).to_float_vector(), rp[i].tensor->to_float_vector())
+          << rp[i].name;
+      bool found = false;
+      for (const auto& [name, t] : masters)
+        if (name == rp[i].name + ".master") {
+          EXPECT_EQ(o, t.to_float_vector()) << name;
+          found = true;
+        }
+      EXPECT_TRUE(found) << rp[i].name;
+    }
+  }
 }
 
 TEST(PrecisionSettings, StateTypesAreSetBeforeTheFirstStep) {

@@ -128,7 +128,7 @@ expect(train_precision_mixed 0 "precision 16-mixed: parameters f32, input f32, a
        "" train ${TRAIN_CNN} --precision 16-mixed --autocast-log --max-steps 3)
 expect(train_precision_true 0 "precision 16-true: parameters f16, input f16, autocast off.*optimizer state f16/bf16.*stochastic rounding"
        "" train ${TRAIN_CNN} --precision 16-true --stochastic-rounding --keep-fp32 norm,fc2 --max-steps 2)
-expect(train_precision_o2_static 0 "precision O2: parameters f16 \\(normalization layers f32\\).*master weights f32.*loss scaling static 1024.*loss scale 1024"
+expect(train_precision_o2_static 0 "precision O2: parameters f32, read as f16 \\(normalization layers f32\\), input f16.*master weights f32 \\(the parameters\\).*loss scaling static 1024.*loss scale 1024"
        "" train ${TRAIN_CNN} --precision O2 --loss-scaling 1024 --max-steps 2)
 expect(train_precision_unknown 2 "" "^mantissa: error: unknown precision 'fp8' \\(choose --precision from: 32-true, O0, 32.32, 16-mixed, bf16-mixed, O1, O2, 16-true, bf16-true, O3, 16.16, 16.32, fp8-hybrid, fp8-e4m3\\)
 $" train --precision fp8)

@@ -88,8 +88,12 @@ PrecisionMode precision_mode(const std::string& name, std::optional<DType> half)
       if (fp16) m.loss_scaling = LossScalerOptions{};
       break;
     case Kind::kO2:  // 16-bit model but normalization, FP32 masters, FP32 loss, dynamic scaling
-      m.param_dtype = m.half;
+      // The 16-bit model is the FP32 masters read as 16-bit (no copy of 2 bytes a parameter);
+      // its input arrives in 16 bits, as the model's first op would cast it. Masters for the
+      // parameters --half-modules stores in 16 bits.
+      m.read_as_half = true;
       m.keep_norm_fp32 = true;
+      m.input_dtype = m.half;
       m.master_weights = true;
       m.fp32_loss = true;
       if (fp16) m.loss_scaling = LossScalerOptions{};
@@ -121,10 +125,14 @@ std::string PrecisionMode::describe() const {
   std::ostringstream os;
   auto t = [](DType d) { return std::string(dtype_name(d)); };
   os << "precision " << name << ": parameters " << t(param_dtype)
+     << (read_as_half ? ", read as " + t(half) : std::string())
      << (keep_norm_fp32 ? " (normalization layers f32)" : "") << ", input " << t(input_dtype)
      << ", autocast " << (autocast ? "to " + t(half) + " by op lists" : std::string("off"))
-     << ", master weights " << (master_weights ? "f32" : "none") << ", loss "
-     << (fp32_loss ? "f32 (output cast)" : "as computed") << ", loss scaling "
+     << ", master weights "
+     << (read_as_half     ? "f32 (the parameters)"
+         : master_weights ? "f32"
+                          : "none")
+     << ", loss " << (fp32_loss ? "f32 (output cast)" : "as computed") << ", loss scaling "
      << scaling_str(loss_scaling) << ", optimizer state " << t(first_moment) << "/"
      << t(second_moment);
   return os.str();

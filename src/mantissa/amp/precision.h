@@ -18,7 +18,11 @@ struct PrecisionMode {
   std::string name;                // as the user wrote it
   DType half = DType::f16;         // the mode's 16-bit type
   DType param_dtype = DType::f32;  // storage of the model's parameters
-  bool keep_norm_fp32 = false;     // O2: normalization layers' parameters stay FP32
+  bool keep_norm_fp32 = false;     // O2: normalization layers' parameters read in FP32
+  // O2: the FP32 parameters (the masters) are read by the model's ops as their `half` values and
+  // their gradients computed and held in `half` (ops::ReadAsScope): the 16-bit model, whose copy
+  // is never made. Normalization layers' excepted (keep_norm_fp32).
+  bool read_as_half = false;
   bool autocast = false;           // ops cast by the op policy
   bool master_weights = false;     // FP32 copies of 16-bit parameters in the optimizer
   bool fp32_loss = false;          // the model's output cast to FP32 before the loss (O2)

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <utility>
 
 #include "mantissa/core/error.h"
@@ -183,10 +184,13 @@ PrecisionSettings resolve_precision(const PrecisionChoices& c, uint64_t seed) {
       s.state_types.first_moment != DType::f32 || s.state_types.second_moment != DType::f32;
   MANTISSA_CHECK(!c.stochastic_rounding || half_params || half_state,
                  "--stochastic-rounding has nothing to round: " + mode_flag +
-                     " keeps the parameters and the optimizer state in FP32",
-                 "use it with 16-bit parameters (16-true, bf16-true, O2, --half-modules) or 16-bit "
+                     " keeps the parameters and the optimizer state in FP32" +
+                     (s.mode.read_as_half ? " (its ops read the FP32 parameters rounded to "
+                                            "nearest; no 16-bit copy is written)"
+                                          : ""),
+                 "use it with 16-bit parameters (16-true, bf16-true, --half-modules) or 16-bit "
                  "optimizer state (--first-moment-type / --second-moment-type bf16), or drop it");
-  MANTISSA_CHECK(!c.stochastic_outputs || half_params || s.mode.autocast,
+  MANTISSA_CHECK(!c.stochastic_outputs || half_params || s.mode.autocast || s.mode.read_as_half,
                  "--stochastic-outputs needs 16-bit op outputs, and " + mode_flag + " has none",
                  "use it with a 16-bit --precision (16-true, bf16-true, 16-mixed, ...)");
   for (const auto& [flag, file] : {std::pair{"--autocast-lower-list", &c.autocast_lower_list},
@@ -268,19 +272,36 @@ Tensor PrecisionSettings::loss_input(const Tensor& output) const {
 
 void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optimizer& optimizer) {
   const PrecisionMode& mode = s.mode;
-  if (mode.param_dtype != DType::f32) {
-    model.to(mode.param_dtype);
-    if (mode.keep_norm_fp32) {
-      // O2: normalization layers keep FP32 weights and statistics and take 16-bit activations
-      // as they come; the log-softmax (the loss's first half) runs in FP32.
-      for (auto& [path, sub] : model.named_modules()) {
-        if (sub->is_normalization()) sub->cast_parameters(DType::f32);
-        if (sub->is_log_softmax()) sub->to(DType::f32);
-      }
+  if (mode.param_dtype != DType::f32) model.to(mode.param_dtype);
+  if (mode.read_as_half) {
+    // O2: every parameter but the normalization layers' is rounded to its 16-bit value, then read
+    // as 16-bit (ops::ReadAsScope) and gets a 16-bit gradient, as a 16-bit parameter would;
+    // normalization layers read FP32 weights and take 16-bit activations as they come; the
+    // log-softmax (the loss's first half) runs in FP32.
+    std::set<const Tensor*> fp32;
+    for (auto& [path, sub] : model.named_modules()) {
+      if (sub->is_normalization())
+        for (const Tensor* t : sub->parameters()) fp32.insert(t);
+      if (sub->is_log_softmax()) sub->to(DType::f32);
+    }
+    for (Tensor* t : model.parameters()) {
+      if (fp32.count(t) || t->dtype() != DType::f32) continue;
+      // The masters start from the 16-bit model's values, as masters copied from a model cast
+      // to 16 bits do (Apex's O2).
+      t->copy_from(t->detach().to(mode.half));
+      t->autograd_meta()->read_as = mode.half;
+      t->autograd_meta()->grad_dtype = mode.half;
     }
   }
   for (const std::string& path : s.half_modules) model.submodule(path).to(mode.half);
-  for (const std::string& path : s.keep_fp32) model.submodule(path).to(DType::f32);
+  for (const std::string& path : s.keep_fp32) {
+    nn::Module& m = model.submodule(path);
+    m.to(DType::f32);
+    for (Tensor* t : m.parameters()) {  // read and differentiated as stored
+      t->autograd_meta()->read_as.reset();
+      t->autograd_meta()->grad_dtype.reset();
+    }
+  }
   if (s.grad_dtype)
     for (auto& p : model.named_parameters()) p.tensor->autograd_meta()->grad_dtype = *s.grad_dtype;
   optimizer.set_state_types(s.state_types);
@@ -295,6 +316,7 @@ ForwardPrecision::ForwardPrecision(const PrecisionSettings& s, ops::AutocastLog*
   MANTISSA_CHECK(!s.fp8 || fp8, "--precision " + s.mode.name + " runs without its FP8 state",
                  "make an amp::Fp8State(*settings.fp8, model) and pass it to ForwardPrecision");
   if (s.mode.autocast) autocast_.emplace(s.mode.half, s.policy, log);
+  if (s.mode.read_as_half) read_as_.emplace();
   if (s.stochastic_outputs_seed) stochastic_.emplace(*s.stochastic_outputs_seed, stochastic_stream);
   if (s.fp8) fp8_.emplace(*fp8);
 }

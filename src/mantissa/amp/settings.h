@@ -92,8 +92,9 @@ struct PrecisionSettings {
 PrecisionSettings resolve_precision(const PrecisionChoices& choices, uint64_t seed);
 
 // Applies the settings to a model and the optimizer of its parameters, before the first step:
-// the parameters are cast to the mode's type (O2: normalization layers keep FP32 weights and the
-// log-softmax runs in FP32), the per-module overrides set (keep_fp32 last: it wins), gradients
+// the parameters are cast to the mode's type (O2: they stay FP32 and are marked to be read as
+// 16-bit, with 16-bit gradients, except the normalization layers'; the log-softmax runs in FP32),
+// the per-module overrides set (keep_fp32 last: it wins, read as stored), gradients
 // held in grad_dtype, then the optimizer's state types, its FP32 master copies (made from the
 // parameters' current values, so after any initial weights are loaded), stochastic rounding and
 // Kahan compensation.
@@ -101,7 +102,8 @@ PrecisionSettings resolve_precision(const PrecisionChoices& choices, uint64_t se
 void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optimizer& optimizer);
 
 // The op context of one forward pass under the settings, while alive: the partials, automatic
-// casting to the mode's 16-bit type (when the mode casts; `log` may be null), stochastic
+// casting to the mode's 16-bit type (when the mode casts; `log` may be null), O2's parameters
+// read as 16-bit (ops::ReadAsScope), stochastic
 // rounding of 16-bit op outputs (when on) from stream `stochastic_stream` of its seed, and the
 // FP8 matrix ops of an FP8 mode, scaled by `fp8` (required then; made by the run after
 // apply_precision: Fp8State(*s.fp8, model)).
@@ -115,6 +117,7 @@ class ForwardPrecision {
  private:
   ops::PartialsScope partials_;
   std::optional<ops::AutocastScope> autocast_;
+  std::optional<ops::ReadAsScope> read_as_;
   std::optional<ops::StochasticOutputsScope> stochastic_;
   std::optional<ops::Fp8Scope> fp8_;
 };

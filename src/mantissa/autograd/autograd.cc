@@ -90,7 +90,9 @@ void record_many(Tensor& out, std::shared_ptr<Node> node,
           in.fn = t->grad_fn();
         } else {
           in.leaf = t->autograd_meta();
-          in.dtype = in.leaf->dtype;  // a stand-in's gradient is computed in its leaf's type
+          // A stand-in's gradient is computed in its leaf's type; a leaf read as 16-bit
+          // (AutogradMeta::read_as) has it computed in that type.
+          in.dtype = in.leaf->read_as.value_or(in.leaf->dtype);
         }
       }
     }

@@ -111,6 +111,11 @@ struct AutogradMeta {
   // A leaf's own type, which ops compute its gradient in (also when a 16-bit stand-in of the
   // leaf was what they read; see Tensor::stand_in_for).
   DType dtype = DType::f32;
+  // A parameter stored in FP32 that the ops of a forward pass read as its 16-bit values (f16 or
+  // bf16) while an ops::ReadAsScope is alive, and whose gradient they compute in that type, as
+  // they would a 16-bit parameter's (O2: the FP32 masters are the model, read as its 16-bit
+  // copy, which is never made). Unset: read as stored.
+  std::optional<DType> read_as;
   std::shared_ptr<autograd::Node> grad_fn;  // null for leaves
   // Set on a leaf by an optimizer that updates it during the backward pass
   // (optim::Optimizer::begin_backward_step): the leaf's gradient, converted to grad_dtype as

@@ -32,6 +32,7 @@ struct Context {
   uint64_t sr_seed = 0, sr_stream = 0;
   bool in_op = false;  // an OpCall is active: nested ops run as called
   Fp8Provider* fp8 = nullptr;
+  bool read_as = false;  // a ReadAsScope is alive: parameters read as AutogradMeta::read_as says
 };
 
 thread_local Context ctx;
@@ -185,8 +186,35 @@ AutocastScope::~AutocastScope() {
 size_t AutocastScope::cache_misses() const { return ctx.cache ? ctx.cache->misses : 0; }
 size_t AutocastScope::cache_hits() const { return ctx.cache ? ctx.cache->hits : 0; }
 
-AutocastDisabled::AutocastDisabled() : previous_(ctx.autocast) { ctx.autocast = false; }
-AutocastDisabled::~AutocastDisabled() { ctx.autocast = previous_; }
+AutocastDisabled::AutocastDisabled() : previous_(ctx.autocast), previous_read_as_(ctx.read_as) {
+  ctx.autocast = false;
+  ctx.read_as = false;
+}
+AutocastDisabled::~AutocastDisabled() {
+  ctx.autocast = previous_;
+  ctx.read_as = previous_read_as_;
+}
+
+struct ReadAsScope::Saved {
+  bool read_as = false;
+  CastCache* cache = nullptr;
+  std::unique_ptr<CastCache> own;  // when no scope had one
+};
+
+ReadAsScope::ReadAsScope() : saved_(std::make_unique<Saved>()) {
+  saved_->read_as = ctx.read_as;
+  saved_->cache = ctx.cache;
+  if (!ctx.cache) {
+    saved_->own = std::make_unique<CastCache>();
+    ctx.cache = saved_->own.get();
+  }
+  ctx.read_as = true;
+}
+
+ReadAsScope::~ReadAsScope() {
+  ctx.read_as = saved_->read_as;
+  ctx.cache = saved_->cache;
+}
 
 bool autocast_enabled() { return ctx.autocast; }
 DType autocast_dtype() { return ctx.lower; }
@@ -245,7 +273,8 @@ OpContextRestore::OpContextRestore(const OpContextSnapshot& s) : saved_(std::mak
   ctx.sr_stream = want.sr_stream;
   ctx.in_op = false;
   ctx.fp8 = want.fp8;
-  if (ctx.autocast && !ctx.cache) {
+  ctx.read_as = want.read_as;
+  if ((ctx.autocast || ctx.read_as) && !ctx.cache) {
     saved_->cache = std::make_unique<CastCache>();
     ctx.cache = saved_->cache.get();
   }
@@ -283,7 +312,7 @@ Tensor cached_cast(const Tensor& t, DType to) {
 
 OpCall::OpCall(OpId op, const OpOptions& opt, std::span<const Tensor* const> inputs) {
   const bool anomaly = autograd::detect_anomaly();
-  if (ctx.in_op || !(ctx.autocast || ctx.stochastic || anomaly)) return;
+  if (ctx.in_op || !(ctx.autocast || ctx.stochastic || anomaly || ctx.read_as)) return;
   const OpInfo& info = op_info(op);
   const AutocastCategory cat = ctx.autocast ? ctx.policy->category(op) : info.category;
   if (cat == AutocastCategory::kNever && !anomaly) return;
@@ -299,8 +328,20 @@ OpCall::OpCall(OpId op, const OpOptions& opt, std::span<const Tensor* const> inp
   for (const Tensor* t : inputs) {
     inputs_.push_back(t ? *t : Tensor());
     if (!t || !t->defined() || !is_compute_float(t->dtype())) continue;
-    if (!first) first = t->dtype();
-    widest = widest ? promote_types(*widest, t->dtype()) : t->dtype();
+    DType d = t->dtype();
+    if (const AutogradMeta* m = t->autograd_meta().get();
+        ctx.read_as && m && m->read_as && d == DType::f32 && !t->grad_fn()) {
+      // A parameter read as its 16-bit values (ReadAsScope): linear's and conv2d's weight in
+      // place (OpOptions::weight_as), any other through its cached 16-bit copy.
+      d = *m->read_as;
+      const size_t i = inputs_.size() - 1;
+      if ((op == OpId::linear || op == OpId::conv2d) && i == 1)
+        opt_->weight_as = d;
+      else
+        inputs_.back() = cached_cast(*t, d);
+    }
+    if (!first) first = d;
+    widest = widest ? promote_types(*widest, d) : d;
   }
   if (!first || cat == AutocastCategory::kNever) return;  // nothing to decide
   // The type the op runs in under autocast (without: default_output_type).

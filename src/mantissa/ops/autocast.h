@@ -98,7 +98,8 @@ class AutocastScope {
   std::unique_ptr<Saved> saved_;
 };
 
-// Casting off for this thread while alive (the optimizer step, clipping, FP32 modules).
+// Casting off for this thread while alive (the optimizer step, clipping, FP32 modules), and
+// parameters read as stored (ReadAsScope off).
 class AutocastDisabled {
  public:
   AutocastDisabled();
@@ -107,7 +108,25 @@ class AutocastDisabled {
   AutocastDisabled& operator=(const AutocastDisabled&) = delete;
 
  private:
-  bool previous_;
+  bool previous_, previous_read_as_;
+};
+
+// While alive on this thread, ops read every FP32 parameter marked with AutogradMeta::read_as as
+// its 16-bit values: linear and conv2d their weight as OpOptions::weight_as does, any other op
+// through a 16-bit copy of the parameter made once per outermost scope (the cast cache: a bias, a
+// few values), and the output type is what the 16-bit parameter would give. The parameter's
+// gradient is computed in that 16-bit type (autograd). The O2 level's model: FP32 masters read as
+// the 16-bit model, whose copy is never made. AutocastDisabled turns it off too.
+class ReadAsScope {
+ public:
+  ReadAsScope();
+  ~ReadAsScope();
+  ReadAsScope(const ReadAsScope&) = delete;
+  ReadAsScope& operator=(const ReadAsScope&) = delete;
+
+ private:
+  struct Saved;
+  std::unique_ptr<Saved> saved_;
 };
 
 // Whether casting is on for this thread, and its 16-bit type.

@@ -34,6 +34,8 @@ EvalResult evaluate_model(nn::Classifier& m, data::Loader& loader,
     std::optional<ops::AutocastScope> autocast;
     if (precision && precision->mode.autocast)
       autocast.emplace(precision->mode.half, precision->policy);
+    std::optional<ops::ReadAsScope> read_as;  // O2's FP32 parameters read as 16-bit
+    if (precision && precision->mode.read_as_half) read_as.emplace();
     std::optional<ops::Fp8Scope> fp8_ops;
     if (fp8) fp8_ops.emplace(*fp8);
     Tensor out = m(batch->images);
