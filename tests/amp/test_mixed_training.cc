@@ -589,6 +589,57 @@ TEST(PrecisionTraining, ResumeIsBitExactWithScalerAndStochasticRounding) {
   }
 }
 
+// A checkpoint of O2 as earlier builds stored it (the model in 16 bits, FP32 masters in the
+// optimizer, its own settings line) resumes into this build's O2 (the FP32 parameters are the
+// masters) and continues as this build's own checkpoint does, bit for bit. The earlier layout is
+// made here from this build's checkpoint: each parameter outside the group norm rounded into the
+// model's tensor, its FP32 value moved to "optimizer.<name>.master".
+TEST(PrecisionTraining, AnO2CheckpointOfTheSixteenBitLayoutResumes) {
+  testing::TempDir dir;
+  train::TrainConfig c = small("O2");
+  c.max_steps = 4;
+  c.save = dir.file("part.safetensors");
+  train::Trainer(c).run();
+  io::SafetensorsFile f = io::load_safetensors(dir.file("part.safetensors"));
+  std::vector<std::pair<std::string, Tensor>> old;
+  size_t masters = 0;
+  for (auto& [name, t] : f.tensors) {
+    const bool weight = name.rfind("optimizer.", 0) != 0 && name.rfind("norm.", 0) != 0;
+    old.emplace_back(name, weight ? t.to(DType::f16) : t);
+    if (!weight) continue;
+    old.emplace_back("optimizer." + name + ".master", t);
+    ++masters;
+  }
+  ASSERT_GT(masters, 3u);
+  std::string& line = f.metadata.at("precision_settings");
+  const std::string now =
+      "parameters f32, read as f16 (normalization layers f32), input f16, "
+      "autocast off, master weights f32 (the parameters)";
+  ASSERT_EQ(line.find(now), 14u) << line;  // after "precision O2: "
+  line.replace(14, now.size(),
+               "parameters f16 (normalization layers f32), input f32, autocast off, master "
+               "weights f32");
+  std::string& count = f.metadata.at("optimizer_state_tensors");
+  count = std::to_string(std::stoll(count) + static_cast<long long>(masters));
+  io::save_safetensors(dir.file("old.safetensors"), old, f.metadata);
+
+  train::TrainConfig a = small("O2");
+  a.max_steps = 8;
+  a.resume = dir.file("part.safetensors");
+  a.save = dir.file("a.safetensors");
+  const train::TrainResult ra = train::Trainer(a).run();
+  train::TrainConfig b = a;
+  b.resume = dir.file("old.safetensors");
+  b.save = dir.file("b.safetensors");
+  const train::TrainResult rb = train::Trainer(b).run();
+  EXPECT_EQ(rb.step_losses, ra.step_losses);
+  const auto fa = io::load_safetensors(dir.file("a.safetensors"));
+  const auto fb = io::load_safetensors(dir.file("b.safetensors"));
+  ASSERT_EQ(fa.tensors.size(), fb.tensors.size());
+  for (auto& [name, t] : fa.tensors)
+    EXPECT_EQ(t.to_float_vector(), fb.tensors.at(name).to_float_vector()) << name;
+}
+
 TEST(MemoryBudget, PastTheBudgetTrainingStopsWithTheReportAndTheBudgetIsRestored) {
   ASSERT_FALSE(default_memory_tracker().budget());
   // 32-true needs about 59 MiB at its peak, 16-true about 30: a 48 MiB device fits one only.

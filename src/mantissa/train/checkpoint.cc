@@ -33,6 +33,23 @@ std::map<std::string, Tensor> model_tensors(const io::SafetensorsFile& f) {
   return out;
 }
 
+// O2 as earlier builds stored it: the model in 16 bits beside FP32 master copies in the optimizer
+// ("optimizer.<param>.master"). Its arithmetic is this build's O2 (the FP32 parameters are the
+// masters, read as 16-bit): the settings line it recorded, rewritten as this build prints it, or
+// nullopt for any other line.
+std::optional<std::string> stored_o2_settings(const std::string& line) {
+  for (const char* h : {"f16", "bf16"}) {
+    const std::string old = std::string("precision O2: parameters ") + h +
+                            " (normalization layers f32), input f32, autocast off, "
+                            "master weights f32, ";
+    if (line.rfind(old, 0) != 0) continue;
+    return std::string("precision O2: parameters f32, read as ") + h +
+           " (normalization layers f32), input " + h +
+           ", autocast off, master weights f32 (the parameters), " + line.substr(old.size());
+  }
+  return std::nullopt;
+}
+
 std::string meta(const io::SafetensorsFile& f, const std::string& key, const std::string& path) {
   auto it = f.metadata.find(key);
   MANTISSA_CHECK(
@@ -380,6 +397,7 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
   // Kahan compensation and the FP8 recipe are compared where their state is read (the optimizer's
   // and Fp8State's loads name the flag that differs); the rest of the printed settings here.
   const auto compared_here = [](std::string settings) {
+    if (const auto o2 = stored_o2_settings(settings)) settings = *o2;
     for (const auto& [from, to] :
          {std::pair<std::string, std::string>{", Kahan-compensated parameters", ""},
           {", fp8 linear and conv2d: ", ", fp32 accumulation"}}) {
@@ -460,6 +478,22 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
                        "state afresh and not continue the run bit for bit",
                    "the file is damaged: resume from an intact checkpoint, or start the run "
                    "from its weights with --init-from");
+  }
+  if (f.metadata.count("precision_settings") &&
+      stored_o2_settings(f.metadata.at("precision_settings"))) {
+    // The masters of O2's earlier layout are this build's FP32 parameters (the model's 16-bit
+    // tensors, loaded above, are their rounding).
+    for (const nn::Module::NamedTensor& p : model.named_parameters()) {
+      auto it = state.find(p.name + ".master");
+      if (it == state.end() || p.tensor->dtype() != DType::f32) continue;
+      MANTISSA_CHECK(it->second.shape() == p.tensor->shape(),
+                     path + ": the master weights of '" + p.name + "' have shape " +
+                         shape_str(it->second.shape()) + ", the parameter " +
+                         shape_str(p.tensor->shape()),
+                     "the file is damaged: resume from an intact checkpoint");
+      p.tensor->copy_from(it->second);
+      state.erase(it);
+    }
   }
   optimizer.load_state(state, meta_int(f, "optimizer_steps", path, 0, kMaxCount), path);
   Resumed r;
