@@ -109,7 +109,7 @@ const Types kTypes[] = {
     {DType::f32, DType::bf16, DType::f32, DType::f32, false, "bf16-mixed's gradient in parts"},
     {DType::f16, DType::f16, DType::f16, DType::bf16, false, "16-true"},
     {DType::bf16, DType::bf16, DType::bf16, DType::bf16, false, "bf16-true"},
-    {DType::f16, DType::f16, DType::f32, DType::f32, true, "O2"},
+    {DType::f16, DType::f16, DType::f32, DType::f32, true, "f16 with a master (O2 --half-modules)"},
     {DType::bf16, DType::f32, DType::f16, DType::f32, false, "generic"},
     {DType::bf16, DType::bf16, DType::bf16, DType::f32, true, "generic with a master"},
 };

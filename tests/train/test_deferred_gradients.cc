@@ -162,7 +162,8 @@ void expect_skipped_for(optim::Optimizer& opt, double init_scale,
 
 TEST(DeferredGradients, StepAsTheStoredGradientsBitForBit) {
   const Tensor x = random({8, 2100}, 4, 1.0);
-  // "master": f16 parameters with FP32 masters (O2's layout); "sr": with stochastic rounding.
+  // "master": f16 parameters with FP32 masters (what --half-modules stores in O2); "sr": with
+  // stochastic rounding.
   for (const std::string kind :
        {"sgd", "adam", "adamw", "adamw-f16-state", "adamw-master", "adamw-f16-sr"}) {
     const DType dtype = kind == "sgd" || kind == "adam" ? DType::f32 : DType::f16;

@@ -425,7 +425,7 @@ TEST(Optimizer, UpdatesInTheBackwardPassEqualTheStep) {
     bool w1_grad_kept = false, w2_grad_kept = false;
   };
   auto run = [&](const std::string& kind, bool in_backward) {
-    // "-bf16": BF16 parameters with FP32 master copies (16-bit gradients, the O2 layout).
+    // "-bf16": BF16 parameters with FP32 master copies (16-bit gradients, the layout of Apex's O2).
     const bool half = kind.find("-bf16") != std::string::npos;
     auto param = [&](const Tensor& t) { return half ? t.to(DType::bf16) : t.clone(); };
     Tensor w1 = param(w1_0), b1 = param(b1_0), w2 = param(w2_0), u = param(u_0);

@@ -78,20 +78,12 @@ void untiled_columns(bool tiled, int64_t j0, int64_t j1, int64_t Wo, Fn&& fn) {
 
 Tensor direct_forward(const Tensor& x_in, const Tensor& w_in, const std::vector<float>& bias,
                       const ConvGeometry& g, DType out) {
-  Tensor x = x_in.to(DType::f32);
+  // A 16-bit input (or an FP32 one read as 16-bit: g.read_as) is widened one image at a time into
+  // each thread's buffer as its rows reach the image (no whole-tensor FP32 copy).
+  const Tensor x = x_in.contiguous();
+  const bool round = g.read_as != DType::f32;
+  const bool x32 = x.dtype() == DType::f32 && !round;
   const Tensor w = w_in.to(DType::f32);
-  if (g.read_as != DType::f32) {  // an FP32 input as its 16-bit copy holds it, in one staged copy
-    Tensor staged = f32_workspace({x.numel()});
-    const int64_t plane = g.C * g.H * g.W;
-    parallel_for(static_cast<size_t>(g.N), 1, threads_for(g.N * plane), [&](size_t n0, size_t n1) {
-      for (size_t n = n0; n < n1; ++n) {
-        const int64_t at = static_cast<int64_t>(n) * plane;
-        copy_rounded(x.data<float>() + at, staged.data<float>() + at, plane, g.read_as);
-      }
-    });
-    x = staged.view(x.shape());
-  }
-  const float* xd = x.data<float>();
   const float* wd = w.data<float>();  // (O, CKK)
   Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
   const int64_t sw = g.p.stride_w, plane = g.C * g.H * g.W;
@@ -108,9 +100,17 @@ Tensor direct_forward(const Tensor& x_in, const Tensor& w_in, const std::vector<
         std::vector<float> edge(f32_out ? 0 : static_cast<size_t>(g.Wo));  // one channel's row
         std::vector<int64_t> tap(static_cast<size_t>(g.CKK));
         std::vector<const float*> xrow(static_cast<size_t>(g.CKK));
+        std::vector<float> xbuf(x32 ? 0 : static_cast<size_t>(plane));  // (C, H, W) of an image
+        int64_t widened = -1;                                           // the image in xbuf
         for (size_t r = r0; r < r1; ++r) {
           const int64_t n = static_cast<int64_t>(r) / g.Ho, oh = static_cast<int64_t>(r) % g.Ho;
-          const float* xn = xd + n * plane;
+          const float* xn = x32 ? x.data<float>() + n * plane : xbuf.data();
+          if (!x32 && widened != n) {
+            const float* src =
+                row_f32(bytes(x) + n * plane * esize(x.dtype()), x.dtype(), 1, plane, xbuf.data());
+            if (round) copy_rounded(src, xbuf.data(), plane, g.read_as);  // as its copy holds it
+            widened = n;
+          }
           const int64_t at = n * g.O * g.HW + oh * g.Wo;  // channel 0's row in y
           if (j0 < j1) {
             int64_t k = 0;

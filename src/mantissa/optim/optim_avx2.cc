@@ -292,7 +292,8 @@ __attribute__((target("avx2,f16c"))) int64_t adam_direct_simd(const DirectChunk&
     return adam_direct_body<kGeneric, kGeneric, kGeneric, kGeneric, false>(c, n, s);
   }
   if (is(c.pt, kF16) && is(c.gt, kF16) && is(c.mt, kF32) && is(c.vt, kF32))
-    return adam_direct_body<kF16, kF16, kF32, kF32, true>(c, n, s);  // O2
+    // f16 parameters with FP32 masters (--half-modules in O2)
+    return adam_direct_body<kF16, kF16, kF32, kF32, true>(c, n, s);
   return adam_direct_body<kGeneric, kGeneric, kGeneric, kGeneric, true>(c, n, s);
 }
 

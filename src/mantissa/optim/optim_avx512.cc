@@ -230,7 +230,7 @@ MANTISSA_AVX512 int64_t adam_simd(const DirectChunk& c, int64_t n, const AdamSca
       return adam_body<kBF16, kBF16, kBF16, kBF16, false>(c, n, s);
     return 0;
   }
-  if (all(kF16, kF16, kF32, kF32))  // O2
+  if (all(kF16, kF16, kF32, kF32))  // f16 parameters with FP32 masters (--half-modules in O2)
     return adam_body<kF16, kF16, kF32, kF32, true>(c, n, s);
   return 0;
 }
