@@ -15,6 +15,7 @@
 #include "mantissa/core/convert.h"
 #include "mantissa/core/tensor.h"
 #include "mantissa/kernels/elementwise.h"
+#include "mantissa/kernels/norm.h"
 #include "mantissa/kernels/vector_kernels.h"
 
 namespace mantissa::kernels {
@@ -109,6 +110,83 @@ TEST(NormRows, MatchTheirDefinitionsBitForBit) {
         wa[i % 8] += squares ? sq : v;
       }
       EXPECT_TRUE(same(a, wa, 8)) << (squares ? "squares, " : "sums, ") << n8 << " values";
+    }
+  }
+}
+
+// The 16-bit normalization rows: the statistics' sums of a row stored in f16 or bf16 (widened
+// values written out as they are summed) and the affine stored in f16 or bf16 from the registers,
+// against the FP32 definitions on the widened values, bit for bit: every 16-bit pattern (NaNs,
+// infinities, subnormals) in rows of every tail length.
+TEST(NormRows, SixteenBitRowsMatchTheirDefinitionsBitForBit) {
+  const std::vector<uint16_t> bits = every_pattern();
+  const float scale = -0.77f, shift = 0.011f;
+  for (const DType t : {DType::f16, DType::bf16}) {
+    for (const int64_t n :
+         {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{17}, int64_t{31},
+          int64_t{33}, int64_t{1027}, static_cast<int64_t>(bits.size())}) {
+      std::vector<float> x(static_cast<size_t>(n)), got(x.size());
+      convert(bits.data(), t, x.data(), DType::f32, x.size());
+      const int64_t n8 = n / 8 * 8;
+      float acc[8], want[8];
+      for (int l = 0; l < 8; ++l) acc[l] = want[l] = 0.25f * static_cast<float>(l);
+      detail::norm_sum_widen8(bits.data(), t, n8, got.data(), acc);
+      for (int64_t i = 0; i < n8; ++i) want[i % 8] += x[static_cast<size_t>(i)];
+      for (int l = 0; l < 8; ++l) {
+        if (!std::isnan(acc[l]) || !std::isnan(want[l])) {
+          EXPECT_EQ(std::bit_cast<uint32_t>(acc[l]), std::bit_cast<uint32_t>(want[l]))
+              << dtype_name(t) << ", " << n8 << " values, lane " << l;
+        }
+      }
+      EXPECT_EQ(0, std::memcmp(got.data(), x.data(), static_cast<size_t>(n8) * 4))
+          << dtype_name(t) << ": the widened values";
+      std::vector<uint16_t> out(static_cast<size_t>(n)), expect(out.size());
+      detail::norm_affine_row_to(x.data(), n, scale, shift, out.data(), t);
+      std::vector<float> y(x.size());
+      for (size_t i = 0; i < y.size(); ++i) {
+        const float p = x[i] * scale;
+        y[i] = p + shift;
+      }
+      convert(y.data(), DType::f32, expect.data(), t, y.size());
+      EXPECT_EQ(out, expect) << dtype_name(t) << " affine, " << n << " values";
+    }
+  }
+}
+
+// Group, layer and batch norm of a 16-bit tensor give the bits of the same norm of its FP32
+// widening with the output rounded into the 16-bit type (the kernels widen rows as they sum them
+// and round outputs from the registers): rows longer than a 4096-value chunk with a tail, and
+// shorter ones.
+TEST(NormRows, SixteenBitTensorsGiveTheBitsOfTheirFp32Widening) {
+  std::mt19937 gen(9);
+  std::normal_distribution<float> normal(0.5f, 2.0f);
+  auto filled = [&](const Shape& s) {
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = normal(gen);
+    return Tensor::from_floats(v, s);
+  };
+  const Tensor w = filled({6}), b = filled({6});
+  for (const DType t : {DType::f16, DType::bf16}) {
+    for (const Shape& shape : {Shape{3, 6, 37, 41}, Shape{2, 6, 5, 3}}) {
+      const Tensor x = filled(shape).to(t), x32 = x.to(DType::f32);
+      auto check = [&](const std::tuple<Tensor, Tensor, Tensor>& got,
+                       const std::tuple<Tensor, Tensor, Tensor>& want, const char* what) {
+        EXPECT_EQ(std::get<0>(got).dtype(), t);
+        EXPECT_EQ(std::get<0>(got).to_float_vector(), std::get<0>(want).to(t).to_float_vector())
+            << what << " " << dtype_name(t);
+        EXPECT_EQ(std::get<1>(got).to_float_vector(), std::get<1>(want).to_float_vector()) << what;
+        EXPECT_EQ(std::get<2>(got).to_float_vector(), std::get<2>(want).to_float_vector()) << what;
+      };
+      check(group_norm(x, 2, w, b, 1e-5, t), group_norm(x32, 2, w, b, 1e-5, DType::f32),
+            "group_norm");
+      check(layer_norm(x, 3, Tensor(), Tensor(), 1e-5, t),
+            layer_norm(x32, 3, Tensor(), Tensor(), 1e-5, DType::f32), "layer_norm");
+      Tensor rm = Tensor::zeros({6}, DType::f32), rv = Tensor::zeros({6}, DType::f32);
+      Tensor rm32 = rm.clone(), rv32 = rv.clone();
+      check(batch_norm(x, w, b, rm, rv, true, 0.1, 1e-5, t),
+            batch_norm(x32, w, b, rm32, rv32, true, 0.1, 1e-5, DType::f32), "batch_norm");
     }
   }
 }

@@ -55,6 +55,22 @@ double lane_sum(const float* p, int64_t n, float mu, bool squares) {
   return total;
 }
 double sum_f(const float* p, int64_t n) { return lane_sum(p, n, 0.0f, false); }
+// sum_f of a 16-bit row's values (t), widening them into out[0, n) in the same pass: the sum of
+// lane_sum, in its order.
+double sum_widened(const char* src, DType t, int64_t n, float* out) {
+  const int64_t es = static_cast<int64_t>(esize(t));
+  double total = 0;
+  for (int64_t c = 0; c < n; c += 4096) {
+    const int64_t m = std::min<int64_t>(4096, n - c);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = m / 8 * 8;
+    detail::norm_sum_widen8(src + c * es, t, i, out + c, acc);
+    if (i < m) load_f32(src + (c + i) * es, t, 1, m - i, out + c + i);
+    for (; i < m; ++i) acc[0] += out[c + i];
+    total += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  }
+  return total;
+}
 // Sum of (p[i] - mu)^2.
 double sum_sq_f(const float* p, int64_t n, float mu) { return lane_sum(p, n, mu, true); }
 
@@ -90,14 +106,17 @@ struct NormApply {
   }
   // Row r from its values xs in FP32 (x.row()'s).
   void row_from(int64_t r, const float* xs, float* ybuf) const {
-    char* dst = static_cast<char*>(y) + r * L.inner * static_cast<int64_t>(esize(yt));
-    float* out = yt == DType::f32 ? reinterpret_cast<float*>(dst) : ybuf;
+    (void)ybuf;  // a 16-bit y is rounded as it is stored (norm_affine_row_to)
+    const int64_t es = static_cast<int64_t>(esize(yt));
+    char* dst = static_cast<char*>(y) + r * L.inner * es;
     for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
       const float scale = w ? rstd[s] * (*w)[c] : rstd[s];
       const float shift = w ? (*b)[c] - mean[s] * scale : -mean[s] * scale;
-      detail::norm_affine_row(xs + i0, i1 - i0, scale, shift, out + i0);
+      if (yt == DType::f32)
+        detail::norm_affine_row(xs + i0, i1 - i0, scale, shift, reinterpret_cast<float*>(dst) + i0);
+      else
+        detail::norm_affine_row_to(xs + i0, i1 - i0, scale, shift, dst + i0 * es, yt);
     });
-    if (yt != DType::f32) store_f32(out, L.inner, dst, yt, 1);
   }
 };
 
@@ -125,11 +144,23 @@ void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>
                    const int64_t grp = L.across_outer ? static_cast<int64_t>(s)
                                                       : static_cast<int64_t>(s) % L.groups;
                    // A stat group of one row (group and layer norm) is read once: a 16-bit
-                   // row converted once for both sums and the normalization.
-                   const float* one_row = o_end - o_begin == 1 ? row(o_begin, grp) : nullptr;
-                   auto values = [&](int64_t o) { return one_row ? one_row : row(o, grp); };
+                   // row widened once, in the pass that sums it, for the second sum and the
+                   // normalization.
+                   const bool one = o_end - o_begin == 1;
+                   const float* one_row = nullptr;
                    double sum = 0;
-                   for (int64_t o = o_begin; o < o_end; ++o) sum += sum_f(values(o), L.inner);
+                   if (one && x.dtype != DType::f32) {
+                     const int64_t r = o_begin * L.groups + grp;
+                     sum = sum_widened(x.base + r * L.inner * static_cast<int64_t>(esize(x.dtype)),
+                                       x.dtype, L.inner, buf.data());
+                     one_row = buf.data();
+                   } else if (one) {
+                     one_row = row(o_begin, grp);
+                     sum = sum_f(one_row, L.inner);
+                   }
+                   auto values = [&](int64_t o) { return one_row ? one_row : row(o, grp); };
+                   if (!one)
+                     for (int64_t o = o_begin; o < o_end; ++o) sum += sum_f(values(o), L.inner);
                    const double count = static_cast<double>((o_end - o_begin) * L.inner);
                    const double mu = sum / count;
                    double sq = 0;  // two passes: the variance of values around their mean

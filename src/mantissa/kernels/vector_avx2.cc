@@ -792,6 +792,27 @@ __attribute__((target("avx2"))) void norm_stat_sums8_avx2(const float* x, int64_
   _mm256_storeu_ps(acc, s);
 }
 
+__attribute__((target("avx2,f16c"))) void norm_sum_widen8_avx2(const void* x, DType t, int64_t n8,
+                                                               float* out, float* acc) {
+  const uint16_t* h = static_cast<const uint16_t*>(x);
+  __m256 s = _mm256_loadu_ps(acc);
+  if (t == DType::f16) {
+    for (int64_t i = 0; i + 8 <= n8; i += 8) {
+      const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
+      _mm256_storeu_ps(out + i, v);
+      s = _mm256_add_ps(s, v);
+    }
+  } else {
+    for (int64_t i = 0; i + 8 <= n8; i += 8) {
+      const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))), 16));
+      _mm256_storeu_ps(out + i, v);
+      s = _mm256_add_ps(s, v);
+    }
+  }
+  _mm256_storeu_ps(acc, s);
+}
+
 __attribute__((target("avx2"))) int64_t norm_dx_row_avx2(const float* d, const float* x, int64_t n,
                                                          float mu, float rs, float scale,
                                                          float shift, float slope, float* out) {

@@ -492,6 +492,16 @@ MANTISSA_AVX512 int64_t norm_dx_row_avx512(const float* d, const float* x, int64
   return i + norm_dx_row_avx2(d + i, x + i, n - i, mu, rs, scale, shift, slope, out + i);
 }
 
+MANTISSA_AVX512 int64_t norm_affine_row16_avx512(const float* x, int64_t n, float scale,
+                                                 float shift, void* out, DType t) {
+  const __m512 sc = _mm512_set1_ps(scale), sh = _mm512_set1_ps(shift);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    simd512::store16(o + i, t, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), sc), sh));
+  return i;
+}
+
 MANTISSA_AVX512 int64_t norm_affine_row_avx512(const float* x, int64_t n, float scale, float shift,
                                                float* out) {
   const __m512 sc = _mm512_set1_ps(scale), sh = _mm512_set1_ps(shift);

@@ -465,6 +465,29 @@ void norm_affine_row(const float* x, int64_t n, float scale, float shift, float*
   for (; i < n; ++i) out[i] = x[i] * scale + shift;
 }
 
+void norm_sum_widen8(const void* x, DType t, int64_t n, float* out, float* acc) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) return norm_sum_widen8_avx2(x, t, n, out, acc);
+#endif
+  convert(x, t, out, DType::f32, static_cast<size_t>(n));
+  norm_stat_sums8(out, n, 0.0f, false, acc);
+}
+
+void norm_affine_row_to(const float* x, int64_t n, float scale, float shift, void* out, DType t) {
+  int64_t i = 0;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx512_vectors()) i = norm_affine_row16_avx512(x, n, scale, shift, out, t);
+#endif
+  float row[64];  // the rest: FP32 values, then rounded
+  const size_t es = dtype_size(t);
+  for (; i < n; i += 64) {
+    const int64_t m = std::min<int64_t>(64, n - i);
+    norm_affine_row(x + i, m, scale, shift, row);
+    convert(row, DType::f32, static_cast<char*>(out) + i * static_cast<int64_t>(es), t,
+            static_cast<size_t>(m));
+  }
+}
+
 bool relu_backward_row(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                        int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD

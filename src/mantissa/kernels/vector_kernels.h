@@ -84,6 +84,12 @@ void norm_dx_row(const float* d, const float* x, int64_t n, float mu, float rs, 
                  float shift, float slope, float* out);
 // The forward's affine: out[i] = x[i] * scale + shift.
 void norm_affine_row(const float* x, int64_t n, float scale, float shift, float* out);
+// For 16-bit rows (t: f16 or bf16), the same arithmetic with the conversion in the same pass:
+// norm_stat_sums8's sums (squares false) of a row stored in t, its values (widened exactly) also
+// written to out[0, n); and norm_affine_row's values stored in t, each rounded to nearest even
+// as convert() rounds it.
+void norm_sum_widen8(const void* x, DType t, int64_t n, float* out, float* acc);
+void norm_affine_row_to(const float* x, int64_t n, float scale, float shift, void* out, DType t);
 
 // ---- Lane-split dot products (inner-product GEMM: C = A B^T with both operands contiguous
 // along K, read in place, nothing packed). For long K and few outputs (a linear layer's forward
@@ -231,6 +237,9 @@ int64_t norm_dx_row_avx512(const float* d, const float* x, int64_t n, float mu, 
                            float scale, float shift, float slope, float* out);
 int64_t norm_affine_row_avx2(const float* x, int64_t n, float scale, float shift, float* out);
 int64_t norm_affine_row_avx512(const float* x, int64_t n, float scale, float shift, float* out);
+void norm_sum_widen8_avx2(const void* x, DType t, int64_t n8, float* out, float* acc);
+int64_t norm_affine_row16_avx512(const float* x, int64_t n, float scale, float shift, void* out,
+                                 DType t);
 void relu_row_avx512(const void* x, DType tx, void* y, DType ty, int64_t n);
 void relu_backward_row_avx512(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                               int64_t n);
