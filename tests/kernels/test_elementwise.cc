@@ -149,14 +149,56 @@ TEST(NormRows, SixteenBitRowsMatchTheirDefinitionsBitForBit) {
       }
       convert(y.data(), DType::f32, expect.data(), t, y.size());
       EXPECT_EQ(out, expect) << dtype_name(t) << " affine, " << n << " values";
+
+      // The backward's sums with d in each storage (FP32 d: 16-mixed's FP32 gradient against a
+      // 16-bit x) and its dx stored in t.
+      const float mu = 0.3125f, rs = 1.7f, slope = 2.5f;
+      std::vector<float> d(x.size());
+      for (size_t i = 0; i < d.size(); ++i) d[i] = x[(i * 7 + 3) % d.size()];
+      std::vector<uint16_t> dbits(d.size());
+      convert(d.data(), DType::f32, dbits.data(), t, d.size());
+      convert(dbits.data(), t, d.data(), DType::f32, d.size());  // d holds t's values
+      for (const DType dt : {DType::f32, t}) {
+        const void* dp = dt == DType::f32 ? static_cast<const void*>(d.data()) : dbits.data();
+        std::vector<float> dw(d.size(), -1.0f), xw(x.size(), -1.0f);
+        float a[8], b[8], wa[8], wb[8];
+        for (int l = 0; l < 8; ++l) a[l] = wa[l] = 0.5f * static_cast<float>(l), b[l] = wb[l] = -1;
+        detail::norm_sums8_widen(dp, dt, bits.data(), t, n8, mu, rs,
+                                 dt == DType::f32 ? nullptr : dw.data(), xw.data(), a, b);
+        for (int64_t i = 0; i < n8; ++i) {
+          const size_t k = static_cast<size_t>(i);
+          const float xhat = (x[k] - mu) * rs, p = d[k] * xhat;
+          wa[i % 8] += d[k];
+          wb[i % 8] += p;
+        }
+        for (int l = 0; l < 8; ++l) {
+          if (!std::isnan(a[l]) || !std::isnan(wa[l])) {
+            EXPECT_EQ(std::bit_cast<uint32_t>(a[l]), std::bit_cast<uint32_t>(wa[l])) << l;
+          }
+          if (!std::isnan(b[l]) || !std::isnan(wb[l])) {
+            EXPECT_EQ(std::bit_cast<uint32_t>(b[l]), std::bit_cast<uint32_t>(wb[l])) << l;
+          }
+        }
+        EXPECT_EQ(0, std::memcmp(xw.data(), x.data(), static_cast<size_t>(n8) * 4));
+        if (dt != DType::f32) {
+          EXPECT_EQ(0, std::memcmp(dw.data(), d.data(), static_cast<size_t>(n8) * 4));
+        }
+      }
+      detail::norm_dx_row_to(d.data(), x.data(), n, mu, rs, scale, shift, slope, out.data(), t);
+      for (size_t i = 0; i < y.size(); ++i) {
+        const float g = d[i] * scale - shift, xhat = (x[i] - mu) * rs;
+        y[i] = g - xhat * slope;
+      }
+      convert(y.data(), DType::f32, expect.data(), t, y.size());
+      EXPECT_EQ(out, expect) << dtype_name(t) << " dx, " << n << " values";
     }
   }
 }
 
-// Group, layer and batch norm of a 16-bit tensor give the bits of the same norm of its FP32
-// widening with the output rounded into the 16-bit type (the kernels widen rows as they sum them
-// and round outputs from the registers): rows longer than a 4096-value chunk with a tail, and
-// shorter ones.
+// Group, layer and batch norm of a 16-bit tensor (and group norm's backward) give the bits of the
+// same norm of its FP32 widening with the output rounded into the 16-bit type (the kernels widen
+// rows as they sum them and round outputs from the registers): rows longer than a 4096-value chunk
+// with a tail, and shorter ones.
 TEST(NormRows, SixteenBitTensorsGiveTheBitsOfTheirFp32Widening) {
   std::mt19937 gen(9);
   std::normal_distribution<float> normal(0.5f, 2.0f);
@@ -181,12 +223,84 @@ TEST(NormRows, SixteenBitTensorsGiveTheBitsOfTheirFp32Widening) {
       };
       check(group_norm(x, 2, w, b, 1e-5, t), group_norm(x32, 2, w, b, 1e-5, DType::f32),
             "group_norm");
+      // The backward: dy in t (the 16-bit modes) and in FP32 (16-mixed's), dx in t.
+      const auto [y32, mean, rstd] = group_norm(x32, 2, w, b, 1e-5, DType::f32);
+      const Tensor dy = filled(shape).to(t);
+      for (const Tensor& g : {dy, dy.to(DType::f32)}) {
+        const auto got = group_norm_backward(g, x, 2, w, mean, rstd, t);
+        const auto want = group_norm_backward(dy.to(DType::f32), x32, 2, w, mean, rstd, DType::f32);
+        EXPECT_EQ(std::get<0>(got).to_float_vector(), std::get<0>(want).to(t).to_float_vector())
+            << "group_norm_backward dx, dy " << dtype_name(g.dtype());
+        EXPECT_EQ(std::get<1>(got).to_float_vector(), std::get<1>(want).to_float_vector());
+        EXPECT_EQ(std::get<2>(got).to_float_vector(), std::get<2>(want).to_float_vector());
+      }
       check(layer_norm(x, 3, Tensor(), Tensor(), 1e-5, t),
             layer_norm(x32, 3, Tensor(), Tensor(), 1e-5, DType::f32), "layer_norm");
       Tensor rm = Tensor::zeros({6}, DType::f32), rv = Tensor::zeros({6}, DType::f32);
       Tensor rm32 = rm.clone(), rv32 = rv.clone();
       check(batch_norm(x, w, b, rm, rv, true, 0.1, 1e-5, t),
             batch_norm(x32, w, b, rm32, rv32, true, 0.1, 1e-5, DType::f32), "batch_norm");
+    }
+  }
+}
+
+// Group norm's backward against its arithmetic written out here, bit for bit: per row (a stat
+// group) and channel run, eight float lanes of dy and dy * xhat within chunks of 4096 (the last
+// values of a chunk into lane 0), each chunk's lanes added in a fixed tree and the chunks in
+// FP64; then dx = (dy * scale - shift) - xhat * slope with FP32 coefficients from those sums.
+// Channel runs of 1517 values (a tail in every run) and of 4551 (past a chunk).
+TEST(NormRows, GroupNormBackwardIsItsArithmeticBitForBit) {
+  std::mt19937 gen(13);
+  std::normal_distribution<float> normal(0.25f, 1.5f);
+  for (const Shape& shape : {Shape{2, 6, 37, 41}, Shape{2, 2, 3, 1517}}) {
+    const int64_t C = shape[1], inner_c = shape[2] * shape[3], groups = 2;
+    const int64_t N = shape[0], n = N * C * inner_c, per_group = C / groups * inner_c;
+    std::vector<float> xv(static_cast<size_t>(n)), dv(xv.size()), wv(static_cast<size_t>(C));
+    for (float& v : xv) v = normal(gen);
+    for (float& v : dv) v = normal(gen);
+    for (float& v : wv) v = normal(gen);
+    const Tensor x = Tensor::from_floats(xv, shape), dy = Tensor::from_floats(dv, shape),
+                 w = Tensor::from_floats(wv, {C}), b = Tensor::zeros({C}, DType::f32);
+    const auto [y, mean, rstd] = group_norm(x, groups, w, b, 1e-5, DType::f32);
+    const auto [dx, dw, db] = group_norm_backward(dy, x, groups, w, mean, rstd, DType::f32);
+    const std::vector<float> mu = mean.to_float_vector(), rs = rstd.to_float_vector();
+    const std::vector<float> got = dx.to_float_vector();
+    for (int64_t r = 0; r < N * groups; ++r) {
+      const float m = mu[static_cast<size_t>(r)], s = rs[static_cast<size_t>(r)];
+      double sum_g = 0, sum_gx = 0;
+      for (int64_t c0 = 0; c0 < per_group; c0 += inner_c) {  // the row's channel runs
+        const int64_t ch = (r % groups) * (C / groups) + c0 / inner_c;
+        const float* d = dv.data() + r * per_group + c0;
+        const float* xr = xv.data() + r * per_group + c0;
+        double sd = 0, sdx = 0;
+        for (int64_t k = 0; k < inner_c; k += 4096) {
+          const int64_t len = std::min<int64_t>(4096, inner_c - k);
+          float a[8] = {}, bb[8] = {};
+          for (int64_t i = 0; i < len; ++i) {
+            const int l = i < len / 8 * 8 ? static_cast<int>(i % 8) : 0;
+            const float xhat = (xr[k + i] - m) * s, p = d[k + i] * xhat;
+            a[l] += d[k + i];
+            bb[l] += p;
+          }
+          sd += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+          sdx += ((bb[0] + bb[1]) + (bb[2] + bb[3])) + ((bb[4] + bb[5]) + (bb[6] + bb[7]));
+        }
+        sum_g += static_cast<double>(wv[static_cast<size_t>(ch)]) * sd;
+        sum_gx += static_cast<double>(wv[static_cast<size_t>(ch)]) * sdx;
+      }
+      const double count = static_cast<double>(per_group);
+      for (int64_t e = 0; e < per_group; ++e) {
+        const int64_t ch = (r % groups) * (C / groups) + e / inner_c;
+        const float scale =
+            static_cast<float>(s * static_cast<double>(wv[static_cast<size_t>(ch)]));
+        const float shift = static_cast<float>(s * (sum_g / count));
+        const float slope = static_cast<float>(s * (sum_gx / count));
+        const size_t at = static_cast<size_t>(r * per_group + e);
+        const float g = dv[at] * scale - shift, xhat = (xv[at] - m) * s, q = xhat * slope;
+        const float want = g - q;
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[at]), std::bit_cast<uint32_t>(want))
+            << "row " << r << " element " << e;
+      }
     }
   }
 }

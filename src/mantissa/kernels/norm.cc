@@ -267,18 +267,29 @@ Tensor stats_and_normalized(FloatRows x, const Shape& shape, const NormLayout& L
   return y;
 }
 
-// Sums of d[i] and d[i] * xhat[i], xhat = (x[i] - mu) * rs, over n values: 8 float lanes
-// (vectorizable) within chunks of 4096, the chunks added in FP64, as sum_f does.
-void sums_d_dxhat(const float* d, const float* x, int64_t n, float mu, float rs, double& sd,
-                  double& sdx) {
+// Sums of d[i] and d[i] * xhat[i], xhat = (x[i] - mu) * rs, over n values: 8 float lanes within
+// chunks of 4096, the chunks added in FP64, as sum_f does. d and x are stored in dt and xt (f32,
+// f16 or bf16); a 16-bit operand is widened into dout / xout (null for an FP32 one) in the pass
+// that sums it, for dx after the sums.
+void sums_d_dxhat_widened(const char* d, DType dt, const char* x, DType xt, int64_t n, float mu,
+                          float rs, float* dout, float* xout, double& sd, double& sdx) {
+  const int64_t ed = static_cast<int64_t>(esize(dt)), ex = static_cast<int64_t>(esize(xt));
+  const float* dv = dt == DType::f32 ? reinterpret_cast<const float*>(d) : dout;
+  const float* xv = xt == DType::f32 ? reinterpret_cast<const float*>(x) : xout;
   for (int64_t c = 0; c < n; c += 4096) {
     const int64_t m = std::min<int64_t>(4096, n - c);
     float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = m / 8 * 8;
-    detail::norm_sums8(d + c, x + c, i, mu, rs, a, b);
+    detail::norm_sums8_widen(d + c * ed, dt, x + c * ex, xt, i, mu, rs,
+                             dt == DType::f32 ? nullptr : dout + c,
+                             xt == DType::f32 ? nullptr : xout + c, a, b);
+    if (i < m && dt != DType::f32) load_f32(d + (c + i) * ed, dt, 1, m - i, dout + c + i);
+    if (i < m && xt != DType::f32) load_f32(x + (c + i) * ex, xt, 1, m - i, xout + c + i);
+    const float* dc = dv + c;
+    const float* xc = xv + c;
     for (; i < m; ++i) {
-      a[0] += d[c + i];
-      b[0] += d[c + i] * ((x[c + i] - mu) * rs);
+      a[0] += dc[i];
+      b[0] += dc[i] * ((xc[i] - mu) * rs);
     }
     sd += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
     sdx += ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
@@ -313,17 +324,21 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
   const size_t dx_size = esize(dx_type);
   // Row r's dx from its dy and x values in FP32 (FloatRows::row()'s).
   auto dx_values = [&](int64_t r, const float* dr, const float* xr, float* outbuf) {
+    (void)outbuf;  // a 16-bit dx is rounded as it is stored (norm_dx_row_to)
     char* dst = static_cast<char*>(dx) + r * L.inner * static_cast<int64_t>(dx_size);
-    float* out = dx_type == DType::f32 ? reinterpret_cast<float*>(dst) : outbuf;
     for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
       const double wc = w ? (*w)[c] : 1.0;
       const float mu = mean[s], rs = rstd[s];
       const float scale = static_cast<float>(rs * wc);
       const float shift = through_stats ? static_cast<float>(rs * (sum_g[s] / count)) : 0.0f;
       const float slope = through_stats ? static_cast<float>(rs * (sum_gx[s] / count)) : 0.0f;
-      detail::norm_dx_row(dr + i0, xr + i0, i1 - i0, mu, rs, scale, shift, slope, out + i0);
+      if (dx_type == DType::f32)
+        detail::norm_dx_row(dr + i0, xr + i0, i1 - i0, mu, rs, scale, shift, slope,
+                            reinterpret_cast<float*>(dst) + i0);
+      else
+        detail::norm_dx_row_to(dr + i0, xr + i0, i1 - i0, mu, rs, scale, shift, slope,
+                               dst + i0 * static_cast<int64_t>(dx_size), dx_type);
     });
-    if (dx_type != DType::f32) store_f32(out, L.inner, dst, dx_type, 1);
   };
   auto dx_row = [&](int64_t r, float* dybuf, float* xbuf, float* outbuf) {
     dx_values(r, dy.row(r * L.inner, L.inner, dybuf), x.row(r * L.inner, L.inner, xbuf), outbuf);
@@ -350,12 +365,22 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
       };
       for (int64_t k = 0; k < n_rows; ++k) {
         const int64_t r = row_of(k);
-        const float* dr = dy.row(r * L.inner, L.inner, dybuf.data());
-        const float* xr = x.row(r * L.inner, L.inner, xbuf.data());
+        // 16-bit rows are widened in the pass that sums them (into dybuf and xbuf, which then
+        // hold the whole row for dx); FP32 rows are read in place.
+        const char* drow = dy.base + r * L.inner * static_cast<int64_t>(esize(dy.dtype));
+        const char* xrow = x.base + r * L.inner * static_cast<int64_t>(esize(x.dtype));
+        const float* dr =
+            dy.dtype == DType::f32 ? reinterpret_cast<const float*>(drow) : dybuf.data();
+        const float* xr =
+            x.dtype == DType::f32 ? reinterpret_cast<const float*>(xrow) : xbuf.data();
         for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
           const double wc = w ? (*w)[c] : 1.0;
           double sd = 0, sdx = 0;
-          sums_d_dxhat(dr + i0, xr + i0, i1 - i0, mean[s], rstd[s], sd, sdx);
+          sums_d_dxhat_widened(drow + i0 * static_cast<int64_t>(esize(dy.dtype)), dy.dtype,
+                               xrow + i0 * static_cast<int64_t>(esize(x.dtype)), x.dtype, i1 - i0,
+                               mean[s], rstd[s],
+                               dy.dtype == DType::f32 ? nullptr : dybuf.data() + i0,
+                               x.dtype == DType::f32 ? nullptr : xbuf.data() + i0, sd, sdx);
           sum_g[s] += wc * sd;
           sum_gx[s] += wc * sdx;
           tdw[c] += sdx;

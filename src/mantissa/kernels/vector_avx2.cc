@@ -813,6 +813,63 @@ __attribute__((target("avx2,f16c"))) void norm_sum_widen8_avx2(const void* x, DT
   _mm256_storeu_ps(acc, s);
 }
 
+namespace {
+// Eight values of storage t at p (f32, f16 or bf16), widened exactly; a 16-bit operand's also
+// stored at out + i.
+template <int T>  // 0 f32, 1 f16, 2 bf16
+__attribute__((target("avx2,f16c"), always_inline)) inline __m256 widened8(const void* p, int64_t i,
+                                                                           float* out) {
+  if constexpr (T == 0) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    const __m256 v = T == 1 ? _mm256_cvtph_ps(h)
+                            : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    _mm256_storeu_ps(out + i, v);
+    return v;
+  }
+}
+
+template <int DT, int XT>
+__attribute__((target("avx2,f16c"))) void sums8_widen(const void* d, const void* x, int64_t n8,
+                                                      float mu, float rs, float* dout, float* xout,
+                                                      float* a, float* b) {
+  const __m256 m = _mm256_set1_ps(mu), r = _mm256_set1_ps(rs);
+  __m256 sa = _mm256_loadu_ps(a), sb = _mm256_loadu_ps(b);
+  for (int64_t i = 0; i + 8 <= n8; i += 8) {
+    const __m256 dv = widened8<DT>(d, i, dout);
+    const __m256 xhat = _mm256_mul_ps(_mm256_sub_ps(widened8<XT>(x, i, xout), m), r);
+    sa = _mm256_add_ps(sa, dv);
+    sb = _mm256_add_ps(sb, _mm256_mul_ps(dv, xhat));
+  }
+  _mm256_storeu_ps(a, sa);
+  _mm256_storeu_ps(b, sb);
+}
+
+constexpr int kind_of(DType t) { return t == DType::f16 ? 1 : t == DType::bf16 ? 2 : 0; }
+}  // namespace
+
+// norm_sums8_avx2's arithmetic on operands stored in f32, f16 or bf16.
+void norm_sums8_widen_avx2(const void* d, DType dt, const void* x, DType xt, int64_t n8, float mu,
+                           float rs, float* dout, float* xout, float* a, float* b) {
+  switch (kind_of(dt) * 3 + kind_of(xt)) {
+#define MANTISSA_SUMS(dk, xk) \
+  case dk * 3 + xk:           \
+    return sums8_widen<dk, xk>(d, x, n8, mu, rs, dout, xout, a, b);
+    MANTISSA_SUMS(0, 0)
+    MANTISSA_SUMS(0, 1)
+    MANTISSA_SUMS(0, 2)
+    MANTISSA_SUMS(1, 0)
+    MANTISSA_SUMS(1, 1)
+    MANTISSA_SUMS(1, 2)
+    MANTISSA_SUMS(2, 0)
+    MANTISSA_SUMS(2, 1)
+    MANTISSA_SUMS(2, 2)
+#undef MANTISSA_SUMS
+  }
+}
+
 __attribute__((target("avx2"))) int64_t norm_dx_row_avx2(const float* d, const float* x, int64_t n,
                                                          float mu, float rs, float scale,
                                                          float shift, float slope, float* out) {

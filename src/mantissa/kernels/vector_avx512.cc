@@ -492,6 +492,21 @@ MANTISSA_AVX512 int64_t norm_dx_row_avx512(const float* d, const float* x, int64
   return i + norm_dx_row_avx2(d + i, x + i, n - i, mu, rs, scale, shift, slope, out + i);
 }
 
+MANTISSA_AVX512 int64_t norm_dx_row16_avx512(const float* d, const float* x, int64_t n, float mu,
+                                             float rs, float scale, float shift, float slope,
+                                             void* out, DType t) {
+  const __m512 m = _mm512_set1_ps(mu), r = _mm512_set1_ps(rs), sc = _mm512_set1_ps(scale),
+               sh = _mm512_set1_ps(shift), sl = _mm512_set1_ps(slope);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(d + i), sc), sh);
+    const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), m), r);
+    simd512::store16(o + i, t, _mm512_sub_ps(g, _mm512_mul_ps(xhat, sl)));
+  }
+  return i;
+}
+
 MANTISSA_AVX512 int64_t norm_affine_row16_avx512(const float* x, int64_t n, float scale,
                                                  float shift, void* out, DType t) {
   const __m512 sc = _mm512_set1_ps(scale), sh = _mm512_set1_ps(shift);

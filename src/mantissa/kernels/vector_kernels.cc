@@ -488,6 +488,35 @@ void norm_affine_row_to(const float* x, int64_t n, float scale, float shift, voi
   }
 }
 
+void norm_sums8_widen(const void* d, DType dt, const void* x, DType xt, int64_t n, float mu,
+                      float rs, float* dout, float* xout, float* a, float* b) {
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx2_vectors()) return norm_sums8_widen_avx2(d, dt, x, xt, n, mu, rs, dout, xout, a, b);
+#endif
+  auto widened = [n](const void* p, DType t, float* out) {
+    if (t == DType::f32) return static_cast<const float*>(p);
+    convert(p, t, out, DType::f32, static_cast<size_t>(n));
+    return const_cast<const float*>(out);
+  };
+  norm_sums8(widened(d, dt, dout), widened(x, xt, xout), n, mu, rs, a, b);
+}
+
+void norm_dx_row_to(const float* d, const float* x, int64_t n, float mu, float rs, float scale,
+                    float shift, float slope, void* out, DType t) {
+  int64_t i = 0;
+#if MANTISSA_HAVE_X86_SIMD
+  if (avx512_vectors()) i = norm_dx_row16_avx512(d, x, n, mu, rs, scale, shift, slope, out, t);
+#endif
+  float row[64];  // the rest: FP32 values, then rounded
+  const size_t es = dtype_size(t);
+  for (; i < n; i += 64) {
+    const int64_t m = std::min<int64_t>(64, n - i);
+    norm_dx_row(d + i, x + i, m, mu, rs, scale, shift, slope, row);
+    convert(row, DType::f32, static_cast<char*>(out) + i * static_cast<int64_t>(es), t,
+            static_cast<size_t>(m));
+  }
+}
+
 bool relu_backward_row(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
                        int64_t n) {
 #if MANTISSA_HAVE_X86_SIMD

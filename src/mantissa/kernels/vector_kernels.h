@@ -90,6 +90,13 @@ void norm_affine_row(const float* x, int64_t n, float scale, float shift, float*
 // as convert() rounds it.
 void norm_sum_widen8(const void* x, DType t, int64_t n, float* out, float* acc);
 void norm_affine_row_to(const float* x, int64_t n, float scale, float shift, void* out, DType t);
+// The backward's: norm_sums8 over d and x stored in dt and xt (f32, f16 or bf16), each 16-bit
+// operand's values also written to dout / xout (unused for an f32 operand); and norm_dx_row's
+// values stored in t (f16 or bf16), rounded as convert() rounds them.
+void norm_sums8_widen(const void* d, DType dt, const void* x, DType xt, int64_t n, float mu,
+                      float rs, float* dout, float* xout, float* a, float* b);
+void norm_dx_row_to(const float* d, const float* x, int64_t n, float mu, float rs, float scale,
+                    float shift, float slope, void* out, DType t);
 
 // ---- Lane-split dot products (inner-product GEMM: C = A B^T with both operands contiguous
 // along K, read in place, nothing packed). For long K and few outputs (a linear layer's forward
@@ -238,6 +245,10 @@ int64_t norm_dx_row_avx512(const float* d, const float* x, int64_t n, float mu, 
 int64_t norm_affine_row_avx2(const float* x, int64_t n, float scale, float shift, float* out);
 int64_t norm_affine_row_avx512(const float* x, int64_t n, float scale, float shift, float* out);
 void norm_sum_widen8_avx2(const void* x, DType t, int64_t n8, float* out, float* acc);
+void norm_sums8_widen_avx2(const void* d, DType dt, const void* x, DType xt, int64_t n8, float mu,
+                           float rs, float* dout, float* xout, float* a, float* b);
+int64_t norm_dx_row16_avx512(const float* d, const float* x, int64_t n, float mu, float rs,
+                             float scale, float shift, float slope, void* out, DType t);
 int64_t norm_affine_row16_avx512(const float* x, int64_t n, float scale, float shift, void* out,
                                  DType t);
 void relu_row_avx512(const void* x, DType tx, void* y, DType ty, int64_t n);
