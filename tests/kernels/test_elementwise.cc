@@ -5,6 +5,7 @@
 // bf16 operands.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -120,6 +121,9 @@ TEST(NormRows, MatchTheirDefinitionsBitForBit) {
 // infinities, subnormals) in rows of every tail length.
 TEST(NormRows, SixteenBitRowsMatchTheirDefinitionsBitForBit) {
   const std::vector<uint16_t> bits = every_pattern();
+  const auto same_bits = [](float a, float b) {
+    return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
+  };
   const float scale = -0.77f, shift = 0.011f;
   for (const DType t : {DType::f16, DType::bf16}) {
     for (const int64_t n :
@@ -138,7 +142,7 @@ TEST(NormRows, SixteenBitRowsMatchTheirDefinitionsBitForBit) {
               << dtype_name(t) << ", " << n8 << " values, lane " << l;
         }
       }
-      EXPECT_EQ(0, std::memcmp(got.data(), x.data(), static_cast<size_t>(n8) * 4))
+      EXPECT_TRUE(std::equal(got.begin(), got.begin() + n8, x.begin(), same_bits))
           << dtype_name(t) << ": the widened values";
       std::vector<uint16_t> out(static_cast<size_t>(n)), expect(out.size());
       detail::norm_affine_row_to(x.data(), n, scale, shift, out.data(), t);
@@ -179,9 +183,9 @@ TEST(NormRows, SixteenBitRowsMatchTheirDefinitionsBitForBit) {
             EXPECT_EQ(std::bit_cast<uint32_t>(b[l]), std::bit_cast<uint32_t>(wb[l])) << l;
           }
         }
-        EXPECT_EQ(0, std::memcmp(xw.data(), x.data(), static_cast<size_t>(n8) * 4));
+        EXPECT_TRUE(std::equal(xw.begin(), xw.begin() + n8, x.begin(), same_bits));
         if (dt != DType::f32) {
-          EXPECT_EQ(0, std::memcmp(dw.data(), d.data(), static_cast<size_t>(n8) * 4));
+          EXPECT_TRUE(std::equal(dw.begin(), dw.begin() + n8, d.begin(), same_bits));
         }
       }
       detail::norm_dx_row_to(d.data(), x.data(), n, mu, rs, scale, shift, slope, out.data(), t);
