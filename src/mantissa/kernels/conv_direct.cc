@@ -65,6 +65,15 @@ void copy_rounded(const float* src, float* dst, int64_t n, DType t) {
   }
 }
 
+// Image n of x (plane values of storage x.dtype()) in FP32: in place when FP32 and read as it is,
+// else widened, or rounded as its 16-bit copy (read_as) holds it, into buf.
+const float* image_f32(const Tensor& x, int64_t n, int64_t plane, DType read_as, float* buf) {
+  const float* v = row_f32(bytes(x) + n * plane * esize(x.dtype()), x.dtype(), 1, plane, buf);
+  if (read_as == DType::f32) return v;
+  copy_rounded(v, buf, plane, read_as);
+  return buf;
+}
+
 // Calls fn(a, b) for the ranges of output columns [a, b) that a row's tiled span [j0, j1) leaves
 // out (the whole row [0, Wo) when the row is not tiled).
 template <class Fn>
@@ -81,8 +90,7 @@ Tensor direct_forward(const Tensor& x_in, const Tensor& w_in, const std::vector<
   // A 16-bit input (or an FP32 one read as 16-bit: g.read_as) is widened one image at a time into
   // each thread's buffer as its rows reach the image (no whole-tensor FP32 copy).
   const Tensor x = x_in.contiguous();
-  const bool round = g.read_as != DType::f32;
-  const bool x32 = x.dtype() == DType::f32 && !round;
+  const bool x32 = x.dtype() == DType::f32 && g.read_as == DType::f32;  // read in place
   const Tensor w = w_in.to(DType::f32);
   const float* wd = w.data<float>();  // (O, CKK)
   Tensor y = Tensor::empty({g.N, g.O, g.Ho, g.Wo}, out, charged_to(MemoryCategory::activations));
@@ -106,9 +114,7 @@ Tensor direct_forward(const Tensor& x_in, const Tensor& w_in, const std::vector<
           const int64_t n = static_cast<int64_t>(r) / g.Ho, oh = static_cast<int64_t>(r) % g.Ho;
           const float* xn = x32 ? x.data<float>() + n * plane : xbuf.data();
           if (!x32 && widened != n) {
-            const float* src =
-                row_f32(bytes(x) + n * plane * esize(x.dtype()), x.dtype(), 1, plane, xbuf.data());
-            if (round) copy_rounded(src, xbuf.data(), plane, g.read_as);  // as its copy holds it
+            image_f32(x, n, plane, g.read_as, xbuf.data());
             widened = n;
           }
           const int64_t at = n * g.O * g.HW + oh * g.Wo;  // channel 0's row in y
@@ -168,12 +174,7 @@ Tensor direct_weight_grad(const Tensor& dy_in, const Tensor& x_in, const Shape& 
             dyrows(dy32 ? 0 : static_cast<size_t>(g.O * kDyRows * g.Wo));
         for (size_t n = n0; n < n1; ++n) {
           const int64_t ni = static_cast<int64_t>(n);
-          const float* xn =
-              row_f32(bytes(x) + ni * plane * esize(x.dtype()), x.dtype(), 1, plane, xbuf.data());
-          if (round) {  // an FP32 image as its 16-bit copy holds it
-            copy_rounded(xn, xbuf.data(), plane, g.read_as);
-            xn = xbuf.data();
-          }
+          const float* xn = image_f32(x, ni, plane, g.read_as, xbuf.data());
           const char* dyn = bytes(dy) + ni * g.O * g.HW * esize(dy.dtype());
           std::fill(lanes.begin(), lanes.end(), 0.0f);
           std::fill(rest.begin(), rest.end(), 0.0f);

@@ -100,13 +100,11 @@ struct NormApply {
   const std::vector<float>* b;
   void* y;
   DType yt;
-  // Row r; xbuf and ybuf hold L.inner floats when x or y is not FP32.
-  void row(int64_t r, float* xbuf, float* ybuf) const {
-    row_from(r, x.row(r * L.inner, L.inner, xbuf), ybuf);
-  }
+  // Row r; xbuf holds L.inner floats when x is not FP32.
+  void row(int64_t r, float* xbuf) const { row_from(r, x.row(r * L.inner, L.inner, xbuf)); }
   // Row r from its values xs in FP32 (x.row()'s).
-  void row_from(int64_t r, const float* xs, float* ybuf) const {
-    (void)ybuf;  // a 16-bit y is rounded as it is stored (norm_affine_row_to)
+  // A 16-bit y is rounded as it is stored (norm_affine_row_to).
+  void row_from(int64_t r, const float* xs) const {
     const int64_t es = static_cast<int64_t>(esize(yt));
     char* dst = static_cast<char*>(y) + r * L.inner * es;
     for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
@@ -133,8 +131,6 @@ void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>
   parallel_for(static_cast<size_t>(stats), 1, threads_for(L.outer * L.groups * L.inner),
                [&](size_t s0, size_t s1) {
                  std::vector<float> buf(x.dtype == DType::f32 ? 0 : static_cast<size_t>(L.inner));
-                 std::vector<float> ybuf(
-                     apply && apply->yt != DType::f32 ? static_cast<size_t>(L.inner) : 0);
                  auto row = [&](int64_t o, int64_t grp) {
                    return x.row((o * L.groups + grp) * L.inner, L.inner, buf.data());
                  };
@@ -172,7 +168,7 @@ void norm_stats(FloatRows x, const NormLayout& L, double eps, std::vector<float>
                    if (var_out) (*var_out)[s] = var;
                    if (apply)
                      for (int64_t o = o_begin; o < o_end; ++o)
-                       apply->row_from(o * L.groups + grp, values(o), ybuf.data());
+                       apply->row_from(o * L.groups + grp, values(o));
                  }
                });
 }
@@ -226,9 +222,8 @@ void norm_apply(const NormApply& a) {
   const int64_t rows = a.L.outer * a.L.groups;
   parallel_for(
       static_cast<size_t>(rows), 1, threads_for(rows * a.L.inner), [&](size_t r0, size_t r1) {
-        std::vector<float> xbuf(a.x.dtype == DType::f32 ? 0 : static_cast<size_t>(a.L.inner)),
-            ybuf(a.yt == DType::f32 ? 0 : static_cast<size_t>(a.L.inner));
-        for (size_t r = r0; r < r1; ++r) a.row(static_cast<int64_t>(r), xbuf.data(), ybuf.data());
+        std::vector<float> xbuf(a.x.dtype == DType::f32 ? 0 : static_cast<size_t>(a.L.inner));
+        for (size_t r = r0; r < r1; ++r) a.row(static_cast<int64_t>(r), xbuf.data());
       });
 }
 
@@ -323,8 +318,8 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
       sum_gx(static_cast<size_t>(stats), 0.0);
   const size_t dx_size = esize(dx_type);
   // Row r's dx from its dy and x values in FP32 (FloatRows::row()'s).
-  auto dx_values = [&](int64_t r, const float* dr, const float* xr, float* outbuf) {
-    (void)outbuf;  // a 16-bit dx is rounded as it is stored (norm_dx_row_to)
+  // A 16-bit dx is rounded as it is stored (norm_dx_row_to).
+  auto dx_values = [&](int64_t r, const float* dr, const float* xr) {
     char* dst = static_cast<char*>(dx) + r * L.inner * static_cast<int64_t>(dx_size);
     for_each_channel_run(L, r, [&](size_t s, int64_t i0, int64_t i1, size_t c) {
       const double wc = w ? (*w)[c] : 1.0;
@@ -340,8 +335,8 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
                                dst + i0 * static_cast<int64_t>(dx_size), dx_type);
     });
   };
-  auto dx_row = [&](int64_t r, float* dybuf, float* xbuf, float* outbuf) {
-    dx_values(r, dy.row(r * L.inner, L.inner, dybuf), x.row(r * L.inner, L.inner, xbuf), outbuf);
+  auto dx_row = [&](int64_t r, float* dybuf, float* xbuf) {
+    dx_values(r, dy.row(r * L.inner, L.inner, dybuf), x.row(r * L.inner, L.inner, xbuf));
   };
   // A stat group of one row (group and layer norm) computes its dx right after its sums, while
   // the row is still in cache. Batch norm's stat group is a channel's rows, one per image, a
@@ -355,8 +350,7 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
   parallel_for(static_cast<size_t>(stats), 1, threads_for(elements), [&](size_t s0, size_t s1) {
     std::vector<double> tdw(static_cast<size_t>(L.channels), 0.0),
         tdb(static_cast<size_t>(L.channels), 0.0);
-    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype),
-                       outbuf = buffer(second_pass ? DType::f32 : dx_type);
+    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype);
     for (size_t st = s0; st < s1; ++st) {
       // The rows of stat group st: one row, or (batch norm) row o * groups + st for every o.
       const int64_t n_rows = L.across_outer ? L.outer : 1;
@@ -388,7 +382,7 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
         });
         // Without a second pass the stat group is this one row (L.across_outer is false), its
         // sums complete: its dx from the values just read (a 16-bit row is not converted again).
-        if (!second_pass) dx_values(r, dr, xr, outbuf.data());
+        if (!second_pass) dx_values(r, dr, xr);
       }
     }
     std::lock_guard<std::mutex> lock(merge);
@@ -407,9 +401,8 @@ void norm_backward(FloatRows dy, FloatRows x, const NormLayout& L, const std::ve
   }
   // Pass 2, every row.
   parallel_for(static_cast<size_t>(rows), 1, threads_for(elements), [&](size_t r0, size_t r1) {
-    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype), outbuf = buffer(dx_type);
-    for (size_t r = r0; r < r1; ++r)
-      dx_row(static_cast<int64_t>(r), dybuf.data(), xbuf.data(), outbuf.data());
+    std::vector<float> dybuf = buffer(dy.dtype), xbuf = buffer(x.dtype);
+    for (size_t r = r0; r < r1; ++r) dx_row(static_cast<int64_t>(r), dybuf.data(), xbuf.data());
   });
 }
 

@@ -792,27 +792,6 @@ __attribute__((target("avx2"))) void norm_stat_sums8_avx2(const float* x, int64_
   _mm256_storeu_ps(acc, s);
 }
 
-__attribute__((target("avx2,f16c"))) void norm_sum_widen8_avx2(const void* x, DType t, int64_t n8,
-                                                               float* out, float* acc) {
-  const uint16_t* h = static_cast<const uint16_t*>(x);
-  __m256 s = _mm256_loadu_ps(acc);
-  if (t == DType::f16) {
-    for (int64_t i = 0; i + 8 <= n8; i += 8) {
-      const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
-      _mm256_storeu_ps(out + i, v);
-      s = _mm256_add_ps(s, v);
-    }
-  } else {
-    for (int64_t i = 0; i + 8 <= n8; i += 8) {
-      const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))), 16));
-      _mm256_storeu_ps(out + i, v);
-      s = _mm256_add_ps(s, v);
-    }
-  }
-  _mm256_storeu_ps(acc, s);
-}
-
 namespace {
 // Eight values of storage t at p (f32, f16 or bf16), widened exactly; a 16-bit operand's also
 // stored at out + i.
@@ -849,6 +828,16 @@ __attribute__((target("avx2,f16c"))) void sums8_widen(const void* d, const void*
 
 constexpr int kind_of(DType t) { return t == DType::f16 ? 1 : t == DType::bf16 ? 2 : 0; }
 }  // namespace
+
+__attribute__((target("avx2,f16c"))) void norm_sum_widen8_avx2(const void* x, DType t, int64_t n8,
+                                                               float* out, float* acc) {
+  __m256 s = _mm256_loadu_ps(acc);
+  if (t == DType::f16)
+    for (int64_t i = 0; i + 8 <= n8; i += 8) s = _mm256_add_ps(s, widened8<1>(x, i, out));
+  else
+    for (int64_t i = 0; i + 8 <= n8; i += 8) s = _mm256_add_ps(s, widened8<2>(x, i, out));
+  _mm256_storeu_ps(acc, s);
+}
 
 // norm_sums8_avx2's arithmetic on operands stored in f32, f16 or bf16.
 void norm_sums8_widen_avx2(const void* d, DType dt, const void* x, DType xt, int64_t n8, float mu,

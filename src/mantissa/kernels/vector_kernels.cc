@@ -473,19 +473,29 @@ void norm_sum_widen8(const void* x, DType t, int64_t n, float* out, float* acc) 
   norm_stat_sums8(out, n, 0.0f, false, acc);
 }
 
+namespace {
+// Values [i, n) of a 16-bit row (storage t at out) that the SIMD loop left: fill(i, m, block)
+// writes the m FP32 values from i into a block of 64, which is rounded into out.
+template <class Fill>
+void rounded_rest(int64_t i, int64_t n, void* out, DType t, Fill&& fill) {
+  float block[64];
+  const int64_t es = static_cast<int64_t>(dtype_size(t));
+  for (; i < n; i += 64) {
+    const int64_t m = std::min<int64_t>(64, n - i);
+    fill(i, m, block);
+    convert(block, DType::f32, static_cast<char*>(out) + i * es, t, static_cast<size_t>(m));
+  }
+}
+}  // namespace
+
 void norm_affine_row_to(const float* x, int64_t n, float scale, float shift, void* out, DType t) {
   int64_t i = 0;
 #if MANTISSA_HAVE_X86_SIMD
   if (avx512_vectors()) i = norm_affine_row16_avx512(x, n, scale, shift, out, t);
 #endif
-  float row[64];  // the rest: FP32 values, then rounded
-  const size_t es = dtype_size(t);
-  for (; i < n; i += 64) {
-    const int64_t m = std::min<int64_t>(64, n - i);
-    norm_affine_row(x + i, m, scale, shift, row);
-    convert(row, DType::f32, static_cast<char*>(out) + i * static_cast<int64_t>(es), t,
-            static_cast<size_t>(m));
-  }
+  rounded_rest(i, n, out, t, [&](int64_t j, int64_t m, float* block) {
+    norm_affine_row(x + j, m, scale, shift, block);
+  });
 }
 
 void norm_sums8_widen(const void* d, DType dt, const void* x, DType xt, int64_t n, float mu,
@@ -507,14 +517,9 @@ void norm_dx_row_to(const float* d, const float* x, int64_t n, float mu, float r
 #if MANTISSA_HAVE_X86_SIMD
   if (avx512_vectors()) i = norm_dx_row16_avx512(d, x, n, mu, rs, scale, shift, slope, out, t);
 #endif
-  float row[64];  // the rest: FP32 values, then rounded
-  const size_t es = dtype_size(t);
-  for (; i < n; i += 64) {
-    const int64_t m = std::min<int64_t>(64, n - i);
-    norm_dx_row(d + i, x + i, m, mu, rs, scale, shift, slope, row);
-    convert(row, DType::f32, static_cast<char*>(out) + i * static_cast<int64_t>(es), t,
-            static_cast<size_t>(m));
-  }
+  rounded_rest(i, n, out, t, [&](int64_t j, int64_t m, float* block) {
+    norm_dx_row(d + j, x + j, m, mu, rs, scale, shift, slope, block);
+  });
 }
 
 bool relu_backward_row(const void* g, DType tg, const void* y, DType ty, void* dx, DType td,
