@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mantissa/core/convert.h"
+#include "mantissa/core/cpu_features.h"
 #include "mantissa/core/tensor.h"
 #include "mantissa/kernels/elementwise.h"
 #include "mantissa/kernels/norm.h"
@@ -39,6 +40,19 @@ std::vector<float> as_f32(const Tensor& t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
   convert(t.data_ptr(), t.dtype(), v.data(), DType::f32, v.size());
   return v;
+}
+
+// The first index where two rows of 16-bit values (storage t) differ, NaNs' payloads aside (which
+// of two NaNs an operation passes on depends on the order of its operands, which a compiler may
+// swap), or -1; the rows have one length.
+int64_t first_difference(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, DType t) {
+  const uint16_t exp_mask = t == DType::f16 ? 0x7c00 : 0x7f80;
+  const auto is_nan = [&](uint16_t v) {
+    return (v & exp_mask) == exp_mask && (v & static_cast<uint16_t>(~exp_mask & 0x7fff)) != 0;
+  };
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i] && !(is_nan(a[i]) && is_nan(b[i]))) return static_cast<int64_t>(i);
+  return -1;
 }
 
 std::vector<char> bytes_of(const Tensor& t) {
@@ -152,7 +166,9 @@ TEST(NormRows, SixteenBitRowsMatchTheirDefinitionsBitForBit) {
         y[i] = p + shift;
       }
       convert(y.data(), DType::f32, expect.data(), t, y.size());
-      EXPECT_EQ(out, expect) << dtype_name(t) << " affine, " << n << " values";
+      int64_t at = first_difference(out, expect, t);
+      EXPECT_EQ(at, -1) << dtype_name(t) << " affine, " << n
+                        << " values: x = " << (at < 0 ? 0.0f : x[static_cast<size_t>(at)]);
 
       // The backward's sums with d in each storage (FP32 d: 16-mixed's FP32 gradient against a
       // 16-bit x) and its dx stored in t.
@@ -194,7 +210,11 @@ TEST(NormRows, SixteenBitRowsMatchTheirDefinitionsBitForBit) {
         y[i] = g - xhat * slope;
       }
       convert(y.data(), DType::f32, expect.data(), t, y.size());
-      EXPECT_EQ(out, expect) << dtype_name(t) << " dx, " << n << " values";
+      at = first_difference(out, expect, t);
+      const size_t k = at < 0 ? 0 : static_cast<size_t>(at);
+      EXPECT_EQ(at, -1) << dtype_name(t) << " dx, " << n << " values: d = " << d[k]
+                        << ", x = " << x[k] << ", got bits " << out[k] << ", want " << expect[k]
+                        << " (processor: " << cpu_features_string() << ")";
     }
   }
 }
