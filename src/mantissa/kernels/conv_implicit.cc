@@ -54,42 +54,81 @@ int64_t wide_columns(const ImplicitConv& g, int64_t nb) {
   return (nb - 1) * g.plane + (g.Ho - 1) * g.Wp + g.Wo;
 }
 
+// Floats of padded planes a task of pad_images writes (64 KiB: in a core's L2 while it fills them).
+constexpr int64_t kPadTaskFloats = int64_t{1} << 14;
+// Values a task of pad_images widens in one call (16 KiB of FP32: in L1 beside the planes).
+constexpr int64_t kPadRunFloats = 4096;
+// Planes of at most this many floats are zeroed whole before their rows are copied in.
+constexpr int64_t kPadZeroFirstFloats = 400;
+
+// n floats from src to dst: ResNet's rows (4 to 32 values) as fixed-size copies the compiler
+// inlines.
+void copy_row(const float* src, int64_t n, float* dst) {
+  switch (n) {
+    case 4:
+      std::memcpy(dst, src, 4 * sizeof(float));
+      return;
+    case 8:
+      std::memcpy(dst, src, 8 * sizeof(float));
+      return;
+    case 16:
+      std::memcpy(dst, src, 16 * sizeof(float));
+      return;
+    case 32:
+      std::memcpy(dst, src, 32 * sizeof(float));
+      return;
+    default:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  }
+}
 }  // namespace
 
 void pad_images(const Tensor& x, const ImplicitConv& g, int64_t n0, int64_t nb, float* xp) {
-  const int64_t cstride = nb * g.plane, es = esize(x.dtype());
+  const int64_t cstride = nb * g.plane, es = esize(x.dtype()), HW = g.H * g.W;
   const bool f32 = x.dtype() == DType::f32;
   const bool round = f32 && g.read_as != DType::f32;  // the 16-bit copy's values
-  parallel_for(
-      static_cast<size_t>(g.C * nb), 1, threads_for(g.C * cstride), [&](size_t t0, size_t t1) {
-        // A 16-bit plane is widened in one conversion, then its rows are copied: ResNet's rows of
-        // 4 to 32 values cost more as calls of the conversion table than as copies.
-        std::vector<float> widened(f32 ? 0 : static_cast<size_t>(g.H * g.W));
-        for (size_t t = t0; t < t1; ++t) {
-          const int64_t c = static_cast<int64_t>(t) / nb, img = static_cast<int64_t>(t) % nb;
-          float* dst = xp + c * cstride + img * g.plane;
-          std::fill(dst, dst + g.pad_h * g.Wp, 0.0f);
-          std::fill(dst + (g.pad_h + g.H) * g.Wp, dst + g.plane, 0.0f);
-          const char* src = bytes(x) + ((n0 + img) * g.C + c) * g.H * g.W * es;
-          if (g.pad_w == 0 && !f32) {  // unpadded rows: the plane's rows in one conversion
-            load_f32(src, x.dtype(), 1, g.H * g.W, dst + g.pad_h * g.Wp);
-            continue;
-          }
-          const float* rows = reinterpret_cast<const float*>(src);
-          if (!f32) {
-            load_f32(src, x.dtype(), 1, g.H * g.W, widened.data());
-            rows = widened.data();
-          }
-          for (int64_t h = 0; h < g.H; ++h) {
-            float* row = dst + (g.pad_h + h) * g.Wp;
-            std::fill(row, row + g.pad_w, 0.0f);
-            std::memcpy(row + g.pad_w, rows + h * g.W, static_cast<size_t>(g.W) * sizeof(float));
-            std::fill(row + g.pad_w + g.W, row + g.Wp, 0.0f);
-          }
-          // An FP32 input read as 16 bits: its rows rounded in one pass (the zeros stay zero).
-          if (round) round_through(dst + g.pad_h * g.Wp, g.H * g.Wp, g.read_as);
-        }
-      });
+  // A task fills the planes of a block of channels, all nb images (consecutive in xp): for each
+  // image it widens (or rounds) the block's values, consecutive in x, in one call and copies their
+  // rows in. Calls per plane (of the conversion table, of memset) cost more than the copies on
+  // ResNet's 4x4 to 32x32 planes.
+  const int64_t cb = std::clamp<int64_t>(std::min(kPadTaskFloats / std::max<int64_t>(cstride, 1),
+                                                  kPadRunFloats / std::max<int64_t>(HW, 1)),
+                                         1, g.C);
+  const int64_t tasks = (g.C + cb - 1) / cb;
+  // Small planes are zeroed whole first (one memset a task), larger ones only at their borders.
+  const bool zero_first = g.plane <= kPadZeroFirstFloats;
+  parallel_for(static_cast<size_t>(tasks), 1, threads_for(g.C * cstride),
+               [&](size_t t0, size_t t1) {
+                 std::vector<float> widened(f32 && !round ? 0 : static_cast<size_t>(cb * HW));
+                 for (size_t t = t0; t < t1; ++t) {
+                   const int64_t c0 = static_cast<int64_t>(t) * cb, cn = std::min(cb, g.C - c0);
+                   float* block = xp + c0 * cstride;
+                   if (zero_first) std::fill(block, block + cn * cstride, 0.0f);
+                   for (int64_t img = 0; img < nb; ++img) {
+                     const char* src = bytes(x) + ((n0 + img) * g.C + c0) * HW * es;
+                     const float* vals = reinterpret_cast<const float*>(src);
+                     if (!f32 || round) {
+                       load_f32(src, x.dtype(), 1, cn * HW, widened.data());
+                       if (round) round_through(widened.data(), cn * HW, g.read_as);
+                       vals = widened.data();
+                     }
+                     for (int64_t c = 0; c < cn; ++c) {
+                       float* dst = block + c * cstride + img * g.plane;
+                       if (!zero_first) std::fill(dst, dst + g.pad_h * g.Wp + g.pad_w, 0.0f);
+                       for (int64_t h = 0; h < g.H; ++h) {
+                         float* row = dst + (g.pad_h + h) * g.Wp + g.pad_w;
+                         copy_row(vals + c * HW + h * g.W, g.W, row);
+                         // The right padding of this row and the left of the next (or the bottom
+                         // rows).
+                         if (!zero_first)
+                           std::fill(row + g.W, row + (h + 1 < g.H ? g.Wp : g.Wp - g.pad_w), 0.0f);
+                       }
+                       if (!zero_first)
+                         std::fill(dst + (g.pad_h + g.H) * g.Wp, dst + g.plane, 0.0f);
+                     }
+                   }
+                 }
+               });
 }
 
 Tensor implicit_forward(const Tensor& x, const ImplicitConv& g, ConstMatrix w,
