@@ -58,6 +58,8 @@ int64_t wide_columns(const ImplicitConv& g, int64_t nb) {
 constexpr int64_t kPadTaskFloats = int64_t{1} << 14;
 // Values a task of pad_images widens in one call (16 KiB of FP32: in L1 beside the planes).
 constexpr int64_t kPadRunFloats = 4096;
+// Planes of at least this many values with no side padding are widened in place, one call each.
+constexpr int64_t kPadInPlaceFloats = 256;
 // Planes of at most this many floats are zeroed whole before their rows are copied in.
 constexpr int64_t kPadZeroFirstFloats = 400;
 
@@ -97,9 +99,13 @@ void pad_images(const Tensor& x, const ImplicitConv& g, int64_t n0, int64_t nb, 
   const int64_t tasks = (g.C + cb - 1) / cb;
   // Small planes are zeroed whole first (one memset a task), larger ones only at their borders.
   const bool zero_first = g.plane <= kPadZeroFirstFloats;
+  // Rows without side padding hold a plane's values as one run: a large 16-bit plane (or FP32
+  // plane read as 16-bit) is widened (rounded) straight into its place, one call a plane.
+  const bool widen_in_place = g.pad_w == 0 && (!f32 || round) && HW >= kPadInPlaceFloats;
   parallel_for(static_cast<size_t>(tasks), 1, threads_for(g.C * cstride),
                [&](size_t t0, size_t t1) {
-                 std::vector<float> widened(f32 && !round ? 0 : static_cast<size_t>(cb * HW));
+                 std::vector<float> widened(
+                     (f32 && !round) || widen_in_place ? 0 : static_cast<size_t>(cb * HW));
                  for (size_t t = t0; t < t1; ++t) {
                    const int64_t c0 = static_cast<int64_t>(t) * cb, cn = std::min(cb, g.C - c0);
                    float* block = xp + c0 * cstride;
@@ -107,24 +113,33 @@ void pad_images(const Tensor& x, const ImplicitConv& g, int64_t n0, int64_t nb, 
                    for (int64_t img = 0; img < nb; ++img) {
                      const char* src = bytes(x) + ((n0 + img) * g.C + c0) * HW * es;
                      const float* vals = reinterpret_cast<const float*>(src);
-                     if (!f32 || round) {
+                     if ((!f32 || round) && !widen_in_place) {
                        load_f32(src, x.dtype(), 1, cn * HW, widened.data());
                        if (round) round_through(widened.data(), cn * HW, g.read_as);
                        vals = widened.data();
                      }
                      for (int64_t c = 0; c < cn; ++c) {
                        float* dst = block + c * cstride + img * g.plane;
-                       if (!zero_first) std::fill(dst, dst + g.pad_h * g.Wp + g.pad_w, 0.0f);
+                       if (!zero_first) {
+                         std::fill(dst, dst + g.pad_h * g.Wp + g.pad_w, 0.0f);
+                         std::fill(dst + (g.pad_h + g.H) * g.Wp - g.pad_w, dst + g.plane, 0.0f);
+                       }
+                       if (g.pad_w == 0) {  // the plane's rows as one run
+                         float* in = dst + g.pad_h * g.Wp;
+                         if (widen_in_place) {
+                           load_f32(src + c * HW * es, x.dtype(), 1, HW, in);
+                           if (round) round_through(in, HW, g.read_as);
+                         } else {
+                           std::copy_n(vals + c * HW, HW, in);
+                         }
+                         continue;
+                       }
                        for (int64_t h = 0; h < g.H; ++h) {
                          float* row = dst + (g.pad_h + h) * g.Wp + g.pad_w;
                          copy_row(vals + c * HW + h * g.W, g.W, row);
-                         // The right padding of this row and the left of the next (or the bottom
-                         // rows).
-                         if (!zero_first)
-                           std::fill(row + g.W, row + (h + 1 < g.H ? g.Wp : g.Wp - g.pad_w), 0.0f);
+                         // The right padding of this row and the left of the next.
+                         if (!zero_first && h + 1 < g.H) std::fill(row + g.W, row + g.Wp, 0.0f);
                        }
-                       if (!zero_first)
-                         std::fill(dst + (g.pad_h + g.H) * g.Wp, dst + g.plane, 0.0f);
                      }
                    }
                  }
