@@ -131,8 +131,9 @@ TEST(NormRows, MatchTheirDefinitionsBitForBit) {
 
 // The 16-bit normalization rows: the statistics' sums of a row stored in f16 or bf16 (widened
 // values written out as they are summed) and the affine stored in f16 or bf16 from the registers,
-// against the FP32 definitions on the widened values, bit for bit: every 16-bit pattern (NaNs,
-// infinities, subnormals) in rows of every tail length.
+// against the FP32 definitions on the widened values, bit for bit (a NaN's payload aside, see
+// first_difference): every 16-bit pattern (NaNs, infinities, subnormals) in rows of every tail
+// length.
 TEST(NormRows, SixteenBitRowsMatchTheirDefinitionsBitForBit) {
   const std::vector<uint16_t> bits = every_pattern();
   const auto same_bits = [](float a, float b) {
