@@ -801,10 +801,8 @@ __attribute__((target("avx2,f16c"), always_inline)) inline __m256 widened8(const
   if constexpr (T == 0) {
     return _mm256_loadu_ps(static_cast<const float*>(p) + i);
   } else {
-    const __m128i h =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
-    const __m256 v = T == 1 ? _mm256_cvtph_ps(h)
-                            : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    const __m256 v =
+        simd::load8(static_cast<const uint16_t*>(p) + i, T == 1 ? DType::f16 : DType::bf16);
     _mm256_storeu_ps(out + i, v);
     return v;
   }

@@ -503,10 +503,10 @@ void norm_sums8_widen(const void* d, DType dt, const void* x, DType xt, int64_t 
 #if MANTISSA_HAVE_X86_SIMD
   if (avx2_vectors()) return norm_sums8_widen_avx2(d, dt, x, xt, n, mu, rs, dout, xout, a, b);
 #endif
-  auto widened = [n](const void* p, DType t, float* out) {
+  auto widened = [n](const void* p, DType t, float* out) -> const float* {
     if (t == DType::f32) return static_cast<const float*>(p);
     convert(p, t, out, DType::f32, static_cast<size_t>(n));
-    return const_cast<const float*>(out);
+    return out;
   };
   norm_sums8(widened(d, dt, dout), widened(x, xt, xout), n, mu, rs, a, b);
 }
