@@ -509,6 +509,34 @@ TEST(PrecisionTraining, StateTypesAccumTypeAndPartialsApply) {
   }
 }
 
+// Evaluation computes the training's forward pass under the run's settings, FP16 partials
+// included, with op outputs rounded to nearest: the same figures each time, whatever the
+// stochastic op outputs of training.
+TEST(PrecisionTraining, EvaluationRunsTheTrainingForwardRoundedToNearest) {
+  train::Trainer t(small("16-mixed"));
+  data::LoaderConfig lc;
+  lc.batch_size = 12;
+  lc.shuffle = false;
+  lc.drop_last = false;
+  data::SyntheticConfig sc;
+  sc.size = 36;
+  sc.image_size = 24;
+  data::Loader loader(data::synthetic(sc, false), lc);
+  auto loss = [&](kernels::Partials partials, std::optional<uint64_t> stochastic_seed) {
+    amp::PrecisionSettings s = t.settings().precision;
+    s.partials = partials;
+    s.stochastic_outputs_seed = stochastic_seed;
+    const train::EvalResult r = train::evaluate_model(t.model(), loader, &s);
+    EXPECT_EQ(r.examples, 36);
+    return r.loss;
+  };
+  const double f32_partials = loss(kernels::Partials::kF32, std::nullopt);
+  const double f16_partials = loss(kernels::Partials::kF16, std::nullopt);
+  EXPECT_NE(f16_partials, f32_partials) << "the FP16 partials reach evaluation's matrix ops";
+  EXPECT_EQ(loss(kernels::Partials::kF16, 7), f16_partials) << "outputs rounded to nearest";
+  EXPECT_EQ(loss(kernels::Partials::kF16, 8), f16_partials);
+}
+
 TEST(PrecisionTraining, AutocastListsAndLogFromTheTrainer) {
   testing::TempDir dir;
   const std::string lower = dir.file("lower.txt");

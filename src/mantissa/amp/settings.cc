@@ -311,7 +311,7 @@ void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optim
 }
 
 ForwardPrecision::ForwardPrecision(const PrecisionSettings& s, ops::AutocastLog* log,
-                                   uint64_t stochastic_stream, Fp8State* fp8)
+                                   uint64_t stochastic_stream, ops::Fp8Provider* fp8)
     : partials_(s.partials) {
   MANTISSA_CHECK(!s.fp8 || fp8, "--precision " + s.mode.name + " runs without its FP8 state",
                  "make an amp::Fp8State(*settings.fp8, model) and pass it to ForwardPrecision");
@@ -319,6 +319,13 @@ ForwardPrecision::ForwardPrecision(const PrecisionSettings& s, ops::AutocastLog*
   if (s.mode.read_as_half) read_as_.emplace();
   if (s.stochastic_outputs_seed) stochastic_.emplace(*s.stochastic_outputs_seed, stochastic_stream);
   if (s.fp8) fp8_.emplace(*fp8);
+}
+
+ForwardPrecision::ForwardPrecision(Evaluation, const PrecisionSettings& s, ops::Fp8Provider* fp8)
+    : partials_(s.partials) {
+  if (s.mode.autocast) autocast_.emplace(s.mode.half, s.policy);
+  if (s.mode.read_as_half) read_as_.emplace();
+  if (s.fp8 && fp8) fp8_.emplace(*fp8);
 }
 
 }  // namespace mantissa::amp

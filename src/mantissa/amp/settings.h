@@ -103,14 +103,21 @@ void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optim
 
 // The op context of one forward pass under the settings, while alive: the partials, automatic
 // casting to the mode's 16-bit type (when the mode casts; `log` may be null), O2's parameters
-// read as 16-bit (ops::ReadAsScope), stochastic
-// rounding of 16-bit op outputs (when on) from stream `stochastic_stream` of its seed, and the
-// FP8 matrix ops of an FP8 mode, scaled by `fp8` (required then; made by the run after
-// apply_precision: Fp8State(*s.fp8, model)).
+// read as 16-bit (ops::ReadAsScope), stochastic rounding of 16-bit op outputs (when on) from
+// stream `stochastic_stream` of its seed, and the FP8 matrix ops of an FP8 mode, scaled by `fp8`
+// (required then; made by the run after apply_precision: Fp8State(*s.fp8, model)).
+//
+// An evaluation pass (the ForwardPrecision::kEvaluation constructor) computes what a training
+// pass computes but for its rounding of op outputs, which is to nearest (an evaluation gives the
+// same figures each time); an FP8 mode's matrix ops run in FP8 with `fp8`'s scales (usually an
+// Fp8Frozen: the training's scales, unchanged by evaluating) or, without `fp8`, in the mode's
+// 16-bit type.
 class ForwardPrecision {
  public:
   ForwardPrecision(const PrecisionSettings& s, ops::AutocastLog* log, uint64_t stochastic_stream,
-                   Fp8State* fp8 = nullptr);
+                   ops::Fp8Provider* fp8 = nullptr);
+  enum Evaluation { kEvaluation };
+  ForwardPrecision(Evaluation, const PrecisionSettings& s, ops::Fp8Provider* fp8 = nullptr);
   ForwardPrecision(const ForwardPrecision&) = delete;
   ForwardPrecision& operator=(const ForwardPrecision&) = delete;
 

@@ -31,13 +31,8 @@ EvalResult evaluate_model(nn::Classifier& m, data::Loader& loader,
   int64_t correct = 0;
   loader.start(0);
   while (auto batch = loader.next()) {
-    std::optional<ops::AutocastScope> autocast;
-    if (precision && precision->mode.autocast)
-      autocast.emplace(precision->mode.half, precision->policy);
-    std::optional<ops::ReadAsScope> read_as;  // O2's FP32 parameters read as 16-bit
-    if (precision && precision->mode.read_as_half) read_as.emplace();
-    std::optional<ops::Fp8Scope> fp8_ops;
-    if (fp8) fp8_ops.emplace(*fp8);
+    std::optional<amp::ForwardPrecision> pass;
+    if (precision) pass.emplace(amp::ForwardPrecision::kEvaluation, *precision, fp8);
     Tensor out = m(batch->images);
     if (precision) out = precision->loss_input(out);
     loss_sum += m.loss(out, batch->labels).item() * static_cast<double>(batch->labels.size(0));

@@ -23,10 +23,12 @@ struct EvalResult {
 int64_t count_correct(const Tensor& out, const Tensor& labels);
 
 // Accuracy and mean loss of `m` over one epoch of `loader`; the model's train/eval mode is
-// restored afterwards. With `precision`, the forward runs under its automatic casting and the
-// loss takes the output as the mode says (FP32 for O2); without, as the model's dtypes give. The
-// FP8 modes' matrix ops run in FP8 with `fp8`'s scales (amp::Fp8Frozen: the training's scales,
-// unchanged by evaluating); without `fp8` they run in the mode's 16-bit type.
+// restored afterwards. With `precision`, each forward is the training's forward under those
+// settings (amp::ForwardPrecision's evaluation pass: the same partials, automatic casting and O2
+// reading, op outputs rounded to nearest) and the loss takes the output as the mode says (FP32
+// for O2); without, as the model's dtypes give. The FP8 modes' matrix ops run in FP8 with `fp8`'s
+// scales (amp::Fp8Frozen: the training's scales, unchanged by evaluating); without `fp8` they run
+// in the mode's 16-bit type.
 EvalResult evaluate_model(nn::Classifier& m, data::Loader& loader,
                           const amp::PrecisionSettings* precision = nullptr,
                           ops::Fp8Provider* fp8 = nullptr);
