@@ -19,6 +19,7 @@
 #include "mantissa/kernels/elementwise.h"
 #include "mantissa/kernels/norm.h"
 #include "mantissa/kernels/vector_kernels.h"
+#include "support/tensors.h"
 
 namespace mantissa::kernels {
 namespace {
@@ -227,13 +228,7 @@ TEST(NormRows, SixteenBitRowsMatchTheirDefinitionsBitForBit) {
 TEST(NormRows, SixteenBitTensorsGiveTheBitsOfTheirFp32Widening) {
   std::mt19937 gen(9);
   std::normal_distribution<float> normal(0.5f, 2.0f);
-  auto filled = [&](const Shape& s) {
-    int64_t n = 1;
-    for (int64_t d : s) n *= d;
-    std::vector<float> v(static_cast<size_t>(n));
-    for (float& x : v) x = normal(gen);
-    return Tensor::from_floats(v, s);
-  };
+  auto filled = [&](const Shape& s) { return testing::tensor_of(s, [&] { return normal(gen); }); };
   const Tensor w = filled({6}), b = filled({6});
   for (const DType t : {DType::f16, DType::bf16}) {
     for (const Shape& shape : {Shape{3, 6, 37, 41}, Shape{2, 6, 5, 3}}) {

@@ -17,6 +17,7 @@
 #include "mantissa/mantissa.h"
 #include "mantissa/ops/ops.h"
 #include "support/compare.h"
+#include "support/tensors.h"
 #include "support/tolerances.h"
 
 namespace mantissa {
@@ -527,11 +528,7 @@ TEST(MaxPool, NanPropagatesFromTheFirstNanOfTheWindow) {
 TEST(Norm, SixteenBitRowsGiveTheBitsOfTheirFp32Values) {
   std::mt19937 gen(11);
   std::normal_distribution<float> dist(0.3f, 2.0f);
-  auto random = [&](const Shape& s) {
-    std::vector<float> v(static_cast<size_t>(shape_numel(s)));
-    for (float& e : v) e = dist(gen);
-    return Tensor::from_floats(v, s);
-  };
+  auto random = [&](const Shape& s) { return testing::tensor_of(s, [&] { return dist(gen); }); };
   const Shape shape{3, 6, 37, 41};
   const Tensor w = random({6}), b = random({6});
   for (const DType t : {DType::f16, DType::bf16}) {

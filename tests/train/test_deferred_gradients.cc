@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "mantissa/mantissa.h"
+#include "support/tensors.h"
 #include "support/train.h"
 
 namespace mantissa {
@@ -24,11 +25,7 @@ namespace {
 Tensor random(const Shape& shape, uint32_t seed, float scale = 0.1f, float mean = 0) {
   std::mt19937 gen(seed);
   std::normal_distribution<float> dist(mean, scale);
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& e : v) e = dist(gen);
-  return Tensor::from_floats(v, shape);
+  return testing::tensor_of(shape, [&] { return dist(gen); });
 }
 
 std::vector<std::vector<float>> values(const std::vector<const Tensor*>& ts) {

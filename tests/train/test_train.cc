@@ -15,6 +15,7 @@
 #include "mantissa/mantissa.h"
 #include "support/errors.h"
 #include "support/files.h"
+#include "support/tensors.h"
 #include "support/train.h"
 
 namespace mantissa {
@@ -409,11 +410,7 @@ TEST(Optimizer, UpdatesInTheBackwardPassEqualTheStep) {
   std::mt19937 gen(3);
   std::normal_distribution<float> dist(0.0f, 0.05f);
   auto random = [&](const Shape& shape) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    std::vector<float> v(static_cast<size_t>(n));
-    for (float& e : v) e = dist(gen);
-    return Tensor::from_floats(v, shape);
+    return testing::tensor_of(shape, [&] { return dist(gen); });
   };
   // w1 has 134400 elements: several chunks on two threads; in FP32 its gradient comes in parts
   // (groups of 6 outputs, parts of 2048 inputs: partial ones of each).
