@@ -75,6 +75,7 @@ int run_advise(const std::vector<std::string>& args, std::ostream& out, std::ost
         "'mantissa advise' needs --precision P, the precision to advise on (e.g. 16-mixed)");
   refuse_ranks("advise",
                "run it without mpirun: the calibration and verification run in one process");
+  io::check_distinct_outputs({{"--json", json_path}, {"--html", html_path}});
   io::check_output_path(json_path, "--json");
   io::check_output_path(html_path, "--html");
   const train::Advice advice = train::advise(a, &err);

@@ -467,6 +467,7 @@ int run_memory(const std::vector<std::string>& args, std::ostream& out) {
   train::TrainConfig first = c;
   first.precision = m.precisions.front();
   const train::RunSettings settings = train::resolve(first);
+  io::check_distinct_outputs({{"--json", m.json_path}, {"--html", m.html_path}});
   io::check_output_path(m.json_path, "--json");
   io::check_output_path(m.html_path, "--html");
   std::vector<train::TrainConfig> configs;

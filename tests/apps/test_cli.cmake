@@ -106,6 +106,18 @@ expect(train_resume_other_model 2 "" "is a checkpoint of lenet5, not of tutorial
 file(WRITE ${WORK}/broken.safetensors "not a checkpoint")
 expect(train_corrupt_init 2 "" "broken.safetensors" train --model lenet5 ${TRAIN_SMALL} --init-from ${WORK}/broken.safetensors)
 expect(train_bad_metrics_dir 2 "" "directory /nonexistent-dir does not exist" train --model lenet5 ${TRAIN_SMALL} --max-steps 1 --no-eval --metrics-json /nonexistent-dir/m.json)
+# Two outputs of one run naming one file are refused before anything is written, the numerics
+# report's page (written beside it) included; so is a page path that is a directory.
+expect(train_outputs_clash 2 "" "--save ${WORK}/clash.out and --metrics-json ${WORK}/clash.out name the same file: one would replace the other" train --model lenet5 ${TRAIN_SMALL} --max-steps 1 --no-eval --save ${WORK}/clash.out --metrics-json ${WORK}/clash.out)
+expect(train_numerics_page_clash 2 "" "--report ${WORK}/num_clash.html and --numerics-report's page ${WORK}/num_clash.html name the same file" train --model lenet5 ${TRAIN_SMALL} --max-steps 1 --no-eval --numerics-report ${WORK}/num_clash.json --report ${WORK}/num_clash.html)
+file(MAKE_DIRECTORY ${WORK}/num_dir.html)
+expect(train_numerics_page_dir 2 "" "--numerics-report's page ${WORK}/num_dir.html is a directory" train --model lenet5 ${TRAIN_SMALL} --max-steps 1 --no-eval --numerics-report ${WORK}/num_dir.json)
+expect(memory_outputs_clash 2 "" "--json ${WORK}/mem_clash and --html ${WORK}/mem_clash name the same file" memory --model lenet5 --batch-size 4 --json ${WORK}/mem_clash --html ${WORK}/mem_clash)
+foreach(f clash.out num_clash.json num_clash.html num_dir.json mem_clash)
+  if(EXISTS ${WORK}/${f})
+    message(SEND_ERROR "FAILED outputs_clash: ${WORK}/${f} was written")
+  endif()
+endforeach()
 expect(train_no_bias_correction 0 "epoch 1:" "" train --model lenet5 ${TRAIN_SMALL} --max-steps 2 --no-eval --optimizer adam --no-bias-correction --metrics-json ${WORK}/nobc.json)
 file(READ ${WORK}/nobc.json nobc)
 if(NOT nobc MATCHES "\"bias_correction\": false" OR NOT nobc MATCHES "\"optimizer\": \"adam\"")

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <ostream>
 #include <stdexcept>
 #include <string>
@@ -233,6 +234,61 @@ TEST(OutputFile, ALockLeftByAKilledProcessDoesNotBlock) {
   io::write_file_atomic(path, "after");
   EXPECT_EQ(contents(path), "after");
   EXPECT_FALSE(fs::exists(path + ".lock"));
+}
+
+// A file of the user's at PATH.lock is not a lock: refused, and left as it was (a claim would
+// truncate it and remove it when done). An empty one is taken (a lock being made).
+TEST(OutputFile, AUsersFileAtTheLockPathIsNeitherTruncatedNorRemoved) {
+  TempDir d;
+  const std::string path = d.file("metrics.json");
+  write_raw(path + ".lock", "my notes\n");
+  for (const std::function<void()>& write :
+       {std::function<void()>([&] { io::write_file_atomic(path, "x"); }),
+        std::function<void()>([&] { io::check_output_path(path, "--metrics-json"); })}) {
+    const std::string e = error_of(write);
+    EXPECT_NE(e.find(path + ".lock exists and is not a lock file Mantissa made"), std::string::npos)
+        << e;
+    EXPECT_NE(e.find("rename or remove " + path + ".lock"), std::string::npos) << e;
+    EXPECT_EQ(contents(path + ".lock"), "my notes\n");
+    EXPECT_FALSE(fs::exists(path));
+  }
+  write_raw(path + ".lock", "12345678901234567890123456\n");  // digits, but too long for an id
+  EXPECT_NE(error_of([&] { io::write_file_atomic(path, "x"); }).find("not a lock file"),
+            std::string::npos);
+  write_raw(path + ".lock", "");
+  io::write_file_atomic(path, "x");
+  EXPECT_EQ(contents(path), "x");
+}
+
+// Outputs of one command that name one file are refused, however the paths are spelled.
+TEST(OutputFile, OutputsOfOneCommandMustBeDistinctFiles) {
+  TempDir d;
+  fs::create_directory(d.file("sub"));
+  const std::string a = d.file("a.json");
+  const std::string e = error_of([&] {
+    io::check_distinct_outputs({{"--save", d.file("b.st")},
+                                {"--metrics-json", a},
+                                {"--report", ""},
+                                {"--json", d.file("sub") + "/../a.json"}});
+  });
+  EXPECT_NE(e.find("--metrics-json " + a + " and --json " + d.file("sub") +
+                   "/../a.json name the same file: one would replace the other"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("give each output its own path"), std::string::npos) << e;
+  // A directory reached through a link is the same directory; a link to a file is a file of its
+  // own (a write replaces the link).
+  fs::create_directory_symlink(d.file("sub"), d.file("alias"));
+  EXPECT_NE(error_of([&] {
+              io::check_distinct_outputs(
+                  {{"--save", d.file("sub") + "/c.st"}, {"--report", d.file("alias") + "/c.st"}});
+            }).find("name the same file"),
+            std::string::npos);
+  write_raw(a, "{}");
+  fs::create_symlink(a, d.file("link.json"));
+  io::check_distinct_outputs({{"--save", a}, {"--report", d.file("link.json")}});
+  io::check_distinct_outputs(
+      {{"--save", a}, {"--report", d.file("a.html")}, {"--json", ""}, {"--html", ""}});
 }
 
 }  // namespace

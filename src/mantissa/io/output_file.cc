@@ -13,6 +13,8 @@
 #include <mutex>
 #include <ostream>
 #include <streambuf>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "mantissa/core/error.h"
@@ -38,6 +40,19 @@ void check_target_kind(const std::string& path, const std::string& label) {
 }
 
 // ---- Claims: advisory locks on PATH.lock, for one write or until the process exits ----
+
+// Whether the open lock file `fd` is empty or holds a process id as Claims writes it: digits and
+// a newline.
+bool holds_a_process_id(int fd, const struct stat& st) {
+  if (st.st_size == 0) return true;
+  if (st.st_size > 24) return false;
+  char buf[25] = {};
+  const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+  if (n <= 0) return n == 0;
+  std::string_view text(buf, static_cast<size_t>(n));
+  if (text.back() == '\n') text.remove_suffix(1);
+  return !text.empty() && text.find_first_not_of("0123456789") == std::string_view::npos;
+}
 
 struct Claim {
   dev_t dev;
@@ -72,6 +87,14 @@ class Claims {
         ::close(fd);
         throw Error(label + ": its lock file " + lock_path + " is not a regular file",
                     "remove " + lock_path);
+      }
+      // A lock file holds a process id (or nothing yet: one being made); anything else at that
+      // path is a file of the user's, which a claim would truncate and remove.
+      if (!holds_a_process_id(fd, st)) {
+        ::close(fd);
+        throw Error(label + ": " + lock_path +
+                        " exists and is not a lock file Mantissa made (it holds other data)",
+                    "rename or remove " + lock_path + ", or write to another path");
       }
       for (const Claim& c : held_)
         if (c.dev == st.st_dev && c.ino == st.st_ino) {  // this process holds it already
@@ -229,6 +252,26 @@ void check_output_path(const std::string& path, const char* flag) {
                  "choose a directory you can write to");
   check_target_kind(path, label);
   Claims::instance().claim(path, label);  // until the process ends: the run's output
+}
+
+void check_distinct_outputs(const std::vector<OutputPath>& outputs) {
+  // A file is written by renaming over its name, so its identity is its directory (links and "."
+  // or ".." resolved) and its own name: a symbolic link is replaced, not written through.
+  std::vector<std::pair<fs::path, const OutputPath*>> seen;
+  for (const OutputPath& o : outputs) {
+    if (o.path.empty()) continue;
+    const fs::path abs = fs::absolute(o.path).lexically_normal();
+    std::error_code ec;
+    fs::path dir = fs::weakly_canonical(abs.parent_path(), ec);
+    if (ec) dir = abs.parent_path();
+    const fs::path p = dir / abs.filename();
+    for (const auto& [q, other] : seen)
+      MANTISSA_CHECK(p != q,
+                     other->flag + " " + other->path + " and " + o.flag + " " + o.path +
+                         " name the same file: one would replace the other",
+                     "give each output its own path");
+    seen.emplace_back(p, &o);
+  }
 }
 
 void write_file_atomic(const std::string& path, const std::function<void(std::ostream&)>& write) {

@@ -14,13 +14,15 @@
 //    lock (flock) on `PATH.lock`, a file beside the target holding the process id, removed when
 //    the claim ends (at the end of the write, or when the process ends normally). A path another
 //    running process has claimed is refused, naming that process, so two runs writing one
-//    checkpoint fail clearly instead of both reporting success.
+//    checkpoint fail clearly instead of both reporting success. A `PATH.lock` that holds anything
+//    but a process id (a file of the user's) is refused, never truncated or removed.
 // Threads of one process must not write the same path at the same time.
 #pragma once
 
 #include <functional>
 #include <iosfwd>
 #include <string>
+#include <vector>
 
 namespace mantissa::io {
 
@@ -28,6 +30,17 @@ namespace mantissa::io {
 // a regular file) and claims it for this process, naming `flag` in the error: output files are
 // checked before any work starts, so a run does not end in a write error. An empty path passes.
 void check_output_path(const std::string& path, const char* flag);
+
+// One output of a command: the flag that names it ("--save") and its path (empty: not written).
+struct OutputPath {
+  std::string flag;
+  std::string path;
+};
+// Refuses outputs of one command that name the same file (the same directory, however it is
+// reached, and the same name; a symbolic link to a file is a name of its own, which a write
+// replaces): one would replace the other when the run writes them. Call it with every file the
+// command writes, before any work starts.
+void check_distinct_outputs(const std::vector<OutputPath>& outputs);
 
 // Writes a file atomically: `write` fills the temporary file, which is renamed over `path` once it
 // is complete. A failed write (disk full), an exception from `write`, or a path that is not

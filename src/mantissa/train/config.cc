@@ -253,10 +253,18 @@ RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
   MANTISSA_CHECK(c.workers >= 1 && c.workers <= 64, "--workers must lie in [1, 64]", "");
   MANTISSA_CHECK(c.prefetch >= 0 && c.prefetch <= 64, "--prefetch must lie in [0, 64]", "");
   if (checks_outputs) {
+    const std::string page =
+        c.numerics_report.empty() ? std::string() : numerics_page_path(c.numerics_report);
+    io::check_distinct_outputs({{"--save", c.save},
+                                {"--metrics-json", c.metrics_json},
+                                {"--report", c.report},
+                                {"--numerics-report", c.numerics_report},
+                                {"--numerics-report's page", page}});
     io::check_output_path(c.save, "--save");
     io::check_output_path(c.metrics_json, "--metrics-json");
     io::check_output_path(c.report, "--report");
     io::check_output_path(c.numerics_report, "--numerics-report");
+    io::check_output_path(page, "--numerics-report's page");
   }
   MANTISSA_CHECK(c.numerics_every >= 1, "--numerics-every must be at least 1", "");
   MANTISSA_CHECK(c.init_from.empty() || c.resume.empty(),
@@ -288,6 +296,11 @@ RunSettings resolve(const TrainConfig& c, bool checks_outputs) {
 }
 
 void validate(const TrainConfig& c) { resolve(c); }
+
+std::string numerics_page_path(const std::string& report) {
+  const bool json = report.size() > 5 && report.compare(report.size() - 5, 5, ".json") == 0;
+  return (json ? report.substr(0, report.size() - 5) : report) + ".html";
+}
 
 void check_user_model_config(const TrainConfig& c) {
   const TrainConfig d;

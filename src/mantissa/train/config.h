@@ -194,6 +194,10 @@ RunSettings resolve(const TrainConfig& c, bool checks_outputs = true);
 // The same checks, for a configuration that is not run yet (`mantissa memory`, the CLI).
 void validate(const TrainConfig& c);
 
+// The page written beside a numerics report (TrainConfig::numerics_report): its path without a
+// ".json" ending, plus ".html".
+std::string numerics_page_path(const std::string& report);
+
 // The optimizer steps of the run, --epochs times the steps of an epoch of `batches_per_epoch`
 // batches (at least --gradient-accumulation of them); throws naming --epochs when the run would
 // count more than kMaxCount batches. --max-steps is not applied.

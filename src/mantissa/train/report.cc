@@ -353,10 +353,7 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
 
 std::string write_numerics_report(const std::string& path, const nn::NumericsRecorder& numerics,
                                   const std::string& title) {
-  const std::string html = (path.size() > 5 && path.compare(path.size() - 5, 5, ".json") == 0
-                                ? path.substr(0, path.size() - 5)
-                                : path) +
-                           ".html";
+  const std::string html = numerics_page_path(path);
   io::write_file_atomic(path, numerics.json());
   io::write_file_atomic(html, numerics.html(title));
   const int64_t steps = numerics.steps();
