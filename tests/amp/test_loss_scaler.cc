@@ -136,6 +136,17 @@ TEST(LossScaler, ParsesTheFlag) {
   for (const char* bad : {"", "-1", "0", "abc", "12x", "inf"})
     EXPECT_NE(error_of([&] { parse_loss_scaling(bad); }).find("--loss-scaling"), std::string::npos)
         << bad;
+  // Static scales that are not FP32 normal numbers: the scale or its inverse would be 0 or inf,
+  // and every step skipped.
+  for (const char* far : {"1e-50", "1e-45", "1e-39", "1e300", "3.5e38"})
+    EXPECT_NE(
+        error_of([&] {
+          parse_loss_scaling(far);
+        }).find("--loss-scaling " + std::string(far) + " is outside the range of a loss scale"),
+        std::string::npos)
+        << far;
+  EXPECT_EQ(parse_loss_scaling("1.2e-38")->init_scale, 1.2e-38);
+  EXPECT_EQ(parse_loss_scaling("3.4e38")->init_scale, 3.4e38);
   LossScalerOptions o;
   o.growth_factor = 1;
   EXPECT_NE(error_of([&] { LossScaler s(o); }), "");

@@ -4,7 +4,9 @@
 // And the settings that once parsed without acting now act: per-module precision on the models'
 // shared ReLU, and a numerics report's suggested loss scale as the initial scale.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -343,7 +345,15 @@ TEST(Settings, TheNumericsReportsSuggestedScaleStartsTheLossScale) {
     b.loss_scale_init_report = path;
     return error_of([&] { train::validate(b); });
   };
-  EXPECT_NE(refused(dir.file("absent.json")).find("cannot read the file"), std::string::npos);
+  EXPECT_NE(refused(dir.file("absent.json"))
+                .find("cannot find --loss-scale-init numerics report " + dir.file("absent.json")),
+            std::string::npos);
+  // Not regular files: refused without being read (a FIFO is not waited on).
+  std::filesystem::create_directory(dir.file("dir.json"));
+  EXPECT_NE(refused(dir.file("dir.json")).find("is a directory, not a regular file"),
+            std::string::npos);
+  ASSERT_EQ(::mkfifo(dir.file("fifo.json").c_str(), 0600), 0);
+  EXPECT_NE(refused(dir.file("fifo.json")).find("FIFO"), std::string::npos);
   std::ofstream(dir.file("text.json")) << "not json";
   EXPECT_NE(refused(dir.file("text.json")).find("the file is not JSON"), std::string::npos);
   std::ofstream(dir.file("other.json")) << R"({"suggested_loss_scale": {"scale": "big"}})";
@@ -351,6 +361,13 @@ TEST(Settings, TheNumericsReportsSuggestedScaleStartsTheLossScale) {
             std::string::npos);
   std::ofstream(dir.file("zero.json")) << R"({"suggested_loss_scale": {"scale": 0}})";
   EXPECT_NE(refused(dir.file("zero.json")).find("is not a positive number"), std::string::npos);
+  // A scale whose inverse (or itself) is not finite in FP32 would skip every step.
+  for (const char* v : {"1e300", "1e-300"}) {
+    std::ofstream(dir.file("far.json")) << R"({"suggested_loss_scale": {"scale": )" << v << "}}";
+    EXPECT_NE(refused(dir.file("far.json")).find("is outside the range of a loss scale"),
+              std::string::npos)
+        << v;
+  }
 }
 
 }  // namespace

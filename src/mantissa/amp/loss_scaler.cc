@@ -1,7 +1,9 @@
 #include "mantissa/amp/loss_scaler.h"
 
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 
 #include "mantissa/core/error.h"
 #include "mantissa/io/json_fields.h"
@@ -164,14 +166,25 @@ std::optional<LossScalerOptions> parse_loss_scaling(const std::string& text) {
     size_t used = 0;
     const double v = std::stod(text, &used);
     if (used == text.size() && std::isfinite(v) && v > 0) {
+      check_loss_scale(v, "--loss-scaling " + excerpt(text));
       o.dynamic = false;
       o.init_scale = v;
       return o;
     }
-  } catch (const std::exception&) {
+  } catch (const std::invalid_argument&) {
+  } catch (const std::out_of_range&) {
   }
   throw Error("--loss-scaling '" + excerpt(text) + "' is not valid",
               "use none, dynamic, or a positive number such as 1024");
+}
+
+void check_loss_scale(double v, const std::string& what) {
+  MANTISSA_CHECK(v >= static_cast<double>(std::numeric_limits<float>::min()) &&
+                     v <= static_cast<double>(std::numeric_limits<float>::max()),
+                 what +
+                     " is outside the range of a loss scale: it and its inverse must be finite "
+                     "and nonzero in FP32 (1.2e-38 to 3.4e38)",
+                 "loss scales are usually powers of two from 1 to 2^24, e.g. 65536");
 }
 
 }  // namespace mantissa::amp

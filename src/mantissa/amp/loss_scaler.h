@@ -77,4 +77,9 @@ class LossScaler {
 // Parses --loss-scaling: "none" -> nullopt, "dynamic", or a positive number (static).
 std::optional<LossScalerOptions> parse_loss_scaling(const std::string& text);
 
+// Refuses a loss scale (static, initial, or a clamp) that is not a positive FP32 normal number,
+// 2^-126 (1.2e-38) to FP32's largest (3.4e38): the scale and its inverse must both be finite and
+// nonzero in FP32. `what` names it in the error ("--loss-scaling 1e-50").
+void check_loss_scale(double v, const std::string& what);
+
 }  // namespace mantissa::amp

@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <utility>
 
 #include "mantissa/core/error.h"
+#include "mantissa/io/input_file.h"
 #include "mantissa/ops/ops.h"
 
 namespace mantissa::amp {
@@ -30,14 +30,18 @@ std::string num(double v) {
   return buf;
 }
 
+// A numerics report's size limit: far above the histograms of any model over any run.
+constexpr uint64_t kMaxReportBytes = uint64_t{1} << 30;
+
 // The suggested loss scale of a numerics report (nn::NumericsRecorder::json()).
 double suggested_loss_scale(const std::string& path) {
   const std::string hint = "pass the JSON file that --numerics-report wrote";
-  std::ifstream f(path);
-  MANTISSA_CHECK(f.good(), "--loss-scale-init from:" + path + ": cannot read the file", hint);
+  // Opened as every input file is (io/input_file.h): a directory, FIFO or device is refused
+  // without being read or waited on.
+  const io::InputFile file(path, "--loss-scale-init numerics report", kMaxReportBytes, hint);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(f);
+    j = nlohmann::json::parse(file.read_all());
   } catch (const nlohmann::json::exception&) {
     throw Error("--loss-scale-init from:" + path + ": the file is not JSON", hint);
   }
@@ -54,6 +58,7 @@ double suggested_loss_scale(const std::string& path) {
                  "--loss-scale-init from:" + path + ": the suggested loss scale " + num(v) +
                      " is not a positive number",
                  "the file is damaged; write it again with --numerics-report");
+  check_loss_scale(v, "--loss-scale-init from:" + path + ": the suggested loss scale " + num(v));
   return v;
 }
 
@@ -102,9 +107,7 @@ std::optional<LossScalerOptions> loss_scaling_of(const PrecisionChoices& c,
   for (const auto& [flag, v] : {std::pair{"--loss-scale-init", c.loss_scale_init},
                                 std::pair{"--loss-scale-min", c.loss_scale_min},
                                 std::pair{"--loss-scale-max", c.loss_scale_max}})
-    MANTISSA_CHECK(!v || (std::isfinite(*v) && *v > 0),
-                   std::string(flag) + " " + num(v.value_or(0)) + " is not a positive number",
-                   "e.g. 65536");
+    if (v) check_loss_scale(*v, std::string(flag) + " " + num(*v));
   if (!c.loss_scale_init_report.empty())
     o->init_scale = suggested_loss_scale(c.loss_scale_init_report);
   if (c.loss_scale_init) o->init_scale = *c.loss_scale_init;
