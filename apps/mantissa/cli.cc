@@ -68,7 +68,7 @@ double number_value(const std::string& flag, const std::string& v) {
                      "3.4e38), the precision Mantissa computes in");
   if (x != 0 && static_cast<float>(x) == 0)
     throw UsageError(flag + " '" + excerpt(v) + "' rounds to 0 in FP32 (the smallest is 1.4e-45)" +
-                     ", the precision Mantissa computes in; give 0 or a larger value");
+                     ", the precision Mantissa computes in; give a value of at least 1.4e-45");
   return x;
 }
 

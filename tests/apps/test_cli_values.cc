@@ -110,6 +110,7 @@ TEST(CliValues, EveryNumericFlagRefusesBadValuesNamingTheFlag) {
   const std::vector<std::string> bad_numbers = {"1e39", "-3.5e38", "1e-46"};
   const std::vector<std::string> bad_integers = {"1.5", "1e3", "+-2", "99999999999999999999999",
                                                  "18446744073709551616"};
+  int vanishing = 0;
   for (const NumericFlag& f : kNumericFlags) {
     std::vector<std::string> values = bad;
     if (f.integer) values.insert(values.end(), bad_integers.begin(), bad_integers.end());
@@ -125,9 +126,19 @@ TEST(CliValues, EveryNumericFlagRefusesBadValuesNamingTheFlag) {
         EXPECT_NE(message.find(f.flag), std::string::npos)
             << "mantissa " << f.command << " " << f.flag << " '" << v << "': "
             << (message.empty() ? "accepted" : "refused without naming the flag: " + message);
+        // A value that vanishes in FP32 is answered with the smallest one that does not (0 is
+        // refused by some flags, so it is not offered).
+        if (message.find("rounds to 0 in FP32") != std::string::npos) {
+          ++vanishing;
+          EXPECT_NE(message.find("(the smallest is 1.4e-45), the precision Mantissa computes in; "
+                                 "give a value of at least 1.4e-45"),
+                    std::string::npos)
+              << f.flag << ": " << message;
+        }
       }
     }
   }
+  EXPECT_GT(vanishing, 0) << "1e-46 vanishes in FP32 for the number flags";
 }
 
 TEST(CliValues, AcceptsTheValuesItDocuments) {

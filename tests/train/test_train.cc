@@ -390,6 +390,38 @@ TEST(Trainer, BadSettingsAreExplained) {
   EXPECT_NE(absent.find(c.resume), std::string::npos) << absent;
 }
 
+// A loss that stops being finite is named with its likely cause: at the first step (before any
+// update) the weights or the data, or a 16-bit forward's overflow; with Adam and --eps 0, the
+// division by zero; otherwise the updates (the learning rate).
+TEST(Trainer, ANonFiniteLossNamesItsLikelyCause) {
+  auto failure = [](train::TrainConfig c, bool nan_weight) {
+    c.max_steps = 4;
+    return error_of([&] {
+      train::Trainer t(c);
+      if (nan_weight) t.model().named_parameters()[0].tensor->data<float>()[0] = NAN;
+      t.run();
+    });
+  };
+  train::TrainConfig c = small();
+  std::string e = failure(c, true);
+  EXPECT_NE(e.find("the loss became nan at step 1, before any update"), std::string::npos) << e;
+  EXPECT_NE(e.find("the initial weights or the data hold a non-finite value"), std::string::npos)
+      << e;
+  EXPECT_EQ(e.find("16-bit"), std::string::npos) << e;
+  c.precision = "bf16-mixed";
+  e = failure(c, true);
+  EXPECT_NE(e.find("or the forward pass overflows its 16-bit type"), std::string::npos) << e;
+  c = small();
+  c.optimizer = "adam";
+  c.eps = 0;
+  e = failure(c, false);
+  EXPECT_NE(e.find("--eps 0 divides by zero"), std::string::npos) << e;
+  c.eps = 1e-8;
+  c.lr = 1e30;
+  e = failure(c, false);
+  EXPECT_NE(e.find("lower --lr, or set --max-grad-norm"), std::string::npos) << e;
+}
+
 TEST(Trainer, ScheduleDrivesTheLearningRate) {
   optim::LrSchedule s;
   s.warmup_steps = 4;

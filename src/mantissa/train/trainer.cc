@@ -393,10 +393,27 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
   const double micro = static_cast<double>(micro_batches_per_step());
   auto record = [&](int64_t k, const Figures& f) {
     const float l = static_cast<float>(f.loss_sum / micro);
-    MANTISSA_CHECK(std::isfinite(l),
-                   "the loss became " + std::string(std::isnan(l) ? "nan" : "inf") + " at step " +
-                       std::to_string(first_step + k + 1),
-                   "lower --lr, or set --max-grad-norm");
+    if (!std::isfinite(l)) {
+      // The first step's loss comes before any update: the weights or the data hold the
+      // non-finite value, or a 16-bit forward pass overflows. Later, the updates made it.
+      const bool first = first_step + k == 0;
+      const amp::PrecisionMode& pm = run_.precision.mode;
+      const bool sixteen = pm.autocast || pm.read_as_half || is_16bit_float(pm.param_dtype);
+      const bool adam_eps0 = run_.optimizer != OptimizerKind::kSgd && config_.eps == 0;
+      const std::string hint =
+          first ? std::string(
+                      "the initial weights or the data hold a non-finite value: check the "
+                      "file given to --init-from, and the dataset") +
+                      (sixteen ? "; or the forward pass overflows its 16-bit type: 'mantissa "
+                                 "advise' names the layers, --keep-fp32 keeps them in FP32"
+                               : "")
+          : adam_eps0 ? "--eps 0 divides by zero wherever a gradient's running square is 0: "
+                        "give a positive --eps (the default is 1e-8)"
+                      : "lower --lr, or set --max-grad-norm";
+      throw Error("the loss became " + std::string(std::isnan(l) ? "nan" : "inf") + " at step " +
+                      std::to_string(first_step + k + 1) + (first ? ", before any update" : ""),
+                  hint);
+    }
     step_losses_.push_back(l);
     co.images += f.images;
     if (!f.returned) return;
