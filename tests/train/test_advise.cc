@@ -10,11 +10,14 @@
 #include <string>
 
 #include "mantissa/mantissa.h"
+#include "support/errors.h"
 #include "support/files.h"
 #include "support/train.h"
 
 namespace mantissa {
 namespace {
+
+using testing::error_of;
 
 // tutorial-cnn at 24x24 with conv2's weights scaled by `factor`: its outputs (and the ReLU's
 // after it) reach ~10^5, past FP16's 65504; the GroupNorm after them brings them back to order 1,
@@ -178,6 +181,14 @@ TEST(Advise, RefusesWhatItCannotAdvise) {
   EXPECT_THROW(train::advise(a), Error);
   a.train.precision = "fp17";
   EXPECT_THROW(train::advise(a), Error);
+  for (const char* fp8 : {"fp8-hybrid", "fp8-e4m3"}) {
+    a.train.precision = fp8;
+    EXPECT_NE(error_of([&] {
+                train::advise(a);
+              }).find("computes in FP8, which the advisor does not model"),
+              std::string::npos)
+        << fp8;
+  }
   a.train.precision = "16-mixed";
   a.steps = 0;
   EXPECT_THROW(train::advise(a), Error);

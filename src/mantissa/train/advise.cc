@@ -194,6 +194,15 @@ void check_config(const AdviseConfig& a) {
   MANTISSA_CHECK(uses_half(mode),
                  "--precision " + c.precision + " keeps everything in FP32: nothing to advise",
                  "name a 16-bit precision, e.g. 16-mixed, bf16-mixed, 16-true or bf16-true");
+  // The histograms and update counts measure what FP16 and BF16 hold; an FP8 format's range and
+  // its per-tensor scales are another question (the FP8 recipe's amax history answers it).
+  MANTISSA_CHECK(!mode.fp8_gradients,
+                 "--precision " + c.precision +
+                     " computes in FP8, which the advisor does not model: it measures what FP16 "
+                     "and BF16 keep",
+                 "advise on bf16-mixed, which the FP8 modes run outside their FP8 matrix ops, then "
+                 "train in " +
+                     c.precision);
 }
 
 // A built-in dataset's batch for step s of a run (the trainer's order: epoch by epoch).
