@@ -310,6 +310,33 @@ TEST(Settings, KeepFp32OnTheModelsReluRunsItInFp32) {
   }
 }
 
+// --kahan and --stochastic-rounding act on 16-bit parameters (and state): when --keep-fp32 takes
+// back every parameter of a 16-bit mode, they are refused, not announced and ignored.
+TEST(Settings, KahanAndStochasticRoundingNeedSixteenBitValuesLeft) {
+  train::TrainConfig c = testing::small_run("lenet5", 64);
+  c.precision = "bf16-true";
+  c.max_steps = 1;
+  c.keep_fp32 = {"conv1", "conv2", "fc1", "fc2", "fc3"};
+  c.kahan = true;
+  std::string e = error_of([&] { train::Trainer t(c); });
+  EXPECT_NE(e.find("--kahan has nothing to compensate: --keep-fp32 keeps every parameter"),
+            std::string::npos)
+      << e;
+  c.kahan = false;
+  c.stochastic_rounding = true;
+  train::Trainer(c).run();  // bf16-true's optimizer state is BF16: that is rounded
+  c.first_moment_type = c.second_moment_type = "fp32";
+  e = error_of([&] { train::Trainer t(c); });
+  EXPECT_NE(e.find("--stochastic-rounding has nothing to round: --keep-fp32 keeps every"),
+            std::string::npos)
+      << e;
+  c.keep_fp32 = {"conv1"};  // the rest stays BF16
+  train::Trainer(c).run();
+  c.stochastic_rounding = false;
+  c.kahan = true;
+  train::Trainer(c).run();
+}
+
 // `--loss-scale-init from:FILE`: the numerics report of one run starts the loss scale of the next.
 TEST(Settings, TheNumericsReportsSuggestedScaleStartsTheLossScale) {
   const testing::TempDir dir;

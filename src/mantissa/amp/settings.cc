@@ -307,6 +307,22 @@ void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optim
   }
   if (s.grad_dtype)
     for (auto& p : model.named_parameters()) p.tensor->autograd_meta()->grad_dtype = *s.grad_dtype;
+  // The flags that act on 16-bit parameters, checked against what the module overrides left
+  // (resolve_precision checked the mode): --keep-fp32 may have taken back every one.
+  bool half_params = false;
+  for (const Tensor* t : model.parameters()) half_params |= is_16bit_float(t->dtype());
+  const bool half_state =
+      s.state_types.first_moment != DType::f32 || s.state_types.second_moment != DType::f32;
+  MANTISSA_CHECK(!s.kahan || half_params,
+                 "--kahan has nothing to compensate: --keep-fp32 keeps every parameter of "
+                 "--precision " +
+                     mode.name + " in FP32",
+                 "drop --kahan, or keep fewer modules in FP32");
+  MANTISSA_CHECK(!s.stochastic_rounding_seed || half_params || half_state,
+                 "--stochastic-rounding has nothing to round: --keep-fp32 keeps every parameter "
+                 "of --precision " +
+                     mode.name + " in FP32, and the optimizer state is FP32",
+                 "drop --stochastic-rounding, or keep fewer modules in FP32");
   optimizer.set_state_types(s.state_types);
   if (mode.master_weights) optimizer.enable_master_weights();
   if (s.stochastic_rounding_seed) optimizer.set_stochastic_rounding(s.stochastic_rounding_seed);
