@@ -164,6 +164,15 @@ TEST(CliValues, AcceptsTheValuesItDocuments) {
   EXPECT_EQ(refusal("train", {"--eps", "0x1p-30", "--lr", "1e-40"}), "");  // subnormal in FP32
 }
 
+// An option given twice keeps its last value, in either form.
+TEST(CliValues, AnOptionGivenTwiceKeepsItsLastValue) {
+  const train::TrainConfig c =
+      cli::parse_train_args({"--lr", "0.1", "--lr=0.2", "--model", "lenet5", "--model=resnet18"})
+          .config;
+  EXPECT_EQ(c.lr, 0.2);
+  EXPECT_EQ(c.model, "resnet18");
+}
+
 // Limits that depend on the flag: one rule for --threads in every command, and the ranges resolve
 // knows.
 TEST(CliValues, RangesOfEachFlag) {
