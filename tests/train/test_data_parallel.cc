@@ -451,6 +451,7 @@ TEST(DataParallelCheckpoint, AnotherGlobalBatchIsRefusedNamingIt) {
   train::TrainConfig other = c;
   other.save.clear();
   other.resume = c.save;
+  other.max_steps = 2;  // past the checkpoint's step
   other.batch_size = 8;
   other.gradient_accumulation = 2;  // the same global batch: resumes
   EXPECT_EQ(error_of([&] { train::Trainer t(other); }), "");

@@ -36,6 +36,7 @@ std::string checkpoint(const testing::TempDir& dir, train::TrainConfig c) {
 // The error of resuming `path` with `c` edited ("" when it resumes).
 std::string resume_error(train::TrainConfig c, const std::string& path, const Edit& edit) {
   c.resume = path;
+  c.max_steps = 0;  // to the end of --epochs: past the checkpoint's step
   edit(c);
   return error_of([&] { train::Trainer t(c); });
 }
@@ -58,6 +59,8 @@ TEST(ResumeChecks, WhatTheDataOrderDependsOnMustMatch) {
        "drop --no-shuffle"},
       {[](auto& r) { r.augment = true; }, "was trained with augmentation false, not true",
        "drop --augment"},
+      {[](auto& r) { r.eight_bit_io = true; }, "was trained with --eight-bit-io false, not true",
+       "drop --eight-bit-io"},
   };
   for (const Case& k : cases) {
     const std::string e = resume_error(c, path, k.edit);
@@ -103,6 +106,41 @@ TEST(ResumeChecks, ThePrecisionSettingsMustMatch) {
         << e;
   }
   EXPECT_EQ(resume_error(c, path, [](auto&) {}), "");
+}
+
+// The op lists are compared as they were read from their files: another name of the same file
+// resumes, the same file with other ops in it is refused.
+TEST(ResumeChecks, TheOpListsAreComparedAsRead) {
+  const testing::TempDir dir;
+  train::TrainConfig c = base();
+  c.precision = "16-mixed";
+  c.autocast_lower_list = dir.file("ops.txt");
+  testing::write_raw(c.autocast_lower_list, "conv2d\n");
+  const std::string path = checkpoint(dir, c);
+  EXPECT_EQ(
+      resume_error(c, path, [&](auto& r) { r.autocast_lower_list = dir.path() + "/./ops.txt"; }),
+      "");
+  testing::write_raw(dir.file("copy.txt"), "# the same list\nconv2d\n");
+  EXPECT_EQ(resume_error(c, path, [&](auto& r) { r.autocast_lower_list = dir.file("copy.txt"); }),
+            "");
+  testing::write_raw(c.autocast_lower_list, "conv2d\nlinear\n");
+  const std::string e = resume_error(c, path, [](auto&) {});
+  EXPECT_NE(
+      e.find(path + " was trained with the lower-precision op list conv2d, not linear,conv2d"),
+      std::string::npos)
+      << e;
+  EXPECT_NE(e.find("resume with op-list files that list the ops of the original run"),
+            std::string::npos)
+      << e;
+  // A damaged record of the lists is refused as such.
+  io::SafetensorsFile f = io::load_safetensors(path);
+  std::vector<std::pair<std::string, Tensor>> tensors(f.tensors.begin(), f.tensors.end());
+  f.metadata["autocast_op_lists"] = R"({"lower-precision": ["no_such_op"], "fp32": []})";
+  const std::string damaged = dir.file("damaged.safetensors");
+  io::save_safetensors(damaged, tensors, f.metadata);
+  const std::string d = resume_error(c, damaged, [](auto&) {});
+  EXPECT_NE(d.find("metadata 'autocast_op_lists' is not a policy's lists"), std::string::npos) << d;
+  EXPECT_NE(d.find("the file is damaged"), std::string::npos) << d;
 }
 
 TEST(ResumeChecks, TheStochasticRoundingSeedIsReadBack) {
@@ -167,6 +205,69 @@ TEST(ResumeChecks, ChangedSettingsResumeAndAreNamedInOneLine) {
   train::Trainer(c).run();
   EXPECT_EQ(resumed_output([](auto& r) { r.epochs = 3; }).find("change the run"),
             std::string::npos);
+}
+
+// The same global batch split otherwise (here into micro-batches) resumes, and is named as a
+// change: the images of a step are summed in another order.
+TEST(ResumeChecks, AnotherSplitOfTheGlobalBatchIsNamed) {
+  const testing::TempDir dir;
+  const train::TrainConfig c = base();  // batch 16
+  const std::string path = checkpoint(dir, c);
+  train::TrainConfig r = c;
+  r.resume = path;
+  r.max_steps = 3;
+  r.batch_size = 8;
+  r.gradient_accumulation = 2;
+  std::ostringstream out;
+  train::Trainer t(r, {&out, nullptr});
+  EXPECT_NE(out.str().find("resuming " + path +
+                           " at step 2 with settings that change the run from there: the global "
+                           "batch of 16 as 1 rank x --batch-size 8 x --gradient-accumulation 2 "
+                           "(the checkpoint's: 1 rank x --batch-size 16 x "
+                           "--gradient-accumulation 1)\n"),
+            std::string::npos)
+      << out.str();
+}
+
+// The steps the loss scaler skipped before a resume are the run's too: the resumed run reports
+// the same list as the run that was not stopped.
+TEST(ResumeChecks, TheSkippedStepsCoverTheWholeRun) {
+  const testing::TempDir dir;
+  train::TrainConfig c = testing::small_run("lenet5", 256);
+  c.precision = "16-mixed";
+  c.loss_scale_init = 1073741824.0;  // 2^30: the first steps overflow
+  c.loss_scale_growth_interval = 3;
+  c.loss_scale_hysteresis = 2;
+  c.max_steps = 16;
+  const train::TrainResult whole = train::Trainer(c).run();
+  train::TrainConfig first = c;
+  first.max_steps = 8;
+  first.save = dir.file("part.safetensors");
+  const train::TrainResult part = train::Trainer(first).run();
+  ASSERT_FALSE(part.skipped.empty()) << "the test needs skipped steps before the resume";
+  train::TrainConfig rest = c;
+  rest.resume = first.save;
+  const train::TrainResult resumed = train::Trainer(rest).run();
+  EXPECT_EQ(resumed.step_losses, whole.step_losses);
+  EXPECT_EQ(resumed.skipped_steps, whole.skipped_steps);
+  EXPECT_EQ(resumed.skipped, whole.skipped);
+  EXPECT_EQ(static_cast<int64_t>(resumed.skipped.size()), resumed.skipped_steps);
+}
+
+TEST(ResumeChecks, AMaxStepsAtOrBelowTheCheckpointsStepIsRefused) {
+  const testing::TempDir dir;
+  const train::TrainConfig c = base();  // saved at step 2
+  const std::string path = checkpoint(dir, c);
+  for (const int64_t max_steps : {1, 2}) {
+    const std::string e = resume_error(c, path, [&](auto& r) { r.max_steps = max_steps; });
+    EXPECT_NE(e.find(path + " is at step 2, and this run's --max-steps " +
+                     std::to_string(max_steps) + " ends it at step " + std::to_string(max_steps) +
+                     ": the resume would train nothing"),
+              std::string::npos)
+        << e;
+    EXPECT_NE(e.find("pass a --max-steps above 2"), std::string::npos) << e;
+  }
+  EXPECT_EQ(resume_error(c, path, [](auto& r) { r.max_steps = 3; }), "");
 }
 
 }  // namespace

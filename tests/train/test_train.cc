@@ -13,6 +13,7 @@
 
 #include "mantissa/io/safetensors.h"
 #include "mantissa/mantissa.h"
+#include "mantissa/train/run_data.h"
 #include "support/errors.h"
 #include "support/files.h"
 #include "support/tensors.h"
@@ -155,6 +156,15 @@ TEST(Trainer, DamagedCheckpointMetadataIsRefusedBeforeUse) {
   const io::SafetensorsFile good = io::load_safetensors(c.save);
   // `good` with one metadata field replaced (or removed, when `value` is null), or without the
   // tensor `drop`.
+  // `good` with metadata fields replaced.
+  const auto damaged_all = [&](const std::map<std::string, std::string>& edits) {
+    std::map<std::string, std::string> m = good.metadata;
+    for (const auto& [key, value] : edits) m[key] = value;
+    std::vector<std::pair<std::string, Tensor>> ts(good.tensors.begin(), good.tensors.end());
+    const std::string path = dir.file("damaged.safetensors");
+    io::save_safetensors(path, ts, m);
+    return path;
+  };
   const auto damaged = [&](const std::string& key, const char* value,
                            const std::string& drop = "") {
     std::map<std::string, std::string> m = good.metadata;
@@ -168,6 +178,12 @@ TEST(Trainer, DamagedCheckpointMetadataIsRefusedBeforeUse) {
     const std::string path = dir.file("damaged.safetensors");
     io::save_safetensors(path, ts, m);
     return path;
+  };
+  // A list of n losses, as step_losses holds them.
+  const auto losses_json = [](int n) {
+    std::string s = "[";
+    for (int i = 0; i < n; ++i) s += (i ? ",2.5" : "2.5");
+    return s + "]";
   };
   const auto resume_error = [&](const std::string& path) {
     train::TrainConfig r = small();
@@ -205,8 +221,9 @@ TEST(Trainer, DamagedCheckpointMetadataIsRefusedBeforeUse) {
       {resume_error(damaged("step", "-1")), "metadata 'step' is -1, outside [0, "},
       {resume_error(damaged("step", "9223372036854775807")),
        "metadata 'step' is 9223372036854775807"},
-      {resume_error(damaged("step", "1000000")),
-       "is at step 1000000, past the 16 steps of this run's --epochs 1"},
+      {resume_error(damaged_all(
+           {{"step", "17"}, {"optimizer_steps", "17"}, {"step_losses", losses_json(17)}})),
+       "is at step 17, past the 16 steps of this run's --epochs 1"},
       {resume_error(damaged("optimizer_steps", "x")),
        "metadata 'optimizer_steps' is not an integer"},
       {resume_error(damaged("gradient_accumulation", "0")),
@@ -218,7 +235,41 @@ TEST(Trainer, DamagedCheckpointMetadataIsRefusedBeforeUse) {
       {resume_error(damaged("optimizer_state_tensors", "-2")), "outside [0, "},
   };
   for (const auto& [got, want] : resumes) EXPECT_NE(got.find(want), std::string::npos) << got;
-  EXPECT_EQ(resume_error(damaged("step", "16")), "") << "the run's last step resumes";
+  // Counts that contradict each other, and values a flag would refuse, are a damaged file: they
+  // are never compared with the run's flags (whose hint would name a value that is itself
+  // refused) nor resumed.
+  const std::pair<std::string, std::string> inconsistent[] = {
+      {resume_error(damaged("step_losses", "[2.5,2.4,2.3]")),
+       "metadata 'step_losses' holds 3 losses for the checkpoint's 2 steps"},
+      {resume_error(damaged("optimizer_steps", "0")),
+       "metadata 'optimizer_steps' is 0, not the 2 steps of the checkpoint's 2 that updated the "
+       "weights"},
+      {resume_error(damaged("optimizer_steps", "3")), "metadata 'optimizer_steps' is 3, not the 2"},
+      {resume_error(damaged("changeable_settings", R"({"--lr":"abc"})")),
+       "metadata 'changeable_settings' holds --lr 'abc', which the flag does not take"},
+      {resume_error(damaged("changeable_settings", R"({"--epochs":"0"})")),
+       "holds --epochs '0', which the flag does not take"},
+      {resume_error(damaged("precision", "fp64")),
+       "metadata 'precision' is 'fp64', not a precision of this build"},
+      {resume_error(damaged("seed", "-1")), "metadata 'seed' is not an unsigned 64-bit integer"},
+      {resume_error(damaged("model", "../etc")),
+       "metadata 'model' is '../etc', not a model of this build"},
+      {resume_error(damaged("synthetic_size", "0")),
+       "metadata 'synthetic_size' is 0, outside [1, "},
+      {resume_error(damaged("dataset", "nothing")),
+       "metadata 'dataset' is 'nothing', not a dataset of this build"},
+      {resume_error(damaged("shuffle", "maybe")),
+       "metadata 'shuffle' is 'maybe', not true or false"},
+  };
+  for (const auto& [got, want] : inconsistent) {
+    EXPECT_NE(got.find(want), std::string::npos) << got;
+    EXPECT_NE(got.find("the file is damaged"), std::string::npos) << got;
+    EXPECT_EQ(got.find("to resume it"), std::string::npos) << got;
+  }
+  EXPECT_EQ(resume_error(damaged_all(
+                {{"step", "16"}, {"optimizer_steps", "16"}, {"step_losses", losses_json(16)}})),
+            "")
+      << "the run's last step resumes";
   // A file written before the count was recorded: the optimizer's own check still refuses one
   // that lost all its state.
   EXPECT_EQ(resume_error(damaged("optimizer_state_tensors", nullptr)), "");
@@ -233,6 +284,34 @@ TEST(Trainer, DamagedCheckpointMetadataIsRefusedBeforeUse) {
   EXPECT_NE(resume_error(partial_path).find("'" + first_state.substr(10) + "' is missing"),
             std::string::npos)
       << resume_error(partial_path);
+}
+
+// A run trained with 8-bit input is evaluated from its checkpoint as its trainer evaluated it: on
+// u8 images normalized by the model. With a resize (Fashion-MNIST's 28x28 to 16x16) the u8 pixels
+// differ from the float ones.
+TEST(Trainer, AnEightBitCheckpointEvaluatesOnEightBitInput) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz"))
+    GTEST_SKIP() << "no Fashion-MNIST (Debian's dataset-fashion-mnist)";
+  const testing::TempDir dir;
+  train::TrainConfig c = small();
+  c.dataset = "fashion-mnist";
+  c.synthetic_size = train::TrainConfig().synthetic_size;
+  c.train_limit = 64;
+  c.test_limit = 96;
+  c.evaluate = true;
+  c.max_steps = 2;
+  c.eight_bit_io = true;
+  c.save = dir.file("e8.safetensors");
+  train::Trainer t(c);
+  t.run();
+  const data::Dataset test = train::load_split(c, false);
+  data::Loader loader(test, train::loader_config(c, DType::u8, false, test.channels()));
+  const train::EvalResult want = train::evaluate_model(t.model(), loader);
+  const train::EvalResult got =
+      train::evaluate_checkpoint(c.save, "", "", c.test_limit, c.eval_batch_size);
+  EXPECT_EQ(got.examples, 96);
+  EXPECT_EQ(got.correct, want.correct);
+  EXPECT_EQ(got.loss, want.loss);
 }
 
 TEST(Trainer, InitFromRejectsWrongShapesAndLoadsPyTorchNames) {

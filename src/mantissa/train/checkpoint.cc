@@ -2,16 +2,22 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <utility>
 
 #include "mantissa/core/checked.h"
 #include "mantissa/core/error.h"
 #include "mantissa/core/memory.h"
+#include "mantissa/data/datasets.h"
+#include "mantissa/io/json_fields.h"
 #include "mantissa/io/safetensors.h"
+#include "mantissa/ops/autocast.h"
 #include "mantissa/train/run_data.h"
 
 namespace mantissa::train {
@@ -195,6 +201,63 @@ std::string number_text(double v) {
   return std::string(buf, r.ptr);
 }
 
+// The op lists of automatic casting, as checkpoints record them.
+constexpr const char* kOpLists = "autocast_op_lists";
+constexpr std::pair<const char*, ops::AutocastCategory> kListedCategories[] = {
+    {"lower-precision", ops::AutocastCategory::kLowerPrecision},
+    {"fp32", ops::AutocastCategory::kFp32}};
+
+std::string op_lists_json(const ops::AutocastPolicy& policy) {
+  json lists = json::object();
+  for (const auto& [key, category] : kListedCategories) {
+    json names = json::array();
+    for (ops::OpId id : policy.list(category)) names.push_back(std::string(ops::op_info(id).name));
+    lists[key] = names;
+  }
+  return lists.dump();
+}
+
+// The op lists a checkpoint records: an object of both lists, each of op names that a policy
+// takes; anything else is a damaged file.
+json recorded_op_lists(const io::SafetensorsFile& f, const std::string& path) {
+  const auto damaged = [&](const std::string& what) {
+    return Error(path + ": metadata '" + kOpLists + "' " + what,
+                 "the file is damaged: resume from an intact checkpoint");
+  };
+  json lists;
+  try {
+    lists = json::parse(f.metadata.at(kOpLists));
+  } catch (const json::exception&) {
+    throw damaged("is not JSON");
+  }
+  if (!lists.is_object()) throw damaged("is not a JSON object");
+  std::optional<std::vector<std::string>> names[2];
+  for (size_t i = 0; i < 2; ++i) {
+    const char* key = kListedCategories[i].first;
+    if (!lists.contains(key) || !lists.at(key).is_array())
+      throw damaged("holds no list '" + std::string(key) + "'");
+    names[i].emplace();
+    for (const json& n : lists.at(key)) {
+      if (!n.is_string()) throw damaged("holds an op name that is not text");
+      names[i]->push_back(n.get<std::string>());
+    }
+  }
+  try {
+    ops::AutocastPolicy().replace_lists(names[0], names[1]);
+  } catch (const Error& e) {
+    throw damaged("is not a policy's lists (" + e.message() + ")");
+  }
+  return lists;
+}
+
+// A precision settings line without the op-list files it names (they come last in the line).
+std::string without_op_list_files(const std::string& line) {
+  size_t cut = line.size();
+  for (const char* from : {", lower-precision ops from ", ", fp32 ops from "})
+    cut = std::min(cut, line.find(from));
+  return line.substr(0, cut);
+}
+
 // A recorded setting that a bit-exact continuation needs unchanged. Throws naming the recorded and
 // the given value when they differ; a key the checkpoint does not record is not compared.
 void check_recorded(const io::SafetensorsFile& f, const std::string& path, const std::string& key,
@@ -210,26 +273,170 @@ void check_recorded(const io::SafetensorsFile& f, const std::string& path, const
               fix.empty() ? "pass " + setting + " " + it->second + " to resume it" : fix);
 }
 
-// The changeable settings that differ from the checkpoint's, in one line ("" when none).
-std::string changes_of(const io::SafetensorsFile& f, const std::string& path,
-                       const CheckpointRun& run, int64_t step) {
-  auto it = f.metadata.find("changeable_settings");
-  if (it == f.metadata.end()) return {};
-  json recorded;
-  try {
-    recorded = json::parse(it->second);
-  } catch (const json::exception&) {
-    throw Error(path + ": metadata 'changeable_settings' is not JSON", "the file is damaged");
+// The steps the loss scaler skipped, for the metrics of a resumed run.
+constexpr const char* kSkipped = "loss_scale_skipped";
+
+constexpr const char* kDamaged = "the file is damaged: resume from an intact checkpoint";
+
+// Whether `value` is one a changeable setting's flag takes, as the checkpoint writes it (a
+// number as number_text writes it, a count, true or false, a name). A flag this build does not
+// know is not compared, so any value passes.
+bool valid_changeable(const std::string& flag, const std::string& value) {
+  const auto number = [&](double lo, bool lo_open, double hi) {
+    double v = 0;
+    const char* end = value.data() + value.size();
+    const auto r = std::from_chars(value.data(), end, v);
+    return !value.empty() && r.ec == std::errc() && r.ptr == end && std::isfinite(v) &&
+           (lo_open ? v > lo : v >= lo) && v < hi;
+  };
+  const auto count = [&](int64_t lo) {
+    if (value.empty() || value.size() > 16 ||
+        value.find_first_not_of("0123456789") != std::string::npos)
+      return false;
+    const int64_t v = std::stoll(value);
+    return v >= lo && v <= kMaxCount;
+  };
+  const auto one_of = [&](std::initializer_list<const char*> names) {
+    return std::any_of(names.begin(), names.end(), [&](const char* n) { return value == n; });
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  if (flag == "--lr" || flag == "--lr-gamma") return number(0, true, inf);
+  if (flag == "--weight-decay" || flag == "--eps" || flag == "--max-grad-norm")
+    return number(0, false, inf);
+  if (flag == "--momentum" || flag == "--beta1" || flag == "--beta2") return number(0, false, 1);
+  if (flag == "--warmup-steps") return count(0);
+  if (flag == "--lr-step-size" || flag == "--epochs") return count(1);
+  if (flag == "--nesterov" || flag == "--no-bias-correction") return one_of({"true", "false"});
+  if (flag == "--lr-schedule") return one_of({"constant", "step", "cosine"});
+  if (flag == "--accumulation-reduction") return one_of({"mean", "running", "sum"});
+  return true;
+}
+
+// What a resume reads from a checkpoint's metadata besides the model and optimizer tensors, each
+// value checked before anything compares it with a flag or counts from it.
+struct Position {
+  int64_t step = 0, optimizer_steps = 0;
+  std::vector<float> step_losses;
+  std::vector<int64_t> skipped_steps;
+};
+
+// Checks every metadata value a resume compares with the run's flags or counts from: a value a
+// flag would refuse (a precision, model, dataset or optimizer this build does not have, a seed or
+// size that is not one, a changeable setting's value its flag would not take) and counts that
+// contradict each other (more or fewer step losses than steps, more optimizer steps than steps,
+// or other than the steps the loss scaler did not skip) are a damaged file, reported as such
+// rather than as a flag to pass.
+Position check_metadata(const io::SafetensorsFile& f, const std::string& path) {
+  const auto damaged = [&](const std::string& key, const std::string& what) {
+    return Error(path + ": metadata '" + key + "' " + what, kDamaged);
+  };
+  const auto has = [&](const char* key) { return f.metadata.count(key) > 0; };
+  const auto one_of = [&](const char* key, const std::vector<std::string>& names,
+                          const std::string& what) {
+    const std::string v = meta(f, key, path);
+    if (std::find(names.begin(), names.end(), v) == names.end())
+      throw damaged(key, "is '" + excerpt(v) + "', not " + what);
+  };
+  const bool user = is_user_model(f);
+  if (!user) {
+    one_of("model", nn::model_names(), "a model of this build");
+    model_config_from(f, path);
+    if (has("dataset")) one_of("dataset", data::dataset_names(), "a dataset of this build");
+    if (has("synthetic_size")) meta_int(f, "synthetic_size", path, 1, kMaxCount);
   }
-  MANTISSA_CHECK(recorded.is_object(),
-                 path + ": metadata 'changeable_settings' is not a JSON object",
-                 "the file is damaged");
-  std::string changes;
+  one_of("optimizer", {"sgd", "adam", "adamw"}, "an optimizer of this build");
+  if (has("precision")) one_of("precision", amp::precision_names(), "a precision of this build");
+  for (const char* key : {"seed", "stochastic_rounding_seed"})
+    if (has(key)) meta_u64(f, key, path);
+  if (has("batch_size")) meta_int(f, "batch_size", path, 1, kMaxCount);
+  if (has("gradient_accumulation")) meta_int(f, "gradient_accumulation", path, 1, kMaxCount);
+  if (has("world_size")) meta_int(f, "world_size", path, 1, kMaxRanks);
+  if (has("train_limit")) meta_int(f, "train_limit", path, 0, kMaxCount);
+  if (has(kOptimizerTensors)) meta_int(f, kOptimizerTensors, path, 0, kMaxCount);
+  for (const char* key : {"shuffle", "augment", "eight_bit_io", "imagenet_stem"})
+    if (has(key)) one_of(key, {"true", "false"}, "true or false");
+  if (has(kOpLists)) recorded_op_lists(f, path);
+
+  Position p;
+  p.step = meta_int(f, "step", path, 0, kMaxCount);
+  try {
+    const json losses = json::parse(meta(f, "step_losses", path));
+    if (!losses.is_array()) throw json::type_error::create(302, "not an array", nullptr);
+    for (auto& v : losses) p.step_losses.push_back(v.get<float>());
+  } catch (const json::exception& e) {
+    throw Error(path + ": metadata 'step_losses' is not a JSON list of numbers", kDamaged);
+  }
+  if (static_cast<int64_t>(p.step_losses.size()) != p.step)
+    throw damaged("step_losses", "holds " + std::to_string(p.step_losses.size()) +
+                                     " losses for the checkpoint's " + std::to_string(p.step) +
+                                     " steps");
+  // Every step updates the weights but those the loss scaler skipped.
+  int64_t skipped = 0;
+  if (has("loss_scaler")) {
+    amp::LossScaler scaler;
+    scaler.load_json(f.metadata.at("loss_scaler"), path);
+    skipped = scaler.skipped_steps();
+    if (scaler.steps() != p.step)
+      throw damaged("loss_scaler", "counts " + std::to_string(scaler.steps()) +
+                                       " steps, the checkpoint " + std::to_string(p.step));
+  }
+  if (has(kSkipped)) {
+    // The skipped steps: as many as the scaler counts, each a step of the run, in order.
+    json steps;
+    try {
+      steps = json::parse(f.metadata.at(kSkipped));
+    } catch (const json::exception&) {
+      throw damaged(kSkipped, "is not JSON");
+    }
+    if (!steps.is_array()) throw damaged(kSkipped, "is not a JSON list");
+    for (const json& v : steps) {
+      const std::optional<int64_t> k = io::json_integer(v, 1, p.step);
+      if (!k || (!p.skipped_steps.empty() && *k <= p.skipped_steps.back()))
+        throw damaged(kSkipped,
+                      "is not a rising list of steps from 1 to " + std::to_string(p.step));
+      p.skipped_steps.push_back(*k);
+    }
+    if (!has("loss_scaler") || static_cast<int64_t>(p.skipped_steps.size()) != skipped)
+      throw damaged(kSkipped, "lists " + std::to_string(p.skipped_steps.size()) +
+                                  " steps, the loss scaler skipped " + std::to_string(skipped));
+  }
+  p.optimizer_steps = meta_int(f, "optimizer_steps", path, 0, kMaxCount);
+  if (p.optimizer_steps != p.step - skipped)
+    throw damaged("optimizer_steps",
+                  "is " + std::to_string(p.optimizer_steps) + ", not the " +
+                      std::to_string(p.step - skipped) + " steps of the checkpoint's " +
+                      std::to_string(p.step) + " that updated the weights" +
+                      (skipped ? " (" + std::to_string(skipped) + " skipped)" : ""));
+  if (has("changeable_settings")) {
+    json recorded;
+    try {
+      recorded = json::parse(f.metadata.at("changeable_settings"));
+    } catch (const json::exception&) {
+      throw damaged("changeable_settings", "is not JSON");
+    }
+    if (!recorded.is_object()) throw damaged("changeable_settings", "is not a JSON object");
+    for (const auto& [flag, value] : recorded.items()) {
+      if (!value.is_string())
+        throw damaged("changeable_settings", "holds a " + excerpt(flag) + " that is not text");
+      if (!valid_changeable(flag, value.get<std::string>()))
+        throw damaged("changeable_settings", "holds " + excerpt(flag) + " '" +
+                                                 excerpt(value.get<std::string>()) +
+                                                 "', which the flag does not take");
+    }
+  }
+  return p;
+}
+
+// The changeable settings that differ from the checkpoint's, in one line ("" when none), after
+// `split`: the same global batch split otherwise ("" when it is not).
+std::string changes_of(const io::SafetensorsFile& f, const std::string& path,
+                       const CheckpointRun& run, int64_t step, const std::string& split) {
+  std::string changes = split;
+  auto it = f.metadata.find("changeable_settings");
+  const json recorded =
+      it == f.metadata.end() ? json::object() : json::parse(it->second);  // checked on reading
   for (const auto& [flag, value] : run.changeable) {
     if (!recorded.contains(flag)) continue;
-    MANTISSA_CHECK(recorded[flag].is_string(),
-                   path + ": metadata 'changeable_settings' holds a " + flag + " that is not text",
-                   "the file is damaged");
     const std::string was = recorded[flag].get<std::string>();
     if (was != value)
       changes +=
@@ -255,7 +462,13 @@ CheckpointRun checkpoint_run(const TrainConfig& c, const RunSettings& r, bool us
   run.train_limit = c.train_limit;
   run.shuffle = c.shuffle;
   run.augment = c.augment;
+  run.eight_bit_io = c.eight_bit_io;
   run.precision_settings = r.precision.describe();
+  amp::PrecisionSettings without_files = r.precision;
+  without_files.autocast_lower_list.clear();
+  without_files.autocast_fp32_list.clear();
+  run.precision_settings_without_files = without_files.describe();
+  if (r.precision.mode.autocast) run.autocast_op_lists = op_lists_json(r.precision.policy);
   auto flag = [](bool on) { return std::string(on ? "true" : "false"); };
   run.changeable = {
       {"--lr", number_text(c.lr)},
@@ -284,7 +497,7 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
                      const optim::Optimizer& optimizer, const amp::LossScaler* scaler, int64_t step,
                      const std::vector<float>& step_losses,
                      const std::vector<std::pair<std::string, Tensor>>* optimizer_state,
-                     const amp::Fp8State* fp8) {
+                     const amp::Fp8State* fp8, const std::vector<int64_t>* skipped_steps) {
   std::vector<std::pair<std::string, Tensor>> tensors = model.state_dict();
   const auto& state = optimizer_state ? *optimizer_state : optimizer.state_tensors();
   for (auto& [name, t] : state) tensors.emplace_back(kOptimizerPrefix + name, t);
@@ -320,11 +533,14 @@ void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Clas
   m["train_limit"] = std::to_string(run.train_limit);
   m["shuffle"] = run.shuffle ? "true" : "false";
   m["augment"] = run.augment ? "true" : "false";
+  m["eight_bit_io"] = run.eight_bit_io ? "true" : "false";
   m["precision_settings"] = run.precision_settings;
+  if (!run.autocast_op_lists.empty()) m[kOpLists] = run.autocast_op_lists;
   json changeable = json::object();
   for (const auto& [flag, value] : run.changeable) changeable[flag] = value;
   m["changeable_settings"] = changeable.dump();
   if (scaler) m["loss_scaler"] = scaler->to_json();
+  if (scaler && skipped_steps) m[kSkipped] = json(*skipped_steps).dump();
   if (fp8) m["fp8"] = fp8->to_json();
   if (optimizer.stochastic_rounding())
     m["stochastic_rounding_seed"] = std::to_string(*optimizer.stochastic_rounding());
@@ -342,6 +558,7 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
   MANTISSA_CHECK(meta(f, "format", path) == kFormat,
                  path + " has checkpoint format '" + excerpt(meta(f, "format", path)) + "'",
                  std::string("this Mantissa reads ") + kFormat);
+  const Position position = check_metadata(f, path);
   check_model(f, path, run, model);
   const std::string opt = meta(f, "optimizer", path);
   MANTISSA_CHECK(
@@ -364,6 +581,9 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
   const int64_t batch = f.metadata.count("batch_size")
                             ? meta_int(f, "batch_size", path, 1, kMaxCount)
                             : run.batch_size;
+  // The same global batch split otherwise (other ranks, batch size or accumulation): the same
+  // images each step, summed in another order, which changes the run from there.
+  std::string split;
   if (ranks == run.world_size && batch == run.batch_size) {
     MANTISSA_CHECK(ga == run.gradient_accumulation,
                    path + " was trained with --gradient-accumulation " + std::to_string(ga) +
@@ -389,6 +609,13 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
         "choose --batch-size and --gradient-accumulation so that ranks x batch x "
         "accumulation = " +
             (saved ? std::to_string(*saved) : std::string("the original run's")));
+    const auto split_of = [](int64_t r, int64_t b, int64_t a) {
+      return std::to_string(r) + " rank" + (r > 1 ? "s" : "") + " x --batch-size " +
+             std::to_string(b) + " x --gradient-accumulation " + std::to_string(a);
+    };
+    split = "the global batch of " + std::to_string(*saved) + " as " +
+            split_of(run.world_size, run.batch_size, run.gradient_accumulation) +
+            " (the checkpoint's: " + split_of(ranks, batch, ga) + ")";
   }
   const std::string precision_flags =
       "resume with the precision flags of the original run (--precision, --partials, "
@@ -408,13 +635,44 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
     }
     return settings;
   };
+  // The op lists are compared as they were read, not by the names of their files (a checkpoint
+  // that does not record them: by the files' names, in the settings line).
+  const bool lists_recorded = f.metadata.count(kOpLists) > 0;
   io::SafetensorsFile recorded_settings;  // the metadata entry alone
-  if (f.metadata.count("precision_settings"))
+  if (f.metadata.count("precision_settings")) {
+    const std::string& line = f.metadata.at("precision_settings");
     recorded_settings.metadata["precision_settings"] =
-        compared_here(f.metadata.at("precision_settings"));
-  check_recorded(recorded_settings, path, "precision_settings",
-                 compared_here(run.precision_settings), "the precision settings",
-                 "the dtypes of what is saved and how it is rounded", precision_flags);
+        compared_here(lists_recorded ? without_op_list_files(line) : line);
+  }
+  check_recorded(
+      recorded_settings, path, "precision_settings",
+      compared_here(lists_recorded ? run.precision_settings_without_files : run.precision_settings),
+      "the precision settings", "the dtypes of what is saved and how it is rounded",
+      precision_flags);
+  if (lists_recorded) {
+    const json recorded = recorded_op_lists(f, path);
+    const json given =
+        run.autocast_op_lists.empty() ? json::object() : json::parse(run.autocast_op_lists);
+    for (const auto& listed : kListedCategories) {
+      const std::string key = listed.first;
+      const auto names = [&](const json& lists) {
+        std::string s;
+        if (lists.contains(key))
+          for (const json& n : lists.at(key)) {
+            if (!s.empty()) s += ',';
+            s += n.get<std::string>();
+          }
+        return s.empty() ? std::string("(none)") : s;
+      };
+      const std::string was = names(recorded), now = names(given);
+      MANTISSA_CHECK(was == now,
+                     path + " was trained with the " + key + " op list " + excerpt(was) + ", not " +
+                         excerpt(now) + ": the dtypes ops compute in",
+                     "resume with op-list files that list the ops of the original run "
+                     "(--autocast-lower-list, --autocast-fp32-list; without them, the default "
+                     "lists)");
+    }
+  }
   // The data order: the batch of a step is a function of the seed, the global batch (above) and
   // the data.
   const std::string order = "a bit-exact continuation needs the same batches";
@@ -432,6 +690,9 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
                  run.shuffle ? "pass --no-shuffle to resume it" : "drop --no-shuffle to resume it");
   check_recorded(f, path, "augment", run.augment ? "true" : "false", "augmentation", order,
                  run.augment ? "drop --augment to resume it" : "pass --augment to resume it");
+  check_recorded(
+      f, path, "eight_bit_io", run.eight_bit_io ? "true" : "false", "--eight-bit-io", order,
+      run.eight_bit_io ? "drop --eight-bit-io to resume it" : "pass --eight-bit-io to resume it");
   // The stochastic-rounding streams: the seed the checkpoint's writes used, read back.
   const std::optional<uint64_t> sr = optimizer.stochastic_rounding();
   auto it = f.metadata.find("stochastic_rounding_seed");
@@ -495,18 +756,12 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
       state.erase(it);
     }
   }
-  optimizer.load_state(state, meta_int(f, "optimizer_steps", path, 0, kMaxCount), path);
+  optimizer.load_state(state, position.optimizer_steps, path);
   Resumed r;
-  r.step = meta_int(f, "step", path, 0, kMaxCount);
-  try {
-    const json losses = json::parse(meta(f, "step_losses", path));
-    if (!losses.is_array()) throw json::type_error::create(302, "not an array", nullptr);
-    for (auto& v : losses) r.step_losses.push_back(v.get<float>());
-  } catch (const json::exception& e) {
-    throw Error(path + ": metadata 'step_losses' is not a JSON list of numbers",
-                "the file is damaged");
-  }
-  r.note = changes_of(f, path, run, r.step);
+  r.step = position.step;
+  r.step_losses = position.step_losses;
+  r.skipped_steps = position.skipped_steps;
+  r.note = changes_of(f, path, run, r.step, split);
   return r;
 }
 
@@ -561,7 +816,13 @@ EvalResult evaluate_checkpoint(const std::string& path, const std::string& datas
                  "dataset " + test.name + " has " + std::to_string(test.channels()) +
                      " channels but " + path + " expects " + std::to_string(mc.in_channels),
                  "evaluate on the dataset the model was trained on");
-  data::Loader loader(test, loader_config(c, DType::f32, false, test.channels()));
+  // 8-bit input: u8 images, normalized by the model's first op, as in training.
+  const bool eight_bit =
+      f.metadata.count("eight_bit_io") && f.metadata.at("eight_bit_io") == "true";
+  const data::LoaderConfig lc =
+      loader_config(c, eight_bit ? DType::u8 : DType::f32, false, test.channels());
+  if (eight_bit) m->set_input_normalization(lc.transform.mean, lc.transform.std, DType::f32);
+  data::Loader loader(test, lc);
   EvalResult r = evaluate_model(*m, loader);
   r.model = model;
   return r;

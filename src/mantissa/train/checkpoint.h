@@ -42,9 +42,16 @@ struct CheckpointRun {
   // others.
   int64_t train_limit = 0;
   bool shuffle = true, augment = false;
+  // 8-bit input: the images are rounded to u8 after their resize, which changes the pixels.
+  bool eight_bit_io = false;
   // The precision settings as printed (amp::PrecisionSettings::describe()): the dtypes of what is
   // saved, the loss scaler's options, stochastic rounding, module overrides, op lists.
   std::string precision_settings;
+  // The same line without the op-list files' paths, and the op lists of automatic casting as they
+  // were read (JSON: {"lower-precision": [...], "fp32": [...]}; "" when the mode does not cast
+  // automatically): a resume compares the lists, not the names of the files they came from.
+  std::string precision_settings_without_files;
+  std::string autocast_op_lists;
   // Settings a resume may change on purpose (a lower learning rate to fine-tune, ...), each a flag
   // and its value as text: a resume reports those that differ, in one line.
   std::vector<std::pair<std::string, std::string>> changeable;
@@ -54,31 +61,37 @@ struct CheckpointRun {
 CheckpointRun checkpoint_run(const TrainConfig& c, const RunSettings& r, bool user_model);
 
 // The training state a checkpoint holds. `scaler` is null when the run has no loss scaling, `fp8`
-// when it has no FP8 state (the FP8 modes' scales and amax histories, in the metadata).
+// when it has no FP8 state (the FP8 modes' scales and amax histories, in the metadata);
+// `skipped_steps`, under loss scaling, lists the steps (1-based) the scaler skipped so far.
 // `optimizer_state`: the optimizer's state tensors as an unsharded optimizer names them, when the
 // optimizer holds only a shard (ZeRO: gathered from every rank first); null: its own.
 void save_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                      const optim::Optimizer& optimizer, const amp::LossScaler* scaler, int64_t step,
                      const std::vector<float>& step_losses,
                      const std::vector<std::pair<std::string, Tensor>>* optimizer_state = nullptr,
-                     const amp::Fp8State* fp8 = nullptr);
+                     const amp::Fp8State* fp8 = nullptr,
+                     const std::vector<int64_t>* skipped_steps = nullptr);
 
 // Restores a checkpoint into the run's model, optimizer, scaler and FP8 state after checking that
 // it is one of this run, and returns its step count and losses. A bit-exact continuation needs the
 // same model and image size, optimizer, precision settings (with the stochastic-rounding seed the
 // optimizer has, and the FP8 recipe), seed, global batch (ranks x batch size x gradient
 // accumulation; any number of ranks) and data (dataset, its size and limit, shuffling,
-// augmentation): a difference there throws naming the recorded and the given value and the flag
-// that resumes it (for a different model, the first tensor that does not match). The changeable
-// settings may differ: `note` then says which, and that they change the run. Keys that an older
-// checkpoint does not record are not compared. Every metadata number is range-checked before use (a
-// step from 0 to kMaxCount, the geometry within the built-in models' bounds), and a file holding
-// fewer optimizer state tensors than it was written with is refused rather than resumed with fresh
-// state.
+// augmentation, 8-bit input): a difference there throws naming the recorded and the given value and
+// the flag that resumes it (for a different model, the first tensor that does not match). The
+// changeable settings, and another split of the same global batch, may differ: `note` then says
+// which, and that they change the run. Keys that an older checkpoint does not record are not
+// compared. The whole metadata is checked before any of it is compared with the run (a value its
+// flag would refuse, or counts that contradict each other: step losses, optimizer steps and skipped
+// steps against the step, are a damaged file); every number is range-checked before use (a step
+// from 0 to kMaxCount, the geometry within the built-in models' bounds), and a file holding fewer
+// optimizer state tensors than it was written with is refused rather than resumed with fresh
+// state. The op lists of automatic casting are compared as read, not by their files' names.
 struct Resumed {
   int64_t step = 0;
   std::vector<float> step_losses;
-  std::string note;  // one line naming the settings that change the run, or empty
+  std::vector<int64_t> skipped_steps;  // the steps the loss scaler skipped, as recorded
+  std::string note;                    // one line naming the settings that change the run, or empty
 };
 Resumed load_checkpoint(const std::string& path, const CheckpointRun& run, nn::Classifier& model,
                         optim::Optimizer& optimizer, amp::LossScaler* scaler,
@@ -101,7 +114,8 @@ std::shared_ptr<nn::Classifier> model_from_checkpoint(const io::SafetensorsFile&
 void load_weights(const std::string& path, nn::Module& model);
 
 // Evaluates a checkpoint of a built-in model (rebuilt from its metadata, in FP32) on a dataset's
-// test split: `dataset` empty is the one it was trained on.
+// test split: `dataset` empty is the one it was trained on. A run trained with 8-bit input is
+// evaluated on 8-bit images, as its trainer evaluated it.
 EvalResult evaluate_checkpoint(const std::string& path, const std::string& dataset,
                                const std::string& data_dir, int64_t test_limit, int64_t batch_size);
 

@@ -317,7 +317,7 @@ std::string metrics_json(const TrainConfig& c, const RunSettings& s, const Train
     for (const amp::ScaleChange& ch : r.loss_scale_history)
       h.push_back({{"step", ch.step}, {"scale", ch.scale}, {"overflow", ch.overflow}});
     // "initial": the settings' starting scale (a resumed run's history goes back to it);
-    // "skipped": the steps of this run that were skipped.
+    // "skipped": the steps of the whole run that were skipped (a resumed run's included).
     j["loss_scale"] = {{"initial", s.precision.loss_scaling ? s.precision.loss_scaling->init_scale
                                                             : *r.loss_scale},
                        {"final", *r.loss_scale},

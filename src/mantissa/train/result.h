@@ -75,7 +75,9 @@ struct TrainResult {
   std::optional<double> loss_scale;
   int64_t skipped_steps = 0;
   std::vector<amp::ScaleChange> loss_scale_history;
-  std::vector<int64_t> skipped;  // the optimizer steps (1-based) of this run that were skipped
+  // The optimizer steps (1-based) that were skipped, over the whole run (a resumed run: with
+  // those its checkpoint records).
+  std::vector<int64_t> skipped;
   // The FP8 modes: every scaled tensor's final scale, last amax and last step's range fractions.
   std::vector<amp::Fp8TensorReport> fp8;
   // The pipeline: calls of the training step, bytes of input handed over, and the host's own

@@ -229,7 +229,6 @@ TrainResult Trainer::run() {
   // Train; the memory peaks are the training's.
   TrainResult r;
   default_memory_tracker().reset_peaks();
-  skipped_.clear();
   train_epochs(r);
   if (dp_) dp_->finish_parameters();  // the last step's gathers: what follows reads the weights
   r.memory = default_memory_tracker().stats();
@@ -673,7 +672,7 @@ void Trainer::save_checkpoint(const std::string& path) const {
   if (rank() != 0) return;
   train::save_checkpoint(path, checkpoint_run(), *model_, *optimizer_,
                          scaler_ ? &*scaler_ : nullptr, step_, step_losses_,
-                         gathered ? &*gathered : nullptr, fp8_.get());
+                         gathered ? &*gathered : nullptr, fp8_.get(), &skipped_);
 }
 
 void Trainer::load_checkpoint(const std::string& path) {
@@ -686,9 +685,19 @@ void Trainer::load_checkpoint(const std::string& path) {
                      std::to_string(schedule_.total_steps) + " steps of this run's --epochs " +
                      std::to_string(config_.epochs),
                  "raise --epochs to continue it, or resume from a checkpoint of this run");
+  // --max-steps counts from the start of the run: at or below the checkpoint's step it would end
+  // the run before its first step.
+  MANTISSA_CHECK(config_.max_steps == 0 || config_.max_steps > r.step,
+                 path + " is at step " + std::to_string(r.step) + ", and this run's --max-steps " +
+                     std::to_string(config_.max_steps) + " ends it at step " +
+                     std::to_string(config_.max_steps) + ": the resume would train nothing",
+                 "pass a --max-steps above " + std::to_string(r.step) +
+                     ": it counts the steps from the start of the run, the checkpoint's " +
+                     std::to_string(r.step) + " included");
   if (!r.note.empty() && streams_.out) *streams_.out << r.note << std::endl;
   step_ = r.step;
   step_losses_ = std::move(r.step_losses);
+  skipped_ = std::move(r.skipped_steps);
 }
 
 void Trainer::init_from(const std::string& path) {

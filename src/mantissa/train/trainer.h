@@ -176,7 +176,7 @@ class Trainer {
   std::unique_ptr<ops::AutocastLog> log_;
   int64_t step_ = 0;
   std::vector<float> step_losses_;
-  std::vector<int64_t> skipped_;       // this run's steps skipped by the loss scaler
+  std::vector<int64_t> skipped_;       // the run's steps skipped by the loss scaler
   double compute_seconds_ = 0;         // inside train_step, this run
   double forward_macs_per_image_ = 0;  // counted on this run's first forward
   Profiler profiler_;                  // with config_.profile
