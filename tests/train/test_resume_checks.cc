@@ -143,6 +143,35 @@ TEST(ResumeChecks, TheOpListsAreComparedAsRead) {
   EXPECT_NE(d.find("the file is damaged"), std::string::npos) << d;
 }
 
+// A run whose loss scale started from a numerics report resumes with the same initial scale
+// however it is given (the report by another path, or the value itself); the scale is what is
+// compared, not the report's file name.
+TEST(ResumeChecks, AnInitialScaleFromAReportIsComparedByValue) {
+  const testing::TempDir dir;
+  train::TrainConfig c = base();
+  c.precision = "16-mixed";
+  const std::string report = dir.file("n.json");
+  testing::write_raw(report, R"({"suggested_loss_scale": {"scale": 131072}})");
+  c.loss_scale_init_report = report;
+  const std::string path = checkpoint(dir, c);
+  EXPECT_EQ(resume_error(c, path, [](auto&) {}), "");
+  EXPECT_EQ(
+      resume_error(c, path, [&](auto& r) { r.loss_scale_init_report = dir.path() + "/./n.json"; }),
+      "");
+  EXPECT_EQ(resume_error(c, path,
+                         [](auto& r) {
+                           r.loss_scale_init_report.clear();
+                           r.loss_scale_init = 131072;
+                         }),
+            "");
+  const std::string e = resume_error(c, path, [](auto& r) {
+    r.loss_scale_init_report.clear();
+    r.loss_scale_init = 1024;
+  });
+  EXPECT_NE(e.find("(initial 131072,"), std::string::npos) << e;
+  EXPECT_NE(e.find("(initial 1024,"), std::string::npos) << e;
+}
+
 TEST(ResumeChecks, TheStochasticRoundingSeedIsReadBack) {
   const testing::TempDir dir;
   train::TrainConfig c = base();

@@ -633,6 +633,17 @@ Resumed load_checkpoint(const io::SafetensorsFile& f, const std::string& path,
       const size_t e = to.empty() ? b + from.size() : settings.find(to, b);
       if (e != std::string::npos) settings.erase(b, e - b + (to.empty() ? 0 : to.size()));
     }
+    // The numerics report an initial loss scale was read from: its value is compared (the
+    // "initial" of the loss scaling), not the name of its file, which a resume may spell
+    // otherwise or no longer have (--loss-scale-init with the value resumes it).
+    const std::string report = ", initial loss scale from numerics report ";
+    if (const size_t b = settings.find(report); b != std::string::npos) {
+      size_t e = settings.size();
+      for (const char* next : {", 16-bit modules ", ", fp32 modules ",
+                               ", lower-precision ops from ", ", fp32 ops from "})
+        e = std::min(e, settings.find(next, b + report.size()));
+      settings.erase(b, e - b);
+    }
     return settings;
   };
   // The op lists are compared as they were read, not by the names of their files (a checkpoint
