@@ -160,7 +160,7 @@ TEST(BadInputs, EachIsRefusedWithItsStatusAndAMessageNamingTheFix) {
       {"resume from a negative step",
        {"{TINY}", "--resume", "{D}/step_negative.safetensors"},
        2,
-       {"metadata 'step' is -1, outside [0, ", "resume from an intact checkpoint"}},
+       {"metadata 'step' is -1, outside [0, ", "use an intact checkpoint"}},
       {"resume from a huge step",
        {"{TINY}", "--resume", "{D}/step_huge.safetensors"},
        2,

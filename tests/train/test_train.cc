@@ -206,6 +206,10 @@ TEST(Trainer, DamagedCheckpointMetadataIsRefusedBeforeUse) {
        "metadata 'synthetic_size' is 4611686018427387904, outside [1, 9007199254740992]"},
       {eval_error(damaged("synthetic_size", "9007199254740992")),
        "are more bytes than a dataset can hold"},
+      {eval_error(damaged("model", "../etc")),
+       "metadata 'model' is '../etc', not a model of this build"},
+      {eval_error(damaged("dataset", "nothing")),
+       "metadata 'dataset' is 'nothing', not a dataset of this build"},
       // LeNet-5's fc1 at 16384 pixels a side: 16 GB of weights, from a 250 KB file.
       {eval_error(damaged("image_size", "16384")),
        "describes a model larger than the tensors the file holds"},

@@ -81,11 +81,11 @@ int64_t meta_int(const io::SafetensorsFile& f, const std::string& key, const std
   }
   MANTISSA_CHECK(x.has_value(),
                  path + ": metadata '" + key + "' is not an integer ('" + excerpt(v) + "')",
-                 "the file is damaged: resume from an intact checkpoint");
+                 "the file is damaged: use an intact checkpoint");
   MANTISSA_CHECK(*x >= min && *x <= max,
                  path + ": metadata '" + key + "' is " + excerpt(v) + ", outside [" +
                      std::to_string(min) + ", " + std::to_string(max) + "]",
-                 "the file is damaged: resume from an intact checkpoint");
+                 "the file is damaged: use an intact checkpoint");
   return *x;
 }
 
@@ -102,7 +102,7 @@ uint64_t meta_u64(const io::SafetensorsFile& f, const std::string& key, const st
   MANTISSA_CHECK(
       x.has_value(),
       path + ": metadata '" + key + "' is not an unsigned 64-bit integer ('" + excerpt(v) + "')",
-      "the file is damaged: resume from an intact checkpoint");
+      "the file is damaged: use an intact checkpoint");
   return *x;
 }
 
@@ -784,6 +784,10 @@ void load_weights(const std::string& path, nn::Module& model) {
 std::shared_ptr<nn::Classifier> model_from_checkpoint(const io::SafetensorsFile& f,
                                                       const std::string& path) {
   const std::string model = meta(f, "model", path);
+  const std::vector<std::string> models = nn::model_names();
+  MANTISSA_CHECK(is_user_model(f) || std::find(models.begin(), models.end(), model) != models.end(),
+                 path + ": metadata 'model' is '" + excerpt(model) + "', not a model of this build",
+                 "the file is damaged: evaluate an intact checkpoint");
   MANTISSA_CHECK(!is_user_model(f),
                  path + " holds a user-defined model (" + excerpt(model) +
                      "), which 'mantissa eval' cannot rebuild",
@@ -805,6 +809,12 @@ EvalResult evaluate_checkpoint(const std::string& path, const std::string& datas
   TrainConfig c;
   c.model = model;
   c.dataset = dataset.empty() ? meta(f, "dataset", path) : dataset;
+  const std::vector<std::string> datasets = data::dataset_names();
+  MANTISSA_CHECK(
+      !dataset.empty() || std::find(datasets.begin(), datasets.end(), c.dataset) != datasets.end(),
+      path + ": metadata 'dataset' is '" + excerpt(c.dataset) + "', not a dataset of this build",
+      "the file is damaged: evaluate an intact checkpoint, or name the data with "
+      "--dataset");
   c.data_dir = data_dir;
   c.image_size = mc.image_size;
   c.test_limit = test_limit;
