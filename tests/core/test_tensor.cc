@@ -4,6 +4,8 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <string>
+#include <vector>
 
 #include "mantissa/mantissa.h"
 #include "support/errors.h"
@@ -139,6 +141,42 @@ TEST(Tensor, ViewsShareStorage) {
   EXPECT_NE(error_of([] { iota({2, 3}).view({4, -1}); }).find("cannot infer"), std::string::npos);
   EXPECT_NE(error_of([] { iota({2, 3}).view({4, 2}); }).find("has 8 elements"), std::string::npos);
   EXPECT_NE(error_of([] { iota({2, 3}).size(2); }).find("out of range"), std::string::npos);
+}
+
+// A copy between overlapping views of one storage reads the source as it was before the copy
+// (PyTorch's copy_ of a shifted view); a destination whose elements share memory (an expand()ed
+// view) is refused rather than left holding one of the values.
+TEST(Tensor, CopiesBetweenOverlappingViewsAndIntoSharedElements) {
+  for (const int64_t n : {int64_t{10}, int64_t{100000}}) {  // one chunk, and a threaded copy
+    std::vector<float> v(static_cast<size_t>(n));
+    std::iota(v.begin(), v.end(), 0.0f);
+    Tensor x = Tensor::from_floats(v, {n});
+    x.narrow(0, 1, n - 1).copy_from(x.narrow(0, 0, n - 1));  // shift right by one
+    const std::vector<float> right = x.to_float_vector();
+    EXPECT_EQ(right[0], 0.0f);
+    for (int64_t i = 1; i < n; ++i)
+      ASSERT_EQ(right[static_cast<size_t>(i)], i - 1) << n << " " << i;
+    x = Tensor::from_floats(v, {n});
+    x.narrow(0, 0, n - 1).copy_from(x.narrow(0, 1, n - 1), {});  // shift left, into f32
+    const std::vector<float> left = x.to_float_vector();
+    for (int64_t i = 0; i + 1 < n; ++i)
+      ASSERT_EQ(left[static_cast<size_t>(i)], i + 1) << n << " " << i;
+  }
+  Tensor x = Tensor::from_floats({1, 2, 3, 4}, {4});
+  x.copy_from(x);  // the same view
+  EXPECT_EQ(x.to_float_vector(), (std::vector<float>{1, 2, 3, 4}));
+  Tensor flipped = Tensor::from_floats({1, 2, 3, 4}, {2, 2});
+  flipped.copy_from(flipped.transpose(0, 1));  // overlapping, interleaved
+  EXPECT_EQ(flipped.to_float_vector(), (std::vector<float>{1, 3, 2, 4}));
+  const std::string e = error_of([] {
+    Tensor::from_floats({1}, {1}).expand({3}).copy_from(Tensor::from_floats({1, 2, 3}, {3}));
+  });
+  EXPECT_NE(e.find("copy_from: the tensor written to, (3,), has elements that share memory"),
+            std::string::npos)
+      << e;
+  Tensor one = Tensor::from_floats({1}, {1});
+  one.expand({1}).copy_from(Tensor::from_floats({5}, {1}));  // stride 0 along a single element
+  EXPECT_EQ(one.item(), 5.0);
 }
 
 TEST(Tensor, DtypeConversionAndCopies) {

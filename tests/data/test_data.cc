@@ -480,6 +480,15 @@ TEST(ExampleSource, TensorDatasetChecksItsTensors) {
               data::TensorDataset(x, bad, 3);
             }).find("label 3 of example 3 is outside [0, 3)"),
             std::string::npos);
+  // An example outside the dataset is a user's error, named, not an internal one.
+  const data::TensorDataset five(x, y, 3, "five");
+  std::vector<float> row(2);
+  for (const int64_t i : {int64_t{5}, int64_t{-1}})
+    EXPECT_NE(error_of([&] {
+                five.get(i, row.data());
+              }).find("five: example " + std::to_string(i) + " asked of 5 examples"),
+              std::string::npos)
+        << i;
 }
 
 TEST(ExampleSource, LoaderBatchesExamplesAsTheyAreInTheSeededOrder) {

@@ -21,6 +21,26 @@ std::vector<std::string> names(nn::Module& m) {
   return out;
 }
 
+// A module registered under itself, or under a module it holds, is refused at registration:
+// every walk of the tree (parameters, state_dict, printing) would otherwise recurse forever.
+TEST(Modules, ACycleOfModulesIsRefused) {
+  auto a = std::make_shared<nn::Sequential>();
+  auto b = std::make_shared<nn::Sequential>();
+  std::string e = error_of([&] { a->register_module("me", a); });
+  EXPECT_NE(e.find("sub-module 'me' is this module itself: the modules would form a cycle"),
+            std::string::npos)
+      << e;
+  a->register_module("b", b);
+  e = error_of([&] { b->register_module("a", a); });
+  EXPECT_NE(e.find("sub-module 'a' is a module that holds this one"), std::string::npos) << e;
+  EXPECT_EQ(a->named_modules().size(), 2u);
+  // The same module in two places is not a cycle.
+  auto shared = std::make_shared<nn::ReLU>();
+  a->register_module("r1", shared);
+  b->register_module("r2", shared);
+  EXPECT_EQ(a->named_modules().size(), 4u);
+}
+
 TEST(Models, TutorialCnnHasTheSeedsNamesShapesAndCount) {
   auto m = nn::make_model("tutorial-cnn", {});
   const std::vector<std::string> want = {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",

@@ -143,6 +143,69 @@ TEST(UserModel, GetsTheLeversAndReports) {
   EXPECT_TRUE(std::isfinite(ro2.step_losses.back()));
 }
 
+// A user's model whose loss() breaks its contract (one FP32 value) is named, not trained into a
+// misleading autograd error or silently skipped steps.
+class SixteenBitLoss : public UserMlp {
+ public:
+  explicit SixteenBitLoss(bool whole) : UserMlp(kFeatures, 16, kClasses, 0), whole_(whole) {}
+  Tensor loss(const Tensor& output, const Tensor& labels) const override {
+    const Tensor l = UserMlp::loss(output, labels);
+    return whole_ ? ops::cast(output, DType::f16) : ops::cast(l, DType::f16);
+  }
+
+ private:
+  bool whole_;
+};
+
+TEST(UserModel, ALossThatIsNotOneFp32ValueIsRefused) {
+  train::TrainConfig c = user_run("16-mixed");
+  c.max_steps = 2;
+  for (const bool whole : {false, true}) {
+    const std::string e = error_of([&] { train_user(c, std::make_shared<SixteenBitLoss>(whole)); });
+    EXPECT_NE(e.find(whole ? "the model's loss() returned f16 (32, 4), not the one-element f32 "
+                             "tensor the trainer takes"
+                           : "the model's loss() returned f16 (), not the one-element f32"),
+              std::string::npos)
+        << e;
+  }
+}
+
+// The precision's parameter type applies to a user's model whatever type it arrives in: a model
+// made 16-bit before training in 32-true or 16-mixed trains FP32 parameters (the settings line
+// says so), so updates smaller than a 16-bit step are not lost.
+TEST(UserModel, AModelArrivingIn16BitsTrainsInTheModesParameterType) {
+  for (const char* precision : {"32-true", "16-mixed"}) {
+    train::TrainConfig c = user_run(precision);
+    c.max_steps = 2;
+    auto model = user_model();
+    model->half();
+    train::Trainer t(c, model, testing::blobs(128, kFeatures, kClasses, 1), nullptr);
+    for (const nn::Module::NamedTensor& p : t.model().named_parameters())
+      EXPECT_EQ(p.tensor->dtype(), DType::f32) << precision << " " << p.name;
+    t.run();
+  }
+}
+
+// A Trainer runs once; a second run() would return the first run's figures and train nothing.
+// And a call of the training step names a batch without images or labels.
+TEST(UserModel, ASecondRunAndAnEmptyBatchAreRefused) {
+  train::TrainConfig c = user_run("32-true");
+  c.max_steps = 2;
+  train::Trainer t(c, user_model(), testing::blobs(128, kFeatures, kClasses, 1), nullptr);
+  EXPECT_EQ(t.run().steps, 2);
+  const std::string e = error_of([&] { t.run(); });
+  EXPECT_NE(e.find("this Trainer has run already (to step 2): a second run() would train nothing"),
+            std::string::npos)
+      << e;
+  data::Batch empty;
+  EXPECT_NE(error_of([&] { t.call({empty}); }).find("got batch 0 without images"),
+            std::string::npos);
+  data::Batch no_labels;
+  no_labels.images = Tensor::zeros({2, kFeatures}, DType::f32);
+  EXPECT_NE(error_of([&] { t.call({no_labels}); }).find("got batch 0 without labels"),
+            std::string::npos);
+}
+
 TEST(UserModel, WithoutATestSetTheRunIsNotEvaluated) {
   train::TrainConfig c = user_run("32-true");
   c.max_steps = 2;

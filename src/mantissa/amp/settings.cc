@@ -275,7 +275,11 @@ Tensor PrecisionSettings::loss_input(const Tensor& output) const {
 
 void apply_precision(const PrecisionSettings& s, nn::Module& model, optim::Optimizer& optimizer) {
   const PrecisionMode& mode = s.mode;
-  if (mode.param_dtype != DType::f32) model.to(mode.param_dtype);
+  // The mode's parameter type, also over a model that arrives in another (a user's model made
+  // 16-bit before training in an FP32 mode trains in FP32, as the settings line says).
+  bool other_dtype = mode.param_dtype != DType::f32;
+  for (const Tensor* t : model.parameters()) other_dtype |= t->dtype() != mode.param_dtype;
+  if (other_dtype) model.to(mode.param_dtype);
   if (mode.read_as_half) {
     // O2: every parameter but the normalization layers' is rounded to its 16-bit value, then read
     // as 16-bit (ops::ReadAsScope) and gets a 16-bit gradient, as a 16-bit parameter would;

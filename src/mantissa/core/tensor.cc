@@ -436,6 +436,23 @@ void Tensor::copy_from(const Tensor& src, const CastOptions& cast) {
         "copy_from: source shape " + shape_str(src.shape_) + " differs from " + shape_str(shape_),
         "copy between tensors of the same shape (expand the source to broadcast)");
   if (numel() == 0) return;
+  // A destination whose elements share memory (a stride of 0 along a dimension of more than one
+  // element: an expand()ed view) would keep one of the values written there.
+  for (int64_t k = 0; k < dim(); ++k)
+    MANTISSA_CHECK(strides_[k] != 0 || shape_[k] == 1,
+                   "copy_from: the tensor written to, " + shape_str(shape_) +
+                       ", has elements that share memory (stride 0 along dimension " +
+                       std::to_string(k) + ", as an expand()ed view has)",
+                   "write into a tensor of its own (clone() the view, or copy into the tensor "
+                   "it was expanded from)");
+  // A source that overlaps the destination in memory (two views of one storage) is read from a
+  // copy of itself: the elements are written as they were before the copy, in any order.
+  if (src.storage_ == storage_ && src.overlaps_memory_of(*this)) {
+    if (src.data_ptr() == data_ptr() && src.strides_ == strides_ && src.dtype_ == dtype_)
+      return;  // the same view in the same dtype: every element is already what it would be
+    copy_from(src.clone(), cast);
+    return;
+  }
   const size_t ss = dtype_size(src.dtype_), ds = dtype_size(dtype_);
   const char* sbase = static_cast<const char*>(src.data_ptr());
   char* dbase = static_cast<char*>(data_ptr());
@@ -465,6 +482,23 @@ void Tensor::copy_from(const Tensor& src, const CastOptions& cast) {
               dbase + (dof + j * d_inner) * static_cast<int64_t>(ds), dtype_, 1, o);
     }
   });
+}
+
+bool Tensor::overlaps_memory_of(const Tensor& other) const {
+  if (!storage_ || storage_ != other.storage_ || numel() == 0 || other.numel() == 0) return false;
+  // The byte range each view spans in the storage (first to last element, inclusive).
+  auto span = [](const Tensor& t) {
+    int64_t lo = t.offset_, hi = t.offset_;
+    for (int64_t k = 0; k < t.dim(); ++k) {
+      const int64_t reach = t.strides_[k] * (t.shape_[k] - 1);
+      (reach < 0 ? lo : hi) += reach;
+    }
+    const int64_t es = static_cast<int64_t>(dtype_size(t.dtype_));
+    return std::pair<int64_t, int64_t>{lo * es, (hi + 1) * es};
+  };
+  const auto [a0, a1] = span(*this);
+  const auto [b0, b1] = span(other);
+  return a0 < b1 && b0 < a1;
 }
 
 Tensor Tensor::clone(const TensorOptions& opt) const {

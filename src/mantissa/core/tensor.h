@@ -236,6 +236,9 @@ class Tensor {
   Tensor to(DType dtype, const CastOptions& cast = {}) const;
   // Copies src's elements into this tensor (same shape), converting the dtype.
   void copy_from(const Tensor& src, const CastOptions& cast = {});
+  // Whether the elements of this tensor and `other` span overlapping bytes of one storage (their
+  // first-to-last element ranges intersect; two interleaved views count as overlapping).
+  bool overlaps_memory_of(const Tensor& other) const;
   void fill(double value);
 
   // ---- Element access (tests, debugging, small tensors) ----

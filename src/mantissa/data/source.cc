@@ -45,7 +45,10 @@ Shape TensorDataset::example_shape() const {
 }
 
 int64_t TensorDataset::get(int64_t index, float* input) const {
-  MANTISSA_ASSERT(index >= 0 && index < size(), "example index out of range");
+  MANTISSA_CHECK(index >= 0 && index < size(),
+                 name_ + ": example " + std::to_string(index) + " asked of " +
+                     std::to_string(size()) + " examples",
+                 "ask for an example from 0 to size() - 1");
   const size_t esize = dtype_size(inputs_.dtype());
   const char* src = static_cast<const char*>(inputs_.data_ptr()) +
                     static_cast<size_t>(index * example_numel_) * esize;

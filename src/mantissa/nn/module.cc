@@ -54,6 +54,20 @@ void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
   MANTISSA_CHECK(m != nullptr, type_ + ": sub-module '" + name + "' is null", "");
   for (auto& c : children_)
     MANTISSA_CHECK(c.first != name, type_ + ": sub-module '" + name + "' registered twice", "");
+  // A module that is this one or holds it would make the tree a cycle, which every walk of it
+  // (parameters, state_dict, printing) would follow forever.
+  std::vector<const Module*> todo{m.get()};
+  while (!todo.empty()) {
+    const Module* x = todo.back();
+    todo.pop_back();
+    MANTISSA_CHECK(
+        x != this,
+        type_ + ": sub-module '" + name + "' is " +
+            (m.get() == this ? std::string("this module itself") : "a module that holds this one") +
+            ": the modules would form a cycle",
+        "register a module only under a module it does not hold");
+    for (const auto& c : x->children_) todo.push_back(c.second.get());
+  }
   m->set_path(join(path_, name));
   children_.emplace_back(name, std::move(m));
 }

@@ -226,6 +226,12 @@ optim::Optimizer& Trainer::optimizer() {
 }
 
 TrainResult Trainer::run() {
+  MANTISSA_CHECK(!ran_,
+                 "this Trainer has run already (to step " + std::to_string(step_) +
+                     "): a second run() would train nothing",
+                 "make a new Trainer to train again; to continue the run, save a checkpoint "
+                 "(TrainConfig::save) and resume from it (TrainConfig::resume)");
+  ran_ = true;
   // Train; the memory peaks are the training's.
   TrainResult r;
   default_memory_tracker().reset_peaks();
@@ -375,6 +381,13 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
                  "a call of the training step got " + std::to_string(n) +
                      " batches, not a multiple of --gradient-accumulation " + std::to_string(N),
                  "hand over device_iterations x gradient_accumulation batches");
+  for (int64_t b = 0; b < n; ++b) {
+    const data::Batch& batch = batches[static_cast<size_t>(b)];
+    MANTISSA_CHECK(batch.images.defined() && batch.labels.defined(),
+                   "a call of the training step got batch " + std::to_string(b) + " without " +
+                       (batch.images.defined() ? "labels" : "images"),
+                   "fill data::Batch::images (N, C, H, W) and labels (N, i64) of every batch");
+  }
   CallOutput co;
   co.steps = n / N;
   const OutputMode mode = run_.output_mode;
@@ -632,7 +645,18 @@ Tensor Trainer::forward_loss(const data::Batch& batch, int64_t micro_batch, Tens
   }
   *output = run_.precision.loss_input(*output);
   ProfileTimer timed_loss("forward", "", "loss");
-  return model_->loss(*output, batch.labels);
+  Tensor loss = model_->loss(*output, batch.labels);
+  // nn::Classifier::loss's contract, which a user's model may break: a one-element FP32 tensor
+  // (loss scaling multiplies it in FP32; a 16-bit loss would overflow or lose the scaled value).
+  MANTISSA_CHECK(
+      loss.defined() && loss.numel() == 1 && loss.dtype() == DType::f32,
+      "the model's loss() returned " +
+          (loss.defined() ? std::string(dtype_name(loss.dtype())) + " " + shape_str(loss.shape())
+                          : std::string("an undefined tensor")) +
+          ", not the one-element f32 tensor the trainer takes",
+      "reduce the loss to one value and compute it in FP32 (ops::cast(x, DType::f32) "
+      "before the reduction)");
+  return loss;
 }
 
 double Trainer::evaluate(int64_t* examples) {

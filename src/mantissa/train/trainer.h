@@ -175,6 +175,7 @@ class Trainer {
   std::unique_ptr<amp::Fp8State> fp8_;
   std::unique_ptr<ops::AutocastLog> log_;
   int64_t step_ = 0;
+  bool ran_ = false;  // run() trains once
   std::vector<float> step_losses_;
   std::vector<int64_t> skipped_;       // the run's steps skipped by the loss scaler
   double compute_seconds_ = 0;         // inside train_step, this run
