@@ -569,6 +569,60 @@ TEST(DataParallel, AStopOnOneRankStopsEveryRankAtTheSameStep) {
   EXPECT_TRUE(std::filesystem::exists(c.save));
 }
 
+// What the ranks read from their own files must agree where their flags do: training data of
+// another size, a checkpoint at another step behind the same path (host-local files), test data
+// of another size. Each is refused on every rank, naming what differs, before the ranks slice
+// other batches and fall out of step in their collectives (which crashed inside Open MPI).
+TEST(DataParallel, RanksThatReadOtherDataOrCheckpointsAreRefused) {
+  const int r = world().rank();
+  train::TrainConfig c;
+  c.batch_size = 4;
+  c.max_steps = 2;
+  c.threads = 1;
+  c.progress = false;
+  auto model = [] { return std::make_shared<testing::UserMlp>(8, 16, 4, 0); };
+  std::string e = testing::error_of([&] {
+    train::Trainer t(c, model(), testing::blobs(r == 0 ? 400 : 200, 8, 4, 5), nullptr, {},
+                     &world());
+  });
+  EXPECT_NE(e.find("ranks disagree on the data and checkpoint they read: 'training examples' is "
+                   "'400' on rank 0 but '200' on rank 1"),
+            std::string::npos)
+      << e;
+  e = testing::error_of([&] {
+    train::Trainer t(c, model(), testing::blobs(400, 8, 4, 5),
+                     testing::blobs(r == 0 ? 100 : 50, 8, 4, 6), {}, &world());
+    t.run();
+  });
+  EXPECT_NE(e.find("ranks disagree on the test data they read: 'test examples' is '100' on rank "
+                   "0 but '50' on rank 1"),
+            std::string::npos)
+      << e;
+  // Each rank's own directory holds a checkpoint of another step under one name.
+  SharedDir dir;
+  const std::string own = dir.file("rank" + std::to_string(r));
+  std::filesystem::create_directories(own);
+  {
+    const std::unique_ptr<comm::Communicator> alone = comm::make_single_process();
+    train::TrainConfig a = c;
+    a.batch_size = c.batch_size * world().size();  // the job's global batch
+    a.max_steps = r == 0 ? 2 : 1;
+    a.save = own + "/ck.safetensors";
+    train::Trainer(a, model(), testing::blobs(400, 8, 4, 5), nullptr, {}, alone.get()).run();
+  }
+  const std::filesystem::path cwd = std::filesystem::current_path();
+  std::filesystem::current_path(own);
+  c.resume = "ck.safetensors";
+  c.max_steps = 4;
+  e = testing::error_of(
+      [&] { train::Trainer t(c, model(), testing::blobs(400, 8, 4, 5), nullptr, {}, &world()); });
+  std::filesystem::current_path(cwd);
+  EXPECT_NE(e.find("'checkpoint step' is '2' on rank 0 but '1' on rank 1"), std::string::npos) << e;
+  EXPECT_NE(e.find("give every rank the same training data and the same checkpoint"),
+            std::string::npos)
+      << e;
+}
+
 TEST(DataParallel, RanksShareTheHostsCoresByDefault) {
   if (std::getenv("MANTISSA_NUM_THREADS")) GTEST_SKIP() << "MANTISSA_NUM_THREADS decides";
   train::TrainConfig c = small("lenet5", 1);

@@ -157,6 +157,10 @@ void CommThread::initialise() {
                     ", below MPI_THREAD_FUNNELED (" + std::to_string(MPI_THREAD_FUNNELED) +
                     "), which the communication thread needs",
                 "use an MPI library built with thread support (Debian's Open MPI has it)");
+  // Errors are returned, not fatal, on the world communicator too: Open MPI reports some errors
+  // of requests (a non-blocking collective's sub-request) through MPI_COMM_WORLD's handler, whose
+  // default aborts inside MPI before Mantissa can name the problem.
+  check_mpi(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   // Mantissa's own communicator: its collectives never mix with a user's on MPI_COMM_WORLD.
   check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
   check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");

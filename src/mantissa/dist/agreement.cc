@@ -47,7 +47,7 @@ ConfigFields deserialize(const uint8_t* data, size_t bytes) {
 }  // namespace
 
 void check_config_agreement(comm::Communicator& comm, const ConfigFields& fields,
-                            const std::string& what) {
+                            const std::string& what, const std::string& advice) {
   const std::vector<uint8_t> mine = serialize(fields);
   const size_t n = static_cast<size_t>(comm.size());
   std::vector<int64_t> lengths(n);
@@ -65,9 +65,11 @@ void check_config_agreement(comm::Communicator& comm, const ConfigFields& fields
     const ConfigFields other =
         deserialize(all.data() + r * stride, static_cast<size_t>(lengths[r]));
     const std::string rank = std::to_string(r);
-    const char* hint =
-        "start every rank with the same program and flags (mpirun runs one command line on every "
-        "rank; check per-host environment and files)";
+    const std::string hint =
+        !advice.empty()
+            ? advice
+            : "start every rank with the same program and flags (mpirun runs one command line on "
+              "every rank; check per-host environment and files)";
     for (size_t i = 0; i < std::max(first.size(), other.size()); ++i) {
       if (i >= first.size())
         throw Error("ranks disagree on the " + what + ": rank " + rank + " has '" + other[i].first +

@@ -18,8 +18,10 @@ using ConfigFields = std::vector<std::pair<std::string, std::string>>;
 // first field (in order) whose name or value differs and the ranks' values: "ranks disagree on
 // the configuration: 'lr' is '0.001' on rank 0 but '0.01' on rank 2". `what` names the
 // configuration in the message.
+// `hint` replaces the default advice (the same program and flags on every rank).
 void check_config_agreement(comm::Communicator& comm, const ConfigFields& fields,
-                            const std::string& what = "configuration");
+                            const std::string& what = "configuration",
+                            const std::string& hint = "");
 
 // Whether any rank found an inf/NaN (a MAX all-reduce of the flag), so that every rank makes the
 // same skip decision where the ranks' gradients can differ (sharded state, local checks).

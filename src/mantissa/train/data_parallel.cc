@@ -132,6 +132,11 @@ DataParallel::DataParallel(comm::Communicator& comm, const TrainConfig& config,
 
 DataParallel::~DataParallel() = default;
 
+void DataParallel::check_agreement(const dist::ConfigFields& fields, const std::string& what,
+                                   const std::string& hint) {
+  dist::check_config_agreement(comm_, fields, what, hint);
+}
+
 void DataParallel::broadcast_model(nn::Module& model) {
   std::vector<nn::Module::NamedTensor> tensors = model.named_parameters();
   for (const nn::Module::NamedTensor& b : model.named_buffers()) tensors.push_back(b);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "mantissa/comm/communicator.h"
+#include "mantissa/dist/agreement.h"
 #include "mantissa/dist/factors.h"
 #include "mantissa/dist/reducer.h"
 #include "mantissa/dist/zero.h"
@@ -53,6 +54,12 @@ class DataParallel {
 
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
+
+  // Checks that every rank holds the same `fields` (a collective), as the constructor checks the
+  // configuration: for what the ranks read from their own files (the data's sizes, a
+  // checkpoint's position), which may differ where the flags agree.
+  void check_agreement(const dist::ConfigFields& fields, const std::string& what,
+                       const std::string& hint);
 
   // Rank 0's parameters and buffers to every rank: before the precision is applied (master
   // weights are made from the parameters).

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstring>
 #include <ostream>
 
 #include "mantissa/amp/scaled_step.h"
@@ -191,6 +192,24 @@ void Trainer::set_up() {
   schedule_ = run_.schedule;
   schedule_.total_steps = total_steps(config_, bpe);
   if (!config_.resume.empty()) load_checkpoint(config_.resume);
+  // What each rank read from its own files, where the flags agree but the files may not (a
+  // --data-dir or a checkpoint path that holds other files on another host): ranks that went on
+  // would slice other batches, take other step counts and fall out of step in their collectives.
+  if (dp_) {
+    uint64_t losses = 1469598103934665603ull;  // FNV-1a over the checkpoint's losses' bits
+    for (const float l : step_losses_) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, &l, sizeof bits);
+      losses = (losses ^ bits) * 1099511628211ull;
+    }
+    dp_->check_agreement({{"training examples", std::to_string(loader_->size())},
+                          {"checkpoint step", std::to_string(step_)},
+                          {"checkpoint losses (digest)", std::to_string(losses)}},
+                         "data and checkpoint they read",
+                         "give every rank the same training data and the same checkpoint (a "
+                         "--data-dir or --resume path may differ between hosts, the files it "
+                         "names may not)");
+  }
 }
 
 void Trainer::apply_levers() {
@@ -662,6 +681,11 @@ Tensor Trainer::forward_loss(const data::Batch& batch, int64_t micro_batch, Tens
 double Trainer::evaluate(int64_t* examples) {
   if (dp_) dp_->finish_parameters();
   std::unique_ptr<data::Loader> test = data_->test_loader();
+  if (dp_)
+    dp_->check_agreement({{"test examples", test ? std::to_string(test->size()) : "none"}},
+                         "test data they read",
+                         "give every rank the same test data (a --data-dir may differ between "
+                         "hosts, the files it names may not)");
   // The FP8 modes evaluate in FP8 with the scales training left.
   std::optional<amp::Fp8Frozen> fp8;
   if (fp8_) fp8.emplace(*fp8_);
