@@ -620,6 +620,34 @@ TEST(Sum, ReductionsMatchFp64OnAnyThreadCount) {
   }
 }
 
+// Linear over an empty batch, or with no input features, as PyTorch computes it: outputs of the
+// batch's rows (zeros where nothing is summed) and zero or empty gradients, in the backward pass
+// too (which viewed an empty gradient as non-contiguous, and took the rows as numel / 0).
+TEST(Linear, EmptyBatchesAndNoFeaturesDifferentiate) {
+  for (const auto& [x_shape, w_shape] :
+       {std::pair{Shape{0, 3}, Shape{4, 3}}, std::pair{Shape{2, 0}, Shape{4, 0}},
+        std::pair{Shape{2, 0, 3}, Shape{4, 3}}}) {
+    SCOPED_TRACE(shape_str(x_shape) + " x " + shape_str(w_shape));
+    Tensor x = Tensor::full(x_shape, 1.0, DType::f32).set_requires_grad(true);
+    Tensor w = Tensor::full(w_shape, 1.0, DType::f32).set_requires_grad(true);
+    const Tensor y = ops::linear(x, w);
+    Shape want = x_shape;
+    want.back() = w_shape[0];
+    EXPECT_EQ(y.shape(), want);
+    for (const float v : y.to_float_vector()) EXPECT_EQ(v, 0.0f);
+    autograd::backward(ops::sum(y));
+    ASSERT_TRUE(x.grad().defined());
+    ASSERT_TRUE(w.grad().defined());
+    EXPECT_EQ(x.grad().shape(), x_shape);
+    EXPECT_EQ(w.grad().shape(), w_shape);
+    for (const float v : w.grad().to_float_vector()) EXPECT_EQ(v, 0.0f);
+  }
+  // No input features with a bias: every row is the bias.
+  const Tensor y = ops::linear(Tensor::zeros({2, 0}, DType::f32), Tensor::zeros({3, 0}, DType::f32),
+                               Tensor::from_floats({1, 2, 3}, {3}));
+  EXPECT_EQ(y.to_float_vector(), (std::vector<float>{1, 2, 3, 1, 2, 3}));
+}
+
 TEST(MacCounter, CountsEachMatrixOpsForwardOnceInTheInnermostScope) {
   Tensor x = Tensor::full({3, 5}, 1.0, DType::f32).set_requires_grad(true);
   Tensor w = Tensor::full({4, 5}, 1.0, DType::f32).set_requires_grad(true);

@@ -45,10 +45,18 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
                    "linear: bias " + shape_str(b.shape()) + " for " + str(outf) + " outputs",
                    "the bias has one value per output");
   const Tensor x = x_in.contiguous();
-  const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
+  int64_t rows = 1;  // every dimension but the last (numel() / in cannot say when in is 0)
+  for (int64_t k = 0; k + 1 < x.dim(); ++k) rows *= x.size(k);
   Shape yshape = x.shape();
   yshape.back() = outf;
   Tensor y = Tensor::empty(yshape, out, charged_to(MemoryCategory::activations));
+  if (in == 0) {  // a sum over no input features: the bias, or zeros
+    if (b.defined())
+      y.copy_from(b.view({1, outf}).expand({rows, outf}).reshape(yshape));
+    else
+      y.fill(0.0);
+    return y;
+  }
   // A small batch through a long layer (the tutorial CNN's fc1: 12 x 41772 by 100 x 41772):
   // lane-split dot products read the input and the weight rows in place, once (16-bit values
   // widened as they are read, a 16-bit input a depth pass at a time); the GEMM would pack
