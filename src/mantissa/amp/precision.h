@@ -34,6 +34,12 @@ struct PrecisionMode {
   // gradients in this format (amp/fp8.h); everything else as bf16-mixed.
   std::optional<DType> fp8_gradients;
 
+  // Whether some of the model's ops compute on 16-bit values: by automatic casting, by O2's
+  // reading, or on 16-bit parameters.
+  bool computes_in_16_bits() const {
+    return autocast || read_as_half || is_16bit_float(param_dtype);
+  }
+
   // One line per setting, printed when training starts.
   std::string describe() const;
 };

@@ -448,7 +448,7 @@ void Tensor::copy_from(const Tensor& src, const CastOptions& cast) {
                    "it was expanded from)");
   // A source that overlaps the destination in memory (two views of one storage) is read from a
   // copy of itself: the elements are written as they were before the copy, in any order.
-  if (src.storage_ == storage_ && src.overlaps_memory_of(*this)) {
+  if (src.overlaps_memory_of(*this)) {
     if (src.data_ptr() == data_ptr() && src.strides_ == strides_ && src.dtype_ == dtype_)
       return;  // the same view in the same dtype: every element is already what it would be
     copy_from(src.clone(), cast);

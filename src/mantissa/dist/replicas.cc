@@ -51,8 +51,10 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
   return h;
 }
 
+constexpr uint64_t kFnvBasis = 0xcbf29ce484222325ull;
+
 uint64_t hash_tensor(const Tensor* t) {
-  uint64_t h = 0xcbf29ce484222325ull;
+  uint64_t h = kFnvBasis;
   if (!t || !t->defined()) return fnv1a(h, "undefined", 9);
   const uint8_t id = static_cast<uint8_t>(t->dtype());
   h = fnv1a(h, &id, 1);
@@ -62,6 +64,8 @@ uint64_t hash_tensor(const Tensor* t) {
 }
 
 }  // namespace
+
+uint64_t digest(const void* data, size_t n) { return fnv1a(kFnvBasis, data, n); }
 
 std::string replica_mismatch(comm::Communicator& comm, const std::vector<NamedTensor>& tensors) {
   const size_t n = tensors.size(), ranks = static_cast<size_t>(comm.size());

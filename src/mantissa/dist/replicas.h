@@ -4,6 +4,8 @@
 // collectives.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -25,5 +27,9 @@ void broadcast_tensors(comm::Communicator& comm, const std::vector<NamedTensor>&
 // ranks 1, 2"). Each rank hashes its tensors (64-bit FNV-1a over dtype, shape and bytes) and the
 // hashes are gathered; an undefined tensor hashes as such. For tests and checks, not every step.
 std::string replica_mismatch(comm::Communicator& comm, const std::vector<NamedTensor>& tensors);
+
+// The 64-bit FNV-1a digest of `n` bytes, as replica_mismatch hashes tensors: what ranks compare of
+// a larger value they should hold alike (a checkpoint's losses).
+uint64_t digest(const void* data, size_t n);
 
 }  // namespace mantissa::dist

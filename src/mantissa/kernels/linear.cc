@@ -24,6 +24,12 @@ constexpr int64_t kPartsMaxRows = 16, kPartRows = 6, kPartColumns = 2048;
 
 }  // namespace
 
+int64_t linear_rows(const Tensor& x) {
+  int64_t rows = 1;
+  for (int64_t k = 0; k + 1 < x.dim(); ++k) rows *= x.size(k);
+  return rows;
+}
+
 Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out, Partials p,
               DType round_w) {
   require_float(x_in, "linear", "input");
@@ -45,8 +51,7 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b, DType out
                    "linear: bias " + shape_str(b.shape()) + " for " + str(outf) + " outputs",
                    "the bias has one value per output");
   const Tensor x = x_in.contiguous();
-  int64_t rows = 1;  // every dimension but the last (numel() / in cannot say when in is 0)
-  for (int64_t k = 0; k + 1 < x.dim(); ++k) rows *= x.size(k);
+  const int64_t rows = linear_rows(x);
   Shape yshape = x.shape();
   yshape.back() = outf;
   Tensor y = Tensor::empty(yshape, out, charged_to(MemoryCategory::activations));

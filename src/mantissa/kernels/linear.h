@@ -11,6 +11,10 @@
 
 namespace mantissa::kernels {
 
+// The rows of a linear layer's input x (*, in): the product of every dimension but the last (also
+// when `in` is 0, where numel() / in cannot say).
+int64_t linear_rows(const Tensor& x);
+
 // y = x w^T + b, x (*, in), w (out, in), b (out) or undefined. A batch of at most 16 rows through
 // a layer at least 1024 deep (FP32 partials) takes lane-split dot products that read w in place
 // (vector_kernels.h); everything else takes the GEMM, starting from the bias so that the sum is

@@ -9,6 +9,7 @@
 #include "mantissa/core/parallel.h"
 #include "mantissa/core/profiler.h"
 #include "mantissa/kernels/elementwise.h"
+#include "mantissa/kernels/linear.h"
 #include "mantissa/ops/autocast.h"
 
 namespace mantissa::ops {
@@ -54,14 +55,6 @@ std::string_view op_kind_name(OpKind k) {
 }
 
 namespace {
-
-// The rows of a linear layer's input (..., in): the product of every dimension but the last
-// (also when `in` is 0, where numel() / in cannot say).
-int64_t leading_rows(const Tensor& x) {
-  int64_t rows = 1;
-  for (int64_t k = 0; k + 1 < x.dim(); ++k) rows *= x.size(k);
-  return rows;
-}
 
 using autograd::Node;
 using kernels::BinaryOp;
@@ -364,14 +357,14 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const OpOptions
   // (AutogradMeta::gather_input_factor), the backward's factor b as it will read it.
   if (const AutogradMeta* m = w.autograd_meta().get();
       m && m->gather_input_factor && autograd::grad_enabled() && w.requires_grad())
-    m->gather_input_factor(xd.reshape({leading_rows(xd), wd.size(1)}));
+    m->gather_input_factor(xd.reshape({kernels::linear_rows(xd), wd.size(1)}));
   const Partials p = partials_of(opt);
   return recorded(
       y, OpId::linear, {&x, &w, &b},
       [xd, wd, p, round_w, read_x = x_as != x.dtype()](const Tensor& g,
                                                        const FnNode& n) -> std::vector<Tensor> {
         std::vector<Tensor> out(3);
-        const int64_t in = wd.size(1), outf = wd.size(0), rows = leading_rows(xd);
+        const int64_t in = wd.size(1), outf = wd.size(0), rows = kernels::linear_rows(xd);
         const Tensor g2 = g.reshape({rows, outf});
         if (n.needs_input_grad(0)) {  // dx = g w
           // Read as its 16-bit copy (input_as): the FP32 input's gradient holds the values of the

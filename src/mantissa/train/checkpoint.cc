@@ -106,6 +106,17 @@ uint64_t meta_u64(const io::SafetensorsFile& f, const std::string& key, const st
   return *x;
 }
 
+// A metadata entry that names one of `names` (what: "a model of this build"); another value is a
+// damaged file, refused with `hint`.
+std::string meta_one_of(const io::SafetensorsFile& f, const std::string& key,
+                        const std::string& path, const std::vector<std::string>& names,
+                        const std::string& what, const std::string& hint) {
+  const std::string v = meta(f, key, path);
+  MANTISSA_CHECK(std::find(names.begin(), names.end(), v) != names.end(),
+                 path + ": metadata '" + key + "' is '" + excerpt(v) + "', not " + what, hint);
+  return v;
+}
+
 // The bounds of the model's geometry in a checkpoint: far beyond the built-in models and
 // datasets (1 or 3 channels, 1000 classes), and small enough that a model sized from them is not
 // an allocation of the address space.
@@ -333,9 +344,7 @@ Position check_metadata(const io::SafetensorsFile& f, const std::string& path) {
   const auto has = [&](const char* key) { return f.metadata.count(key) > 0; };
   const auto one_of = [&](const char* key, const std::vector<std::string>& names,
                           const std::string& what) {
-    const std::string v = meta(f, key, path);
-    if (std::find(names.begin(), names.end(), v) == names.end())
-      throw damaged(key, "is '" + excerpt(v) + "', not " + what);
+    meta_one_of(f, key, path, names, what, kDamaged);
   };
   const bool user = is_user_model(f);
   if (!user) {
@@ -783,11 +792,10 @@ void load_weights(const std::string& path, nn::Module& model) {
 
 std::shared_ptr<nn::Classifier> model_from_checkpoint(const io::SafetensorsFile& f,
                                                       const std::string& path) {
-  const std::string model = meta(f, "model", path);
-  const std::vector<std::string> models = nn::model_names();
-  MANTISSA_CHECK(is_user_model(f) || std::find(models.begin(), models.end(), model) != models.end(),
-                 path + ": metadata 'model' is '" + excerpt(model) + "', not a model of this build",
-                 "the file is damaged: evaluate an intact checkpoint");
+  const std::string model =
+      is_user_model(f) ? meta(f, "model", path)
+                       : meta_one_of(f, "model", path, nn::model_names(), "a model of this build",
+                                     "the file is damaged: evaluate an intact checkpoint");
   MANTISSA_CHECK(!is_user_model(f),
                  path + " holds a user-defined model (" + excerpt(model) +
                      "), which 'mantissa eval' cannot rebuild",
@@ -808,13 +816,12 @@ EvalResult evaluate_checkpoint(const std::string& path, const std::string& datas
   const nn::ModelConfig mc = model_config_from(f, path);
   TrainConfig c;
   c.model = model;
-  c.dataset = dataset.empty() ? meta(f, "dataset", path) : dataset;
-  const std::vector<std::string> datasets = data::dataset_names();
-  MANTISSA_CHECK(
-      !dataset.empty() || std::find(datasets.begin(), datasets.end(), c.dataset) != datasets.end(),
-      path + ": metadata 'dataset' is '" + excerpt(c.dataset) + "', not a dataset of this build",
-      "the file is damaged: evaluate an intact checkpoint, or name the data with "
-      "--dataset");
+  c.dataset =
+      !dataset.empty()
+          ? dataset
+          : meta_one_of(f, "dataset", path, data::dataset_names(), "a dataset of this build",
+                        "the file is damaged: evaluate an intact checkpoint, or name the "
+                        "data with --dataset");
   c.data_dir = data_dir;
   c.image_size = mc.image_size;
   c.test_limit = test_limit;

@@ -61,8 +61,7 @@ std::vector<MemoryEvent> record_step(const TrainConfig& c, StepMemory& m, int ra
     // the op's 16-bit type where the mode computes linear layers in 16 bits).
     const RunSettings settings = resolve(c);
     const amp::PrecisionMode& mode = settings.precision.mode;
-    const size_t factor_size =
-        mode.autocast || mode.read_as_half || is_16bit_float(mode.param_dtype) ? 2 : 4;
+    const size_t factor_size = mode.computes_in_16_bits() ? 2 : 4;
     for (const nn::Module::NamedTensor& w : factored_weights(trainer.model(), c, settings, ranks)) {
       for (size_t i = 0; i < opt.params().size(); ++i) {
         if (opt.params()[i].tensor != w.tensor) continue;

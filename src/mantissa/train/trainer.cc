@@ -3,13 +3,13 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
-#include <cstring>
 #include <ostream>
 
 #include "mantissa/amp/scaled_step.h"
 #include "mantissa/autograd/autograd.h"
 #include "mantissa/core/error.h"
 #include "mantissa/core/parallel.h"
+#include "mantissa/dist/replicas.h"
 #include "mantissa/io/output_file.h"
 #include "mantissa/train/report_html.h"
 
@@ -196,12 +196,7 @@ void Trainer::set_up() {
   // --data-dir or a checkpoint path that holds other files on another host): ranks that went on
   // would slice other batches, take other step counts and fall out of step in their collectives.
   if (dp_) {
-    uint64_t losses = 1469598103934665603ull;  // FNV-1a over the checkpoint's losses' bits
-    for (const float l : step_losses_) {
-      uint32_t bits = 0;
-      std::memcpy(&bits, &l, sizeof bits);
-      losses = (losses ^ bits) * 1099511628211ull;
-    }
+    const uint64_t losses = dist::digest(step_losses_.data(), step_losses_.size() * sizeof(float));
     dp_->check_agreement({{"training examples", std::to_string(loader_->size())},
                           {"checkpoint step", std::to_string(step_)},
                           {"checkpoint losses (digest)", std::to_string(losses)}},
@@ -428,8 +423,7 @@ CallOutput Trainer::call(const std::vector<data::Batch>& batches) {
       // The first step's loss comes before any update: the weights or the data hold the
       // non-finite value, or a 16-bit forward pass overflows. Later, the updates made it.
       const bool first = first_step + k == 0;
-      const amp::PrecisionMode& pm = run_.precision.mode;
-      const bool sixteen = pm.autocast || pm.read_as_half || is_16bit_float(pm.param_dtype);
+      const bool sixteen = run_.precision.mode.computes_in_16_bits();
       const bool adam_eps0 = run_.optimizer != OptimizerKind::kSgd && config_.eps == 0;
       const std::string hint =
           first ? std::string(
