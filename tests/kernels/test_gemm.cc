@@ -90,6 +90,32 @@ TEST(Gemm, LayoutsEdgesAndScalingMatchTheReference) {
                     layout & 4, alpha, beta, Partials::kF32, 2);
 }
 
+// An empty product (K = 0) is C = beta C, as the reference computes it, and reads nothing from A
+// or B: an empty batch's operands have no storage (null data), which packing would offset.
+TEST(Gemm, EmptyProductScalesCWithoutReadingAOrB) {
+  for (DType tc : {DType::f32, DType::f16, DType::bf16})
+    for (bool trans_c : {false, true})
+      for (float beta : {0.0f, 1.0f, -0.75f})
+        for (Partials p : {Partials::kF32, Partials::kF16}) {
+          Stored want = random_matrix(7, 37, tc, trans_c, 3);
+          std::vector<float> big(want.bytes.size() / dtype_size(tc), 70000.0f);  // past FP16
+          if (tc == DType::f32) std::memcpy(want.bytes.data(), big.data(), 4 * 3);
+          Stored got = want;
+          const ConstMatrix none{nullptr, DType::f32, 0, 1};
+          gemm_reference(7, 37, 0, 1.0f, none, none, beta, want.mut(), p);
+          GemmOptions opt;
+          opt.partials = p;
+          gemm(7, 37, 0, 1.0f, none, none, beta, got.mut(), opt);
+          EXPECT_EQ(got.bytes, want.bytes) << dtype_name(tc) << (trans_c ? "^T" : "") << " beta "
+                                           << beta << (p == Partials::kF16 ? " f16 partials" : "");
+        }
+  float c[2] = {std::nanf(""), 3.0f};  // beta 0 writes zeros, whatever C held
+  const ConstMatrix none{nullptr, DType::f16, 0, 1};
+  gemm(1, 2, 0, 1.0f, none, none, 0.0f, {c, DType::f32, 2, 1}, {});
+  EXPECT_EQ(c[0], 0.0f);
+  EXPECT_EQ(c[1], 0.0f);
+}
+
 // A 16-bit C of one depth panel (K <= 384) goes tile by tile through a local FP32 tile (beta
 // read from C, edges, a strided C); a deeper one is staged in FP32 in blocks of columns.
 TEST(Gemm, SixteenBitOutputTileByTileOrStagedInBlocks) {

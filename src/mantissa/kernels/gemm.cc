@@ -686,12 +686,36 @@ void check_rounding(const char* option, DType round, DType operand, const char* 
                  std::string(option) + " rounds an f32 " + name + " to f16 or bf16");
 }
 
+// C = beta C, for an empty product (K = 0): A and B hold no values and may have no storage at all
+// (an empty batch's activations), so nothing is packed or read from them. Element by element as
+// gemm_reference computes it: beta C (C itself at beta 1, zero at beta 0), rounded as the
+// partials and round_c say.
+void scale_c(int64_t M, int64_t N, float beta, const Matrix& C, const GemmOptions& opt) {
+  const int64_t es = static_cast<int64_t>(dtype_size(C.dtype));
+  std::vector<float> row(static_cast<size_t>(N));  // [N]
+  for (int64_t m = 0; m < M; ++m) {
+    char* c = static_cast<char*>(C.data) + m * C.rs * es;
+    if (beta != 0.0f) {
+      load_f32(c, C.dtype, C.cs, N, row.data());
+      if (beta != 1.0f)
+        for (float& v : row) v *= beta;
+    } else {
+      std::fill(row.begin(), row.end(), 0.0f);
+    }
+    if (opt.partials == Partials::kF16) detail::round_through(row.data(), N, DType::f16);
+    if (opt.round_c != DType::f32) detail::round_through(row.data(), N, opt.round_c);
+    for (int64_t n = 0; n < N; ++n)
+      convert(&row[static_cast<size_t>(n)], DType::f32, c + n * C.cs * es, C.dtype, 1);
+  }
+}
+
 // Splits C among the threads and runs gemm_block on each part.
 void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix& A,
                  const BSource& B, float beta, const Matrix& C, const GemmOptions& opt,
                  const PackedMatrix* packed_a = nullptr) {
   check_rounding("round_c", opt.round_c, C.dtype, "C");
   if (M <= 0 || N <= 0) return;
+  if (K <= 0) return scale_c(M, N, beta, C, opt);
   int threads = opt.threads > 0 ? opt.threads : default_num_threads();
   if (static_cast<double>(M) * static_cast<double>(N) *
           static_cast<double>(std::max<int64_t>(K, 1)) <
