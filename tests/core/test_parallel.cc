@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -75,6 +77,28 @@ TEST(Parallel, TasksRunOnceEachOnAnyThreadCount) {
   std::atomic<int> inner{0};
   parallel_tasks(4, 2, [&](size_t) { parallel_tasks(10, 2, [&](size_t) { inner++; }); });
   EXPECT_EQ(inner.load(), 40);
+}
+
+// A job's tasks run under the module path of the thread that started it, whichever thread runs
+// them (what a kernel's workers allocate is charged to the layer running), and the workers are
+// back outside any module afterwards.
+TEST(Parallel, TasksRunUnderTheCallersModulePath) {
+  const std::string layer = "layer1.0.conv1";
+  std::vector<std::string> seen(64);
+  std::atomic<int> other_threads{0};
+  const std::thread::id caller = std::this_thread::get_id();
+  {
+    const ModulePathScope scope(&layer);
+    parallel_tasks(seen.size(), 2, [&](size_t t) {
+      if (std::this_thread::get_id() != caller) other_threads++;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));  // let the worker take some
+      seen[t] = current_module_path();
+    });
+  }
+  EXPECT_GT(other_threads.load(), 0) << "no task ran on a worker: the test checks nothing";
+  for (const std::string& s : seen) EXPECT_EQ(s, layer);
+  parallel_tasks(seen.size(), 2, [&](size_t t) { seen[t] = current_module_path(); });
+  for (const std::string& s : seen) EXPECT_EQ(s, "");
 }
 
 TEST(Parallel, DefaultThreadsIsPositive) { EXPECT_GE(default_num_threads(), 1); }

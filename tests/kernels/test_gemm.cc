@@ -4,9 +4,11 @@
 #include <bit>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -387,7 +389,8 @@ std::vector<float> rounding_specials() {
 // 96 rows, several A slivers and a partial one; 97 rows are packed).
 TEST(Gemm, SixteenBitRowsOfBReadInPlace) {
   for (const Case& c : {Case{12, 2061, 100}, Case{1, 17, 3}, Case{7, 40, 700}, Case{6, 16, 1},
-                        Case{12, 50, 385}, Case{64, 300, 100}, Case{95, 90, 384}, Case{97, 40, 64}})
+                        Case{12, 50, 385}, Case{64, 300, 100}, Case{95, 90, 384}, Case{97, 40, 64},
+                        Case{100, 1100, 64}, Case{192, 40, 384}, Case{193, 33, 20}})
     for (DType tb : {DType::f16, DType::bf16})
       for (DType tc : {DType::f32, DType::bf16})
         for (Partials p : {Partials::kF32, Partials::kF16})
@@ -465,6 +468,52 @@ TEST(Gemm, RoundedFp32OutputHoldsTheSixteenBitOutputsValues) {
   EXPECT_THROW(gemm(1, 1, 1, 1.0f, {&one, DType::f32, 1, 1}, {&one, DType::f32, 1, 1}, 0.0f,
                     {&h, DType::f16, 1, 1}, opt),
                Error);
+}
+
+// The FP32 panels a call packs are workspace held only while GEMMs run: after a call that packs
+// A and B (FP32 B of more rows than are read in place) and one that widens a 16-bit B deeper than
+// one panel, the tracker's workspace is back to what it was, and the call did charge its panels.
+TEST(Gemm, PackedPanelsAreHeldOnlyWhileTheCallRuns) {
+  MemoryTracker& tracker = default_memory_tracker();
+  for (DType tb : {DType::f32, DType::f16}) {
+    const Stored A = random_matrix(50, 700, DType::f32, false, 1);
+    const Stored B = random_matrix(700, 300, tb, false, 2);
+    Stored C = random_matrix(50, 300, DType::f32, false, 3);
+    const size_t before = tracker.stats().current_of(MemoryCategory::workspace);
+    tracker.reset_peaks();
+    GemmOptions opt;
+    opt.threads = 1;  // one thread packs every column of B: 300 x 384 FP32 values or more
+    gemm(50, 300, 700, 1.0f, A.view(), B.view(), 0.0f, C.mut(), opt);
+    const MemoryStats after = tracker.stats();
+    EXPECT_EQ(after.current_of(MemoryCategory::workspace), before) << dtype_name(tb);
+    EXPECT_GE(after.peak_of(MemoryCategory::workspace), before + 300 * 384 * 4) << dtype_name(tb);
+  }
+}
+
+// GEMMs called at once from several threads (a library user's, or a kernel's tasks) each give the
+// reference's bits while the others start, end and free the buffers of every thread (ThreadSanitizer
+// checks the hand-over in the threads build).
+TEST(Gemm, ConcurrentCallsFromSeveralThreads) {
+  const Case cases[] = {{50, 300, 700}, {7, 1100, 64}, {100, 40, 385}, {13, 35, 300}};
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 3; ++t)
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 6; ++round) {
+        const Case& c = cases[(t + round) % 4];
+        const Stored A = random_matrix(c.M, c.K, DType::f32, false, 1);
+        const Stored B = random_matrix(c.K, c.N, round % 2 ? DType::f16 : DType::f32, false, 2);
+        Stored C1 = random_matrix(c.M, c.N, DType::f32, false, 3), C2 = C1;
+        gemm_reference(c.M, c.N, c.K, 1.0f, A.view(), B.view(), 0.5f, C1.mut());
+        GemmOptions opt;
+        opt.threads = 1 + round % 2;
+        gemm(c.M, c.N, c.K, 1.0f, A.view(), B.view(), 0.5f, C2.mut(), opt);
+        if (C1.bytes != C2.bytes) ++wrong;
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(default_memory_tracker().stats().current_of(MemoryCategory::workspace), 0u);
 }
 
 TEST(Gemm, ExactOnSmallIntegers) {

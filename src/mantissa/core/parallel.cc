@@ -6,8 +6,11 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
+
+#include "mantissa/core/memory.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -65,6 +68,7 @@ class ThreadPool {
       std::lock_guard<std::mutex> lock(mu_);
       task_ = &task;
       tasks_ = tasks;
+      module_path_ = &current_module_path();
       next_.store(0);
       remaining_helpers_.store(helpers);
       active_helpers_ = helpers;
@@ -101,8 +105,10 @@ class ThreadPool {
     }
   }
 
-  // Takes task indices until none are left.
+  // Takes task indices until none are left, under the module path of the thread that started the
+  // job: what a task allocates is charged to the layer whose op runs it.
   void work() {
+    const ModulePathScope path(module_path_);
     for (;;) {
       const size_t t = next_.fetch_add(1);
       if (t >= tasks_) return;
@@ -143,6 +149,7 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   const std::function<void(size_t)>* task_ = nullptr;
   size_t tasks_ = 0;
+  const std::string* module_path_ = nullptr;  // the caller's current_module_path() during a job
   std::atomic<size_t> next_{0};
   static constexpr int kSpins = 20000;  // ~50-100 us of pause instructions
   std::atomic<size_t> remaining_helpers_{0};

@@ -9,7 +9,9 @@
 //   nominal model of FP16 accumulation (one rounding per block of 16 products, the K of an
 //   m16n8k16 MMA), not any processor's bits (docs/mixed_precision.md says what it reproduces).
 //   C[m][n] = acc, rounded to nearest even into C's dtype.
-// beta == 0 never reads C (NaN there does not propagate).
+// beta == 0 never reads C (NaN there does not propagate). K == 0 reads neither A nor B (their data
+// may be null). The FP32 panels a call packs are workspace charged to the memory tracker, freed
+// when no GEMM is running any more. Calls may run concurrently on any threads.
 #pragma once
 
 #include <cstdint>
@@ -102,12 +104,6 @@ struct PackedPanels {
 // C (A.rows x N) = A B + beta * C, A and B both packed (B.depth == A.depth).
 void gemm(int64_t N, const PackedMatrix& A, const PackedPanels& B, float beta, Matrix C,
           const GemmOptions& opt = {});
-
-// Frees every thread's packing and staging buffers, which gemm keeps from call to call (charged
-// to the memory tracker as workspace while held); the next call allocates them again. No gemm may
-// be running. The memory report calls it before each step it measures, so that each starts with
-// what a fresh process holds.
-void release_gemm_buffers();
 
 // The scalar reference: the same arithmetic, one element at a time. Always built; the oracle of
 // the fast path's tests.
