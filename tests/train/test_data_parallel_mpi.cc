@@ -48,6 +48,7 @@
 #include "mantissa/comm/communicator.h"
 #include "mantissa/core/parallel.h"
 #include "mantissa/dist/replicas.h"
+#include "mantissa/kernels/gemm.h"
 #include "mantissa/train/memory_report.h"
 #include "mantissa/train/trainer.h"
 #include "support/errors.h"
@@ -642,15 +643,19 @@ TEST(DataParallel, RanksThatDisagreeOnAFlagAreRefusedNamingIt) {
 
 TEST(DataParallel, MemoryOfARankIsComputedFromOneProcess) {
   // `mantissa memory --ranks N` against what each rank measured: the same step's peak (the
-  // measured one includes the evaluation-free run's first step too). The estimate is made first:
-  // the profile counts what the process holds, and a finished run's weights would be held.
+  // measured one includes the evaluation-free run's first step too). Both sides start from the
+  // same state: the GEMM's per-thread buffers released (they only grow, so what earlier tests
+  // left would count on both sides), and the estimate made first (the profile counts what the
+  // process holds, and a finished run's weights would be held).
   const int n = world().size();
   for (int zero : {0, 1}) {
     train::TrainConfig c = small("lenet5", 2);
     c.check_replicas = false;
     c.zero = zero;
+    kernels::release_gemm_buffers();
     const train::RankMemory m =
         train::rank_memory(train::profile_step(c, n), n, c.bucket_size_mib, DType::f32);
+    kernels::release_gemm_buffers();
     const double computed = static_cast<double>(zero ? m.zero_total : m.data_parallel_total);
     const double measured = static_cast<double>(train_on(c, false).result.memory.peak_total);
     EXPECT_NEAR(computed, measured, 0.01 * measured) << "zero " << zero;
@@ -684,8 +689,10 @@ TEST(DataParallel, MemoryOfARankIsComputedFromOneProcess) {
   // The estimate adds the gathered factors and the ZeRO buffers to the step's peak, though the
   // ranks hold them at other moments: it may be above what they measure (8-9% at 3 ranks), never
   // below.
+  kernels::release_gemm_buffers();
   const train::RankMemory m =
       train::rank_memory(train::profile_step(c, n), n, c.bucket_size_mib, DType::f32);
+  kernels::release_gemm_buffers();
   const double measured = static_cast<double>(train_on(c, false).result.memory.peak_total);
   EXPECT_GE(static_cast<double>(m.zero_total), 0.99 * measured);
   EXPECT_LE(static_cast<double>(m.zero_total), 1.1 * measured);

@@ -239,10 +239,10 @@ TEST(MemoryProfile, MixedModesHoldLessThanFp32WithoutSavedWeightCopies) {
 // (FP32 in every mode; at batch 64 32-true's peak is in fc1's weight gradient, which packs a
 // 262 KB panel of its input on each thread, and 16-true reads its 16-bit input in place: on one
 // thread that is 138 KB below half, less than the offsets, and the ratio is 50.03%). Each of
-// these took it above 50%: the GEMM's
-// per-thread panels held from call to call (50.3% at batch 64), the FP32 panel of fc1's 16-bit
-// input in its weight gradient at batch 64 (100 rows, widened where two blocks of rows read it
-// in place), the FP32 staging of fc1's 16-bit input gradient (2 x 48 KiB on two threads), byte
+// these took it above 50%: large GEMMs' panels held until the thread's next GEMM (fc1's forward
+// panels in fc1's backward, 50.3% at batch 64), the FP32 panel of fc1's 16-bit input in its
+// weight gradient at batch 64 (100 rows, widened before two blocks of rows could read it in
+// place), the FP32 staging of fc1's 16-bit input gradient (2 x 48 KiB on two threads), byte
 // offsets for the pooling; and above 50.5%: the FP32 copy of a 16-bit input in linear's forward
 // and weight gradient (2 MB), conv2's FP32 staging of all 12 images (3.1 MiB), i32 plane indices
 // for the pooling, a ReLU backward beside the gradient it reads, saved tensors kept until the end
@@ -262,9 +262,12 @@ TEST(MemoryProfile, TrueModesHoldHalfOfFp32) {
   }
 }
 
-// A step's figures do not depend on what was measured before it in the process: the GEMM's
-// panels live for one call, so nothing an earlier step packed (16-true's buffers for converting
-// 16-bit operands, which 32-true never asks for) is still held when the next one is measured.
+// profile_steps (`mantissa memory`) measures each step from what a fresh process holds: what an
+// earlier measurement left in the GEMM's per-thread buffers (a small GEMM's stay for the next
+// call: 16-true's buffers for converting 16-bit operands, which 32-true never asks for) is
+// released first, so the same configuration measures the same bytes whatever ran before it. (Run
+// alone, as ctest runs it: in one process with the tests above, their larger buffers would hide a
+// step that kept 16-true's.)
 TEST(MemoryProfile, AStepsFiguresDoNotDependOnWhatWasMeasuredBefore) {
   std::vector<train::TrainConfig> c(3, testing::tutorial_cnn_batch_12());
   for (train::TrainConfig& one : c)

@@ -160,12 +160,16 @@ const Kernels& kernels() {
   return k;
 }
 
-// Per-thread buffers, charged to the memory tracker as workspace, reused by the GEMMs that run
-// back to back (the 16 of a Winograd tile batch, the filter packing of a layer) and freed when
-// the last GEMM in flight ends (InFlight): no call's panels are held while the ops after it run,
-// so the memory a step holds at its peak is what the op running then packs. Freeing after each
-// call alone would allocate anew for each of the tens of thousands of small GEMMs a ResNet step
-// runs, and a lock taken by every call costs as much (each measured: 3% of a ResNet-18 step).
+// Per-thread buffers, charged to the memory tracker as workspace. A large GEMM (kFreeingMacs or
+// more multiply-adds) that ends with no other GEMM in flight frees every thread's buffers
+// (InFlight): no large call's panels are held while the ops after it run, so the memory a step
+// holds at its peak is what the op running then packs (the tutorial CNN's fc1 forward panels,
+// 0.4 MB a thread, were held through its backward when buffers lived as long as the threads).
+// Small GEMMs leave them for the next: a ResNet-18 step runs tens of thousands (a Winograd tile
+// batch's 16, each 64 x 64 x 512 in layer1's weight gradient), mostly while the other thread is
+// between its own, and freeing and allocating their buffers around each cost 3% of the step
+// (about 50,000 allocations), as a lock taken by every call did. The next large GEMM frees them.
+constexpr double kFreeingMacs = 1 << 26;  // about a millisecond of one thread's arithmetic
 enum Slot { kStageC, kPackA, kPackB, kRun, kNumSlots };
 struct Buffers {
   Tensor slot[kNumSlots];
@@ -193,29 +197,36 @@ struct ThreadBuffers {
     std::erase(registry().sets, &b);
   }
 };
+// Frees every thread's buffers if no GEMM is in flight (see InFlight).
+void release_idle_buffers() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.releasing.store(true);
+  if (r.in_flight.load() == 0)
+    for (Buffers* b : r.sets)
+      for (Tensor& t : b->slot) t = Tensor();
+  r.releasing.store(false);
+}
 // A GEMM (or a pack_rows) running: buffers are used (scratch) only inside one, on its threads.
-// When the last one ends, every thread's buffers are freed. Without a lock on every call: a
-// starting GEMM announces itself (in_flight) before it looks for a release in progress, and a
-// release announces itself (releasing) before it looks for GEMMs in flight, both sequentially
-// consistent, so either the release sees the GEMM and frees nothing, or the GEMM sees the release
-// and waits until it is done (and finds its buffers freed).
-struct InFlight {
-  InFlight() {
+// When the last one ends, if it `frees`, every thread's buffers are freed. Without a lock on every
+// call: a starting GEMM announces itself (in_flight) before it looks for a release in progress,
+// and a release announces itself (releasing) before it looks for GEMMs in flight, both
+// sequentially consistent, so either the release sees the GEMM and frees nothing, or the GEMM
+// sees the release and waits until it is done (and finds its buffers freed).
+class InFlight {
+ public:
+  explicit InFlight(bool frees) : frees_(frees) {
     registry().in_flight.fetch_add(1);
     while (registry().releasing.load()) std::this_thread::yield();
   }
   ~InFlight() {
-    Registry& r = registry();
-    if (r.in_flight.fetch_sub(1) != 1) return;
-    std::lock_guard<std::mutex> lock(r.mu);
-    r.releasing.store(true);
-    if (r.in_flight.load() == 0)
-      for (Buffers* b : r.sets)
-        for (Tensor& t : b->slot) t = Tensor();
-    r.releasing.store(false);
+    if (registry().in_flight.fetch_sub(1) == 1 && frees_) release_idle_buffers();
   }
   InFlight(const InFlight&) = delete;
   InFlight& operator=(const InFlight&) = delete;
+
+ private:
+  bool frees_;
 };
 float* scratch(Slot slot, size_t floats) {
   thread_local ThreadBuffers buffers;
@@ -768,7 +779,8 @@ void gemm_driver(int64_t M, int64_t N, int64_t K, float alpha, const ConstMatrix
   const int64_t parts = split_n && threads > 1
                             ? std::clamp<int64_t>(units / 32, threads, int64_t{4} * threads)
                             : std::min<int64_t>(threads, units);
-  const InFlight running;
+  const InFlight running(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K) >=
+                         kFreeingMacs);
   parallel_tasks(static_cast<size_t>(parts), static_cast<int>(std::min<int64_t>(threads, parts)),
                  [&](size_t p) {
                    const int64_t u0 = units * static_cast<int64_t>(p) / parts,
@@ -797,14 +809,13 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
   // by its rows (the rows micro-kernel, on every path); a 16-bit B, or an FP32 B rounded to 16
   // bits, where the path has kernels that widen or round B's values as they read them (AVX-512).
   // A 16-bit B of one depth panel is read in place against up to two blocks of A's rows too (up
-  // to 192 rows: the same layer's input gradient and weight gradient at batch 64, 64 and 100 rows):
-  // packing would widen B's values into FP32 panels, 0.8 MB for that input gradient and 0.5 MB
-  // for the weight gradient on two threads, which would put a
-  // 16-bit model's workspace at the step's peak above half of an FP32 model's. Reading in place
-  // converts B's rows once per micro-tile instead of once: about 10% slower on those GEMMs (fc1's
-  // weight gradient at batch 64, 100 x 41772 x 64: 2.3 against 2.1 ms), under 1% of the step.
-  // The values are those packing would hold and the arithmetic is the rows micro-kernel's, so
-  // the bits are the same.
+  // to 192 rows: the same layer's input and weight gradients at batch 64, 64 and 100 rows).
+  // Packing would widen B's values into FP32 panels (0.8 MB for that input gradient and 0.5 MB
+  // for the weight gradient on two threads), which would put a 16-bit model's workspace at the
+  // step's peak above half of an FP32 model's. Reading in place converts B's rows once per
+  // micro-tile instead of once: about 10% slower on those GEMMs (fc1's weight gradient at batch
+  // 64, 100 x 41772 x 64: 2.3 against 2.1 ms), under 1% of the step. The values are those
+  // packing would hold and the arithmetic is the rows micro-kernel's, so the bits are the same.
   const int load = B.dtype == DType::f32 && opt.round_b == DType::f32    ? detail::kLoadF32
                    : B.dtype == DType::f16                               ? detail::kLoadF16
                    : B.dtype == DType::bf16                              ? detail::kLoadBF16
@@ -829,6 +840,8 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
   gemm_driver(M, N, K, alpha, A, src, beta, C, opt);
 }
 
+void release_gemm_buffers() { release_idle_buffers(); }
+
 size_t packed_floats(int64_t rows, int64_t depth) {
   return static_cast<size_t>((rows + kMR - 1) / kMR * kMR * std::max<int64_t>(depth, 0));
 }
@@ -841,7 +854,7 @@ void pack_rows(const PackedMatrix& p, int64_t r0, int64_t n, ConstMatrix A) {
   // own packing overwrites with the next one, but here would land on slivers packed before (or by
   // another thread).
   const int64_t slivers = (n + kMR - 1) / kMR;
-  const InFlight running;
+  const InFlight running(false);
   for (int64_t pc = 0, kb = 0; pc < p.depth; pc += kKC, ++kb) {
     const int64_t kc = std::min(kKC, p.depth - pc);
     float* own = scratch(kPackA, static_cast<size_t>(slivers * kc * kMR));

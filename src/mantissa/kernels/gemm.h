@@ -10,8 +10,8 @@
 //   m16n8k16 MMA), not any processor's bits (docs/mixed_precision.md says what it reproduces).
 //   C[m][n] = acc, rounded to nearest even into C's dtype.
 // beta == 0 never reads C (NaN there does not propagate). K == 0 reads neither A nor B (their data
-// may be null). The FP32 panels a call packs are workspace charged to the memory tracker, freed
-// when no GEMM is running any more. Calls may run concurrently on any threads.
+// may be null). The FP32 panels a call packs are workspace charged to the memory tracker
+// (release_gemm_buffers). Calls may run concurrently on any threads.
 #pragma once
 
 #include <cstdint>
@@ -104,6 +104,12 @@ struct PackedPanels {
 // C (A.rows x N) = A B + beta * C, A and B both packed (B.depth == A.depth).
 void gemm(int64_t N, const PackedMatrix& A, const PackedPanels& B, float beta, Matrix C,
           const GemmOptions& opt = {});
+
+// Frees every thread's packing buffers now, unless a GEMM is running (then nothing). A large GEMM
+// does this when it ends; the buffers of small ones stay with their threads for the next call
+// (charged to the memory tracker as workspace while held). The memory report calls it before
+// each step it measures, so that each starts with what a fresh process holds.
+void release_gemm_buffers();
 
 // The scalar reference: the same arithmetic, one element at a time. Always built; the oracle of
 // the fast path's tests.

@@ -9,6 +9,7 @@
 #include "mantissa/core/error.h"
 #include "mantissa/dist/reducer.h"
 #include "mantissa/io/html.h"
+#include "mantissa/kernels/gemm.h"
 #include "mantissa/train/data_parallel.h"
 #include "mantissa/train/trainer.h"
 
@@ -206,7 +207,10 @@ StepMemory profile_step(TrainConfig c, int ranks) {
 
 std::vector<StepMemory> profile_steps(const std::vector<TrainConfig>& configs, int ranks) {
   std::vector<StepMemory> steps;
-  for (const TrainConfig& c : configs) steps.push_back(profile_step(c, ranks));
+  for (const TrainConfig& c : configs) {
+    kernels::release_gemm_buffers();
+    steps.push_back(profile_step(c, ranks));
+  }
   return steps;
 }
 
