@@ -47,7 +47,7 @@ ConfigFields deserialize(const uint8_t* data, size_t bytes) {
 }  // namespace
 
 void check_config_agreement(comm::Communicator& comm, const ConfigFields& fields,
-                            const std::string& what, const std::string& advice) {
+                            const std::string& what, const std::string& hint) {
   const std::vector<uint8_t> mine = serialize(fields);
   const size_t n = static_cast<size_t>(comm.size());
   std::vector<int64_t> lengths(n);
@@ -61,33 +61,32 @@ void check_config_agreement(comm::Communicator& comm, const ConfigFields& fields
   comm.all_gather(padded.data(), all.data(), stride, DType::u8);
 
   const ConfigFields first = deserialize(all.data(), static_cast<size_t>(lengths[0]));
+  const std::string advice =
+      !hint.empty() ? hint
+                    : "start every rank with the same program and flags (mpirun runs one command "
+                      "line on every rank; check per-host environment and files)";
   for (size_t r = 1; r < n; ++r) {
     const ConfigFields other =
         deserialize(all.data() + r * stride, static_cast<size_t>(lengths[r]));
     const std::string rank = std::to_string(r);
-    const std::string hint =
-        !advice.empty()
-            ? advice
-            : "start every rank with the same program and flags (mpirun runs one command line on "
-              "every rank; check per-host environment and files)";
     for (size_t i = 0; i < std::max(first.size(), other.size()); ++i) {
       if (i >= first.size())
         throw Error("ranks disagree on the " + what + ": rank " + rank + " has '" + other[i].first +
                         "', which rank 0 does not",
-                    hint);
+                    advice);
       if (i >= other.size())
         throw Error("ranks disagree on the " + what + ": rank 0 has '" + first[i].first +
                         "', which rank " + rank + " does not",
-                    hint);
+                    advice);
       if (first[i].first != other[i].first)
         throw Error("ranks disagree on the " + what + ": field " + std::to_string(i + 1) + " is '" +
                         first[i].first + "' on rank 0 but '" + other[i].first + "' on rank " + rank,
-                    hint);
+                    advice);
       if (first[i].second != other[i].second)
         throw Error("ranks disagree on the " + what + ": '" + first[i].first + "' is '" +
                         first[i].second + "' on rank 0 but '" + other[i].second + "' on rank " +
                         rank,
-                    hint);
+                    advice);
     }
   }
 }

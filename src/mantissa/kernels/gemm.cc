@@ -197,16 +197,6 @@ struct ThreadBuffers {
     std::erase(registry().sets, &b);
   }
 };
-// Frees every thread's buffers if no GEMM is in flight (see InFlight).
-void release_idle_buffers() {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  r.releasing.store(true);
-  if (r.in_flight.load() == 0)
-    for (Buffers* b : r.sets)
-      for (Tensor& t : b->slot) t = Tensor();
-  r.releasing.store(false);
-}
 // A GEMM (or a pack_rows) running: buffers are used (scratch) only inside one, on its threads.
 // When the last one ends, if it `frees`, every thread's buffers are freed. Without a lock on every
 // call: a starting GEMM announces itself (in_flight) before it looks for a release in progress,
@@ -220,7 +210,7 @@ class InFlight {
     while (registry().releasing.load()) std::this_thread::yield();
   }
   ~InFlight() {
-    if (registry().in_flight.fetch_sub(1) == 1 && frees_) release_idle_buffers();
+    if (registry().in_flight.fetch_sub(1) == 1 && frees_) release_gemm_buffers();
   }
   InFlight(const InFlight&) = delete;
   InFlight& operator=(const InFlight&) = delete;
@@ -840,7 +830,15 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, ConstMatrix A, ConstMatr
   gemm_driver(M, N, K, alpha, A, src, beta, C, opt);
 }
 
-void release_gemm_buffers() { release_idle_buffers(); }
+void release_gemm_buffers() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.releasing.store(true);  // before looking for GEMMs in flight (InFlight)
+  if (r.in_flight.load() == 0)
+    for (Buffers* b : r.sets)
+      for (Tensor& t : b->slot) t = Tensor();
+  r.releasing.store(false);
+}
 
 size_t packed_floats(int64_t rows, int64_t depth) {
   return static_cast<size_t>((rows + kMR - 1) / kMR * kMR * std::max<int64_t>(depth, 0));
